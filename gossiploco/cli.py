@@ -1,0 +1,106 @@
+"""The ``gossiploco`` command line. Each command fills a config, builds the runtime, runs it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from gossiploco.errors import GossiplocoError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
+console = Console(stderr=True)
+
+DEFAULT_PRESET = "globalm1-localm2"
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(code=2)
+
+
+@app.command()
+def simulate(
+    config: str = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help="Inner steps H per round."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="Outer rounds R."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, data and matchings."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N."),
+    data: Optional[list[str]] = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources)."),
+    out: Path = typer.Option(Path("runs/simulate"), "--out", "-o", help="Output directory for metrics.jsonl and summary.json."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
+    from gossiploco.config import load_config
+    from gossiploco.metrics import MetricsSink
+    from gossiploco.virtual import VirtualSwarm
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
+                 "model.size": model, "device": device, "data.paths": data}
+    try:
+        cfg = load_config(config, overrides)
+        swarm = VirtualSwarm(cfg)
+    except GossiplocoError as exc:
+        _fail(exc)
+    console.print(
+        f"[bold]{cfg.name}[/]: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, "
+        f"model {cfg.model.size}, {swarm.corpus.description}, device {swarm.device}"
+    )
+    sink = MetricsSink(out)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
+        task = progress.add_task("training", total=cfg.total_inner_steps)
+
+        def on_step(advance: int, record: dict | None) -> None:
+            progress.advance(task, advance)
+            if record is not None:
+                text = f"r {record['round']} h {record['h']}  L2 {record['cd_l2']:.3g}  JS {record['cd_js']:.3g}"
+                if "loss" in record:
+                    text += f"  loss {record['loss']:.3f}"
+                progress.update(task, description=text)
+
+        try:
+            result = swarm.run(sink, on_step)
+        except KeyboardInterrupt:
+            sink.close()
+            console.print("[yellow]interrupted[/]; metrics so far are in", out / "metrics.jsonl")
+            raise typer.Exit(code=130)
+    result.summary["run_config"] = cfg.to_dict()
+    sink.write_summary(result.summary)
+    sink.close()
+    print_summary([result.summary])
+    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}")
+
+
+def print_summary(summaries: list[dict]) -> None:
+    table = Table(title="gossiploco")
+    for column in ("config", "workers", "H", "rounds", "val loss", "val ppl", "max CD_L2", "max CD_JS", "wall s"):
+        table.add_column(column, justify="right")
+    for s in summaries:
+        table.add_row(s["config"], str(s["workers"]), str(s["inner_steps"]), str(s["rounds"]), f"{s['final_val_loss']:.4f}",
+                      f"{s['final_val_ppl']:.3f}", f"{s['max_cd_l2']:.4g}", f"{s['max_cd_js']:.4g}", f"{s['wall_s']:.1f}")
+    Console().print(table)
+
+
+@app.command()
+def presets() -> None:
+    """List the ready-made configurations in peers/."""
+    from gossiploco.config import load_config, preset_names
+
+    for name in preset_names():
+        cfg = load_config(name)
+        print(f"{name:28s} mode={cfg.mode:9s} mix1={cfg.mix1.kind}{'+state' if cfg.mix1.state else ''}"
+              f" mix2={cfg.mix2.kind} blocks={','.join(cfg.mix2.blocks)}")
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,315 @@
+"""Run configuration: one typed dataclass per component, combined into ``RunConfig``.
+
+A config is filled from a TOML preset (``peers/<name>.toml``) plus command-line overrides.
+Every field has a one-line docstring. ``RunConfig.__post_init__`` validates every component
+and raises ``ConfigError`` naming the offending field (``mix2.blocks: no block matches
+'layers.99'``). Runtime objects (models, sockets) never live here.
+
+TOML layout: run-level keys at the top (``name``, ``mode``, ``workers``, ``inner_steps``,
+``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[data]``,
+``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gossiploco.errors import ConfigError
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "peers"
+MIX_KINDS = ("identity", "global", "gossip")
+MODES = ("factored", "sync-dp")
+
+
+@dataclass
+class ModelConfig:
+    size: str = "tiny"
+    """Named model size: tiny, small, 125m or 1.5b (see gossiploco.model.MODEL_SIZES)."""
+    precision: str = "fp32"
+    """Inner-step compute precision: fp32, or bf16 (autocast; CUDA only, ignored on CPU)."""
+
+    def check(self, p: str) -> None:
+        from gossiploco.model import MODEL_SIZES
+
+        if self.size not in MODEL_SIZES:
+            raise ConfigError(f"{p}.size", f"unknown size {self.size!r}; choose one of {sorted(MODEL_SIZES)}")
+        _choice(f"{p}.precision", self.precision, ("fp32", "bf16"))
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = field(default_factory=list)
+    """Text files, globs or pre-tokenized .bin files; empty means the built-in corpus (the stdlib's sources)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    batch_size: int = 8
+    """Sequences per inner step on each worker."""
+    val_fraction: float = 0.05
+    """Fraction of documents held out for validation (split by document, deterministic)."""
+    bin_dtype: str = "uint16"
+    """Token dtype of .bin files: uint16 or uint32."""
+    vocab_size: int = 0
+    """Vocabulary size of .bin data (required for .bin files); byte-level text uses 256."""
+    heldout_batch_size: int = 8
+    """Sequences in the held-out batch used by the JS monitor (sampled once, reused)."""
+    val_batches: int = 4
+    """Validation batches (of batch_size sequences) for the validation loss."""
+    max_corpus_mb: float = 0.0
+    """Read at most this many MB of text (0: no limit)."""
+
+    def check(self, p: str) -> None:
+        _positive(f"{p}.seq_len", self.seq_len)
+        _positive(f"{p}.batch_size", self.batch_size)
+        _positive(f"{p}.heldout_batch_size", self.heldout_batch_size)
+        _positive(f"{p}.val_batches", self.val_batches)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"{p}.val_fraction", f"must be in (0, 1), got {self.val_fraction}")
+        _choice(f"{p}.bin_dtype", self.bin_dtype, ("uint16", "uint32"))
+        if self.vocab_size < 0:
+            raise ConfigError(f"{p}.vocab_size", f"must be >= 0, got {self.vocab_size}")
+        if self.max_corpus_mb < 0:
+            raise ConfigError(f"{p}.max_corpus_mb", f"must be >= 0, got {self.max_corpus_mb}")
+
+
+@dataclass
+class InnerOptConfig:
+    lr: float = 1e-3
+    """Peak inner AdamW learning rate (the paper uses 3e-4 at 1.5B, 4e-4 for smaller models)."""
+    warmup_steps: int = 50
+    """Linear warmup steps; afterwards the rate decays linearly to zero at the last inner step."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices only (not to norms)."""
+    beta1: float = 0.9
+    """AdamW first-moment decay."""
+    beta2: float = 0.95
+    """AdamW second-moment decay."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the gradient's global L2 norm to this value (0 disables)."""
+
+    def check(self, p: str) -> None:
+        _positive(f"{p}.lr", self.lr)
+        if self.warmup_steps < 0:
+            raise ConfigError(f"{p}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"{p}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{p}.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        _positive(f"{p}.eps", self.eps)
+        if self.grad_clip < 0:
+            raise ConfigError(f"{p}.grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class OuterOptConfig:
+    lr: float = 0.7
+    """Outer learning rate (DiLoCo: 0.7)."""
+    momentum: float = 0.9
+    """Outer momentum (DiLoCo: 0.9)."""
+    nesterov: bool = True
+    """Use Nesterov momentum (the lookahead step); false gives heavy-ball momentum."""
+
+    def check(self, p: str) -> None:
+        _positive(f"{p}.lr", self.lr)
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError(f"{p}.momentum", f"must be in [0, 1), got {self.momentum}")
+
+
+@dataclass
+class MixConfig:
+    kind: str = "identity"
+    """Mixing operator: identity, global (all-reduce average) or gossip (pairwise random matching)."""
+    blocks: list[str] = field(default_factory=lambda: ["*"])
+    """Parameter blocks this operator mixes (names or globs, see gossiploco.blocks); others pass through."""
+    state: bool = False
+    """Mix1 only: also average the outer momentum (the paper's GlobalM1S variants, appendix B)."""
+
+    def check(self, p: str) -> None:
+        _choice(f"{p}.kind", self.kind, MIX_KINDS)
+        if not self.blocks:
+            raise ConfigError(f"{p}.blocks", "must name at least one block (use ['*'] for all)")
+
+
+@dataclass
+class MonitorConfig:
+    every: int = 10
+    """Measure consensus every this many inner steps (always also at h = 0 of each round); 0: only at h = 0."""
+    js_top_k: int = 100
+    """JS distance is computed on the top-k tokens of the averaged model, recomputed each time."""
+    val_loss: bool = True
+    """Evaluate the averaged model's validation loss at h = 0 of every round."""
+
+    def check(self, p: str) -> None:
+        if self.every < 0:
+            raise ConfigError(f"{p}.every", f"must be >= 0, got {self.every}")
+        _positive(f"{p}.js_top_k", self.js_top_k)
+
+
+@dataclass
+class TimeoutConfig:
+    exchange_s: float = 120.0
+    """Deadline for one collective (all-reduce, gossip swap) to complete; past it the exchange fails and mixing falls back to identity."""
+
+    def check(self, p: str) -> None:
+        _positive(f"{p}.exchange_s", self.exchange_s)
+
+
+@dataclass
+class RunConfig:
+    name: str = "custom"
+    """Preset name (the paper's configuration this run reproduces)."""
+    mode: str = "factored"
+    """factored (Algorithm 1) or sync-dp (gradient all-reduce every inner step)."""
+    workers: int = 4
+    """Number of workers M."""
+    inner_steps: int = 50
+    """Inner steps H per round (for sync-dp: steps between measurements of a 'round')."""
+    rounds: int = 10
+    """Outer rounds R."""
+    seed: int = 0
+    """Seed for model init, data streams, gossip matchings."""
+    device: str = "auto"
+    """auto (CUDA when present), cpu, cuda or cuda:N."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    inner: InnerOptConfig = field(default_factory=InnerOptConfig)
+    outer: OuterOptConfig = field(default_factory=OuterOptConfig)
+    mix1: MixConfig = field(default_factory=MixConfig)
+    mix2: MixConfig = field(default_factory=lambda: MixConfig(kind="global"))
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+
+    def __post_init__(self) -> None:
+        _choice("mode", self.mode, MODES)
+        _positive("workers", self.workers)
+        _positive("inner_steps", self.inner_steps)
+        _positive("rounds", self.rounds)
+        if self.seed < 0:
+            raise ConfigError("seed", f"must be >= 0, got {self.seed}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        for name in ("model", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts"):
+            getattr(self, name).check(name)
+        if self.mix2.state:
+            raise ConfigError("mix2.state", "only Mix1 can average the outer optimizer state")
+        from gossiploco.blocks import block_names, select_blocks
+        from gossiploco.model import MODEL_SIZES
+
+        names = block_names(MODEL_SIZES[self.model.size].n_layers)
+        for mix in ("mix1", "mix2"):
+            select_blocks(names, getattr(self, mix).blocks, field=f"{mix}.blocks")
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.inner_steps * self.rounds
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.toml"))
+
+
+def resolve_preset(path_or_name: str | Path) -> Path:
+    """A TOML path as given, or a preset name looked up in ``peers/``."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    candidate = PRESETS_DIR / f"{path_or_name}.toml"
+    if candidate.is_file():
+        return candidate
+    raise ConfigError("config", f"no such file or preset {str(path_or_name)!r}; presets: {', '.join(preset_names())}")
+
+
+def load_config(path_or_name: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Read a TOML preset, apply dotted-key ``overrides`` (``{"model.size": "small"}``), validate."""
+    path = resolve_preset(path_or_name)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path}: invalid TOML: {exc}") from exc
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        *parents, leaf = key.split(".")
+        table = raw
+        for part in parents:
+            table = table.setdefault(part, {})
+        table[leaf] = value
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    return _build(RunConfig, raw, prefix="")
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", f"expected a table, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}", f"unknown field; known fields: {', '.join(sorted(known))}")
+    kwargs = {}
+    for key, value in raw.items():
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            kwargs[key] = _build(kind, value, prefix=f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", kind, value)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    origin = typing.get_origin(kind)
+    if origin in (list, tuple):
+        (item,) = typing.get_args(kind)[:1]
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, f"expected a list, got {value!r}")
+        return [_coerce(name, item, v) for v in value]
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true or false, got {value!r}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(name, f"expected a finite number, got {value!r}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"expected a string, got {value!r}")
+        return value
+    if isinstance(kind, types.UnionType):  # pragma: no cover - no union fields today
+        return value
+    raise ConfigError(name, f"unsupported field type {kind!r}")  # pragma: no cover
+
+
+def _positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(name, f"must be > 0, got {value}")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"must be one of {', '.join(choices)}; got {value!r}")

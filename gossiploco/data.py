@@ -1,0 +1,196 @@
+"""Corpus, byte tokenizer, per-worker token streams and fixed held-out batches.
+
+Nothing is downloaded. The default corpus is the Python standard library's source files on
+this machine (deterministic sorted file list). User data is either text files / globs
+(byte-level tokens) or pre-tokenized ``.bin`` files of uint16 / uint32 tokens (memory-mapped).
+
+Text is split into train and validation *by document* with a stable hash of each document's
+path, so the split does not depend on file order or on which other files exist. ``.bin``
+files have no document boundaries: the last ``val_fraction`` of each file is validation.
+
+Each worker reads its own deterministic stream of random windows from the training tokens,
+seeded by (run seed, worker index): workers see different data, and the same seed always
+gives the same batches.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gossiploco.config import DataConfig
+from gossiploco.errors import DataError
+
+BYTE_VOCAB = 256
+DOC_SEPARATOR = 0  # NUL never occurs in text; it marks document boundaries in the byte stream
+_STREAM_SALT = 0x5EED
+_HELDOUT_SALT = 0x4E1D
+_VAL_SALT = 0x7A1
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255; token 0 (NUL) separates documents."""
+
+    vocab_size = BYTE_VOCAB
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, tokens) -> str:
+        return bytes(int(t) for t in tokens if t != DOC_SEPARATOR).decode("utf-8", errors="replace")
+
+
+@dataclass
+class Corpus:
+    """Training and validation token arrays (1-D, any unsigned dtype) and the vocabulary size."""
+
+    train: np.ndarray
+    val: np.ndarray
+    vocab_size: int
+    description: str
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files, sorted by path relative to the stdlib root."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if not ({"site-packages", "dist-packages"} & set(p.relative_to(root).parts))]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _expand(paths: list[str]) -> list[Path]:
+    found: list[Path] = []
+    for entry in paths:
+        matches = sorted(glob.glob(entry, recursive=True)) if glob.has_magic(entry) else [entry]
+        matches = [m for m in matches if Path(m).is_file()]
+        if not matches:
+            raise DataError(f"data.paths: {entry!r} matches no file")
+        found += [Path(m) for m in matches]
+    return found
+
+
+def _is_val(key: str, fraction: float) -> bool:
+    digest = hashlib.blake2b(key.encode(), digest_size=8, salt=_VAL_SALT.to_bytes(2, "little")).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def load_corpus(cfg: DataConfig) -> Corpus:
+    """Load and split the corpus named by ``cfg``; raise ``DataError`` when unusable."""
+    if cfg.paths and all(p.endswith(".bin") for p in cfg.paths):
+        corpus = _load_bin(cfg)
+    elif any(p.endswith(".bin") for p in cfg.paths):
+        raise DataError("data.paths: mix of .bin and text files; use one kind")
+    else:
+        corpus = _load_text(cfg)
+    need = cfg.seq_len + 2
+    for split in ("train", "val"):
+        n = len(getattr(corpus, split))
+        if n < need:
+            raise DataError(f"{corpus.description}: {split} split has {n} tokens, need at least {need} (seq_len + 2)")
+    return corpus
+
+
+def _load_text(cfg: DataConfig) -> Corpus:
+    if cfg.paths:
+        files = _expand(cfg.paths)
+        keys = [str(p) for p in files]
+        description = f"{len(files)} text file(s)"
+    else:
+        files = stdlib_files()
+        if not files:
+            raise DataError("built-in corpus: found no .py files in the standard library")
+        root = Path(sysconfig.get_paths()["stdlib"])
+        keys = [p.relative_to(root).as_posix() for p in files]
+        description = "stdlib sources"
+    budget = int(cfg.max_corpus_mb * 2**20) if cfg.max_corpus_mb else None
+    train_docs: list[bytes] = []
+    val_docs: list[bytes] = []
+    used = 0
+    for path, key in zip(files, keys):
+        try:
+            doc = path.read_bytes()
+        except OSError as exc:
+            raise DataError(f"cannot read {path}: {exc}") from exc
+        doc = doc.replace(b"\x00", b"")
+        if not doc:
+            continue
+        (val_docs if _is_val(key, cfg.val_fraction) else train_docs).append(doc)
+        used += len(doc)
+        if budget is not None and used >= budget:
+            break
+    if not train_docs and not val_docs:
+        raise DataError(f"{description}: every file is empty")
+    if not val_docs or not train_docs:
+        # Too few documents for a split by document: split the concatenation instead.
+        joined = b"\x00".join(train_docs + val_docs)
+        cut = int(len(joined) * (1 - cfg.val_fraction))
+        train_docs, val_docs = [joined[:cut]], [joined[cut:]]
+    sep = bytes([DOC_SEPARATOR])
+    train = np.frombuffer(sep.join(train_docs) + sep, dtype=np.uint8)
+    val = np.frombuffer(sep.join(val_docs) + sep, dtype=np.uint8)
+    return Corpus(train=train, val=val, vocab_size=BYTE_VOCAB, description=description)
+
+
+def _load_bin(cfg: DataConfig) -> Corpus:
+    if cfg.vocab_size <= 0:
+        raise DataError("data.vocab_size: required for pre-tokenized .bin files")
+    files = _expand(cfg.paths)
+    dtype = np.dtype(cfg.bin_dtype)
+    train_parts, val_parts = [], []
+    for path in files:
+        if path.stat().st_size % dtype.itemsize:
+            raise DataError(f"{path}: size {path.stat().st_size} is not a multiple of {dtype.itemsize} ({cfg.bin_dtype})")
+        if path.stat().st_size == 0:
+            raise DataError(f"{path}: empty file")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        cut = int(len(tokens) * (1 - cfg.val_fraction))
+        train_parts.append(tokens[:cut])
+        val_parts.append(tokens[cut:])
+    # One file: keep the memory maps (no copy). Several: concatenate (copies).
+    train = train_parts[0] if len(files) == 1 else np.concatenate(train_parts)
+    val = val_parts[0] if len(files) == 1 else np.concatenate(val_parts)
+    sample = np.asarray(train[: 1 << 20])
+    if sample.size and int(sample.max()) >= cfg.vocab_size:
+        raise DataError(f"{files[0]}: token {int(sample.max())} >= data.vocab_size {cfg.vocab_size}")
+    return Corpus(train=train, val=val, vocab_size=cfg.vocab_size, description=f"{len(files)} .bin file(s)")
+
+
+def _windows(tokens: np.ndarray, offsets: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[o : o + seq_len + 1], dtype=np.int64) for o in offsets])
+    rows = torch.from_numpy(rows)
+    return rows[:, :-1], rows[:, 1:]  # inputs (B, T), targets (B, T)
+
+
+class TokenStream:
+    """Worker ``worker``'s deterministic stream of (inputs, targets) batches of random windows."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, worker: int):
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.rng = np.random.default_rng([seed, worker, _STREAM_SALT])
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        return _windows(self.tokens, offsets, self.seq_len)
+
+
+def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int, count: int, seed: int, salt: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches sampled once from ``tokens`` with a fixed generator (same on every peer)."""
+    rng = np.random.default_rng([seed, salt])
+    return [
+        _windows(tokens, rng.integers(0, len(tokens) - seq_len - 1, size=batch_size), seq_len) for _ in range(count)
+    ]
+
+
+def heldout_batch(corpus: Corpus, cfg: DataConfig, seed: int) -> torch.Tensor:
+    """The held-out input batch for the JS monitor: sampled once from validation data, reused."""
+    inputs, _ = fixed_batches(corpus.val, cfg.seq_len, cfg.heldout_batch_size, 1, seed, _HELDOUT_SALT)[0]
+    return inputs
+
+
+def validation_batches(corpus: Corpus, cfg: DataConfig, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return fixed_batches(corpus.val, cfg.seq_len, cfg.batch_size, cfg.val_batches, seed, _VAL_SALT)

@@ -1,0 +1,49 @@
+"""The one error tree of gossiploco.
+
+    GossiplocoError                 base of everything raised on purpose
+    ├── ConfigError                 a config field or CLI flag is wrong (the message names the field)
+    ├── DataError                   the corpus is missing, empty, unreadable or too short
+    └── ExchangeError               a collective with other peers did not complete
+        ├── ExchangeTimeout         a peer did not answer within its deadline (remote fault: "broken")
+        ├── PeerFailed              a peer is known to be gone or sent something invalid (remote fault)
+        └── ExchangeClosed          this side's exchange was closed (local misuse or shutdown)
+
+Remote faults (``ExchangeTimeout``, ``PeerFailed``) are expected in a decentralized run: the
+mixing layer records them and falls back to identity for that exchange, so they never
+propagate through the training loop. ``ExchangeClosed`` means we were shutting down or
+misused the object; it is raised, not swallowed.
+"""
+
+from __future__ import annotations
+
+
+class GossiplocoError(Exception):
+    """Base class of every error gossiploco raises on purpose."""
+
+
+class ConfigError(GossiplocoError, ValueError):
+    """A configuration field or command-line flag has an invalid value."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class DataError(GossiplocoError):
+    """The training data is missing, empty or unusable."""
+
+
+class ExchangeError(GossiplocoError):
+    """A collective exchange with other peers did not complete."""
+
+
+class ExchangeTimeout(ExchangeError):
+    """A peer did not answer before the exchange's deadline."""
+
+
+class PeerFailed(ExchangeError):
+    """A peer is gone, or sent something that failed validation."""
+
+
+class ExchangeClosed(ExchangeError):
+    """The local exchange was closed; the call cannot proceed."""

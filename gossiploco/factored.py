@@ -1,0 +1,131 @@
+"""Algorithm 1 (paper appendix A): one worker of Factored Gossip DiLoCo, backend-agnostic.
+
+Per round r, for worker m:
+
+    3:  launch x_{m,r} <- Mix1_r(z_{m,r}) asynchronously        begin_round   (background thread)
+    4:  y_{m,r,0} <- z_{m,r}                                     (the model already holds z)
+    5-8: H inner AdamW steps                                     inner_step
+    10: Delta_{m,r} <- y_{m,r,H} - y_{m,r,0}                     end_round
+    11: Delta_hat_{m,r} <- Mix2_r(Delta_{m,r})                   (blocking)
+    12: wait for Mix1_r; x_{m,r} is its result
+    13: z_{m,r+1} <- OuterOpt(x_{m,r}, -Delta_hat_{m,r})         (eq. 26)
+
+The same class runs in the one-process virtual swarm (``MemoryExchange``) and in a network
+peer (a ZeroMQ exchange): only the ``Exchange`` differs. ``SyncDP`` is the synchronous
+data-parallel baseline (gradient all-reduce every inner step) over the same interface.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from gossiploco.blocks import select_parameters
+from gossiploco.config import RunConfig
+from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
+from gossiploco.optim import outer_step
+from gossiploco.trainer import LocalTrainer
+
+TensorDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class RoundReport:
+    """What one round's communication did on one worker."""
+
+    round: int
+    mix1: MixResult
+    mix2: MixResult
+    mix1_wait_s: float
+    """Seconds the worker blocked waiting for Mix1 after Mix2 (0 when fully overlapped)."""
+    mix2_s: float
+    """Seconds blocked in Mix2."""
+    outer_s: float
+    """Seconds in the outer step (including loading z into the model)."""
+
+
+class FactoredDiLoCo:
+    """Algorithm 1 for one worker. Not thread-safe: one caller drives begin/inner/end in order."""
+
+    def __init__(self, trainer: LocalTrainer, cfg: RunConfig, exchange: Exchange):
+        self.trainer = trainer
+        self.cfg = cfg
+        self.exchange = exchange
+        names = trainer.names
+        self.mix1 = build_mixer(cfg.mix1.kind, "mix1", select_parameters(names, cfg.mix1.blocks, "mix1.blocks"), cfg.seed)
+        self.mix2 = build_mixer(cfg.mix2.kind, "mix2", select_parameters(names, cfg.mix2.blocks, "mix2.blocks"), cfg.seed)
+        self.z: TensorDict = trainer.params_cpu()  # line 1: z_{m,0} <- x_0 (identical init on every worker)
+        self.momentum: TensorDict = {n: torch.zeros_like(v) for n, v in self.z.items()}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mix1-rank{exchange.rank}")
+        self._mix1: Future[MixResult] | None = None
+
+    def begin_round(self, r: int) -> None:
+        """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background."""
+        state = [self.z, self.momentum] if self.cfg.mix1.state else [self.z]
+        self._mix1 = self._pool.submit(self.mix1.mix, state, r, self.exchange)
+
+    def inner_step(self) -> float:
+        """Lines 6-8: one inner AdamW step on y. Returns the training loss."""
+        return self.trainer.inner_step()
+
+    def end_round(self, r: int) -> RoundReport:
+        """Lines 10-13: pseudo-gradient, blocking Mix2, wait for Mix1, outer step at the mixed point."""
+        y = self.trainer.params_cpu()
+        delta = {n: y[n] - self.z[n] for n in y}  # line 10: Delta_{m,r} = y_{m,r,H} - y_{m,r,0}
+
+        start = time.perf_counter()
+        mix2 = self.mix2.mix([delta], r, self.exchange)  # line 11: blocking
+        delta_hat = mix2.values[0]
+        mix2_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        assert self._mix1 is not None, "end_round without begin_round"
+        mix1 = self._mix1.result()  # line 12
+        self._mix1 = None
+        mix1_wait_s = time.perf_counter() - start
+        x = mix1.values[0]
+        momentum = mix1.values[1] if self.cfg.mix1.state else self.momentum
+
+        start = time.perf_counter()
+        outer_grad = {n: -delta_hat[n] for n in delta_hat}
+        self.z, self.momentum = outer_step(x, outer_grad, momentum, self.cfg.outer)  # line 13 (eq. 26)
+        self.trainer.load_params(self.z)  # y_{m,r+1,0} <- z_{m,r+1}
+        return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class SyncDP:
+    """Synchronous data parallel: all-reduce the gradient before every inner step."""
+
+    def __init__(self, trainer: LocalTrainer, cfg: RunConfig, exchange: Exchange):
+        self.trainer = trainer
+        self.cfg = cfg
+        self.exchange = exchange
+        self.reducer = GlobalMix("grad", trainer.names, cfg.seed)
+        self.failures = 0
+
+    def forward_backward(self) -> float:
+        return self.trainer.forward_backward()
+
+    def reduce_and_step(self, step: int) -> MixResult:
+        """Average the gradients over the group (local gradients if the exchange fails), then AdamW."""
+        result = self.reducer.mix([self.trainer.gradients_cpu()], step, self.exchange)
+        if result.ok:
+            self.trainer.load_gradients(result.values[0])
+        else:
+            self.failures += 1
+        self.trainer.inner_opt.step()
+        return result
+
+    def inner_step(self, step: int) -> float:
+        loss = self.forward_backward()
+        self.reduce_and_step(step)
+        return loss
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,192 @@
+"""The exchange interface every mixing operator is written against, and its in-memory implementation.
+
+An ``Exchange`` is one peer's handle on its group. It offers exactly two collectives on a flat
+fp32 CPU tensor, both identified by a ``key`` that every participant uses for the same
+operation (``"mix1/12"``: Mix1 of round 12):
+
+* ``all_reduce_mean(key, flat, members)``: the element-wise mean over ``members`` (which
+  includes this peer). Every member receives the same result.
+* ``swap(key, partner, flat)``: send ``flat`` to ``partner`` and receive theirs.
+
+Contract for implementations:
+
+* Both calls block until done or until the exchange deadline (``timeouts.exchange_s``).
+* They raise ``ExchangeTimeout`` when a peer did not answer in time, ``PeerFailed`` when a peer
+  is gone or sent invalid data, and ``ExchangeClosed`` after ``close()``. Nothing else.
+* They are thread-safe: Mix1 runs on a background thread while Mix2 or gradient reductions run
+  on another, always with different keys.
+* They never modify the input tensor; the result is a new tensor owned by the caller.
+* ``bytes_sent`` / ``bytes_received`` count payload bytes this peer put on (or took off) the wire,
+  as the network implementation would.
+
+``MemoryHub`` connects the workers of the one-process virtual swarm; the ZeroMQ transport
+implements the same interface for real peers. ``tests/test_exchange.py`` holds the conformance
+suite run against every implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+
+
+class Exchange(ABC):
+    """One peer's handle on the group; see the module docstring for the contract."""
+
+    rank: int
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    @abstractmethod
+    def members(self) -> list[int]:
+        """The ranks currently in the group (sorted, including this peer). Non-blocking."""
+
+    @abstractmethod
+    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
+        """Mean of ``flat`` over ``members``; blocks until every member contributed or the deadline."""
+
+    @abstractmethod
+    def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
+        """Send ``flat`` to ``partner``, return the partner's tensor; blocks until done or the deadline."""
+
+    def close(self) -> None:
+        """Stop taking part; pending and later calls raise ``ExchangeClosed``. Idempotent."""
+
+
+class MemoryHub:
+    """Rendezvous point for ``world`` in-process workers (the virtual swarm's "network").
+
+    ``fail(rank)`` simulates a crashed peer: its partners' exchanges raise ``PeerFailed``.
+    """
+
+    def __init__(self, world: int, timeout_s: float):
+        self.world = world
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._deposits: dict[tuple[str, int], torch.Tensor] = {}
+        self._results: dict[str, list] = {}  # key -> [mean tensor, readers left]
+        self._failed: set[int] = set()
+        self._closed: set[int] = set()
+
+    def exchange(self, rank: int) -> MemoryExchange:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside world of {self.world}")
+        return MemoryExchange(self, rank)
+
+    def fail(self, rank: int) -> None:
+        with self._cond:
+            self._failed.add(rank)
+            self._cond.notify_all()
+
+    def alive(self) -> list[int]:
+        with self._cond:
+            return [r for r in range(self.world) if r not in self._failed and r not in self._closed]
+
+    # -- collectives, called by MemoryExchange -------------------------------------------------
+
+    def _wait(self, rank: int, ready, peers: Sequence[int], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            if rank in self._closed:
+                raise ExchangeClosed(f"rank {rank}: exchange closed during {what}")
+            gone = [p for p in peers if p in self._failed or p in self._closed]
+            if gone:
+                raise PeerFailed(f"{what}: peer(s) {gone} failed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ExchangeTimeout(f"{what}: no answer within {self.timeout_s:.1f}s")
+            self._cond.wait(remaining)
+
+    def _all_reduce_mean(self, rank: int, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
+        members = sorted(members)
+        with self._cond:
+            self._check_open(rank)
+            self._deposits[(key, rank)] = flat
+            self._cond.notify_all()
+            try:
+                self._wait(rank, lambda: key in self._results or all((key, m) in self._deposits for m in members),
+                           [m for m in members if m != rank], f"all-reduce {key!r}")
+            except Exception:
+                self._deposits.pop((key, rank), None)
+                raise
+            if key not in self._results:
+                # The first member to see every contribution computes the mean, summing in rank order.
+                total = self._deposits.pop((key, members[0])).to(torch.float32).clone()
+                for m in members[1:]:
+                    total += self._deposits.pop((key, m))
+                self._results[key] = [total / len(members), len(members)]
+            entry = self._results[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._results[key]
+            return entry[0].clone()
+
+    def _swap(self, rank: int, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
+        with self._cond:
+            self._check_open(rank)
+            self._deposits[(key, rank)] = flat
+            self._cond.notify_all()
+            try:
+                self._wait(rank, lambda: (key, partner) in self._deposits, [partner], f"swap {key!r} with {partner}")
+            except Exception:
+                self._deposits.pop((key, rank), None)
+                raise
+            return self._deposits.pop((key, partner)).clone()
+
+    def _check_open(self, rank: int) -> None:
+        if rank in self._closed:
+            raise ExchangeClosed(f"rank {rank}: exchange is closed")
+        if rank in self._failed:
+            raise ExchangeClosed(f"rank {rank}: this peer was marked failed")
+
+    def _close(self, rank: int) -> None:
+        with self._cond:
+            self._closed.add(rank)
+            self._cond.notify_all()
+
+
+class MemoryExchange(Exchange):
+    """``Exchange`` over a ``MemoryHub``: the virtual swarm's transport."""
+
+    def __init__(self, hub: MemoryHub, rank: int):
+        self.hub = hub
+        self.rank = rank
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._lock = threading.Lock()
+
+    def members(self) -> list[int]:
+        return self.hub.alive()
+
+    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not among members {list(members)}")
+        if len(members) == 1:
+            return flat.to(torch.float32).clone()
+        result = self.hub._all_reduce_mean(self.rank, key, flat, members)
+        # What a bandwidth-optimal ring moves per peer: 2 (M - 1) / M of the payload each way.
+        n = len(members)
+        moved = 2 * (n - 1) * flat.numel() * flat.element_size() // n
+        self._count(moved, moved)
+        return result
+
+    def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
+        if partner == self.rank:
+            raise ValueError("cannot swap with oneself")
+        result = self.hub._swap(self.rank, key, partner, flat)
+        self._count(flat.numel() * flat.element_size(), result.numel() * result.element_size())
+        return result
+
+    def _count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    def close(self) -> None:
+        self.hub._close(self.rank)

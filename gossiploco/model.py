@@ -1,0 +1,178 @@
+"""A Llama-3-style decoder in one file: RMSNorm, rotary embeddings, SwiGLU MLP, separate
+token embedding and LM head. Plain single-device code: nothing here knows about mixing,
+peers or networks.
+
+Parameter names are stable and are what ``gossiploco.blocks`` groups into blocks:
+``tok_embeddings.weight``, ``layers.{i}.attention_norm.weight``, ``layers.{i}.attention.w{q,k,v,o}.weight``,
+``layers.{i}.mlp_norm.weight``, ``layers.{i}.mlp.w{1,2,3}.weight``, ``norm.weight``, ``lm_head.weight``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+
+MODEL_SIZES: dict[str, ModelArgs] = {
+    # ~0.1M parameters: unit tests, well under a second per step on a CPU.
+    "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192),
+    # ~3.4M parameters: CPU benchmarks.
+    "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
+    # ~125M parameters: a GPU user's first real run.
+    "125m": ModelArgs(dim=768, n_layers=18, n_heads=12, n_kv_heads=4, ffn_dim=2560),
+    # ~1.5B parameters: the paper's model size.
+    "1.5b": ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (..., dim); normalise in fp32 for stability, return in x's dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (seq_len, head_dim // 2)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, n_heads, head_dim); pairs (x[2i], x[2i+1]) rotate by angle t * freq_i
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, head_dim/2, 2)
+    x_even, x_odd = xf[..., 0], xf[..., 1]
+    cos = cos[None, :, None, :]  # (1, T, 1, head_dim/2)
+    sin = sin[None, :, None, :]
+    out = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # grouped-query attention: each kv head serves n_heads / n_kv_heads query heads
+        repeat = self.n_heads // self.n_kv_heads
+        k = k.repeat_interleave(repeat, dim=2)
+        v = v.repeat_interleave(repeat, dim=2)
+        # (B, n_heads, T, head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.dim % args.n_heads or args.n_heads % args.n_kv_heads:
+            raise ValueError(f"dim {args.dim}, n_heads {args.n_heads}, n_kv_heads {args.n_kv_heads} do not divide")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator) -> None:
+        """Deterministic init from ``generator``: N(0, 0.02), output projections scaled by depth."""
+        out_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                std = out_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: (B, T) int64 -> logits (B, T, vocab)
+        T = tokens.shape[1]
+        if T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        x = self.tok_embeddings(tokens)  # (B, T, dim)
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x)).float()
+
+
+def build_model(size: str, vocab_size: int, seq_len: int, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """The model of the named size with deterministic weights for ``seed`` (identical on every peer)."""
+    base = MODEL_SIZES[size]
+    args = ModelArgs(**{**base.__dict__, "vocab_size": vocab_size, "max_seq_len": max(seq_len, 1)})
+    model = Transformer(args)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.to(device)
+
+
+def count_parameters(size: str, vocab_size: int = 256) -> int:
+    """Parameter count of a named size, computed on the meta device (nothing allocated)."""
+    base = MODEL_SIZES[size]
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**{**base.__dict__, "vocab_size": vocab_size, "max_seq_len": 8}))
+    return sum(p.numel() for p in model.parameters())

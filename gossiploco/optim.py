@@ -1,0 +1,76 @@
+"""Inner optimizer (AdamW, warmup + linear decay, clipping) and the outer Nesterov step.
+
+The outer step works on fp32 tensors kept on the CPU: outer parameters, the pseudo-gradient
+and the momentum buffer are plain ``dict[str, Tensor]``, so they can be mixed, sent and
+checked without touching the model on the accelerator.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gossiploco.config import InnerOptConfig, OuterOptConfig
+
+TensorDict = dict[str, torch.Tensor]
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the peak rate at inner step ``step`` (0-based): linear warmup, then linear decay to 0."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    decay_steps = max(total_steps - warmup_steps, 1)
+    return max(0.0, (total_steps - step) / decay_steps)
+
+
+class InnerOptimizer:
+    """AdamW with the warmup/decay schedule and global-norm clipping. Decay on matrices only."""
+
+    def __init__(self, model: nn.Module, cfg: InnerOptConfig, total_steps: int):
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.ndim < 2]
+        self.params = list(model.parameters())
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            eps=cfg.eps,
+        )
+        self.step_index = 0
+
+    def set_step(self, step: int) -> None:
+        """Position in the schedule (used when a peer resumes from a donor's state)."""
+        self.step_index = step
+
+    def step(self) -> float:
+        """Clip, apply one AdamW step at the scheduled rate, zero the gradients. Returns the pre-clip grad norm."""
+        lr = self.cfg.lr * lr_factor(self.step_index, self.cfg.warmup_steps, self.total_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        if self.cfg.grad_clip > 0:
+            norm = float(nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_index += 1
+        return norm
+
+
+def outer_step(x: TensorDict, outer_grad: TensorDict, momentum: TensorDict, cfg: OuterOptConfig) -> tuple[TensorDict, TensorDict]:
+    """OuterOpt(x, g) with state ``momentum``: SGD with Nesterov momentum as PyTorch implements it.
+
+        v' = mu * v + g                          (paper eq. 36)
+        z  = x - lr * (g + mu * v')              (eq. 37; heavy ball: z = x - lr * v')
+
+    Returns the new parameters and the new momentum; inputs are not modified.
+    """
+    new_x, new_v = {}, {}
+    for name, g in outer_grad.items():
+        v = momentum[name] * cfg.momentum + g
+        update = g + cfg.momentum * v if cfg.nesterov else v
+        new_x[name] = x[name] - cfg.lr * update
+        new_v[name] = v
+    return new_x, new_v

@@ -1,0 +1,175 @@
+"""The virtual swarm: M workers of Algorithm 1 in one process, mixing over an in-memory exchange.
+
+Workers advance in lockstep: inner steps run one worker after another on the main thread (so
+each step gets the whole machine), Mix1 runs on each worker's background thread, and the
+blocking end of a round (Mix2, outer step) runs for all workers at once on a thread pool,
+because a worker's Mix2 waits for its partners. Consensus is measured with every worker's
+parameters in hand; the network peer computes the same quantities from per-worker terms.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from gossiploco import consensus
+from gossiploco.blocks import group_by_block
+from gossiploco.config import RunConfig
+from gossiploco.data import Corpus, TokenStream, heldout_batch, load_corpus, validation_batches
+from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
+from gossiploco.metrics import MetricsSink
+from gossiploco.mixing import MemoryHub
+from gossiploco.model import build_model
+from gossiploco.optim import InnerOptimizer
+from gossiploco.trainer import LocalTrainer, resolve_device
+
+TensorDict = dict[str, torch.Tensor]
+
+
+@dataclass
+class SwarmResult:
+    final_params: TensorDict
+    """The final model: the average of the workers' z (Algorithm 1, line 15)."""
+    summary: dict
+    records: list[dict] = field(default_factory=list)
+
+
+class VirtualSwarm:
+    """M workers in one process. Build, then ``run()``."""
+
+    def __init__(self, cfg: RunConfig, corpus: Corpus | None = None, device: str | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(device or cfg.device)
+        self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
+        self.hub = MemoryHub(cfg.workers, cfg.timeouts.exchange_s)
+        self.trainers = [self._trainer(m) for m in range(cfg.workers)]
+        algo = SyncDP if cfg.mode == "sync-dp" else FactoredDiLoCo
+        self.algos = [algo(t, cfg, self.hub.exchange(m)) for m, t in enumerate(self.trainers)]
+        # A scratch model that holds averaged parameters for the JS monitor and validation.
+        self.eval_trainer = self._trainer(-1)
+        self.groups = group_by_block(self.trainers[0].names)
+        self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
+        self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
+        self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="virtual-worker")
+
+    def _trainer(self, worker: int) -> LocalTrainer:
+        cfg = self.cfg
+        model = build_model(cfg.model.size, self.corpus.vocab_size, cfg.data.seq_len, cfg.seed, self.device)
+        stream = TokenStream(self.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.seed, max(worker, 0))
+        return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision)
+
+    # -- measurement --------------------------------------------------------------------------
+
+    def measure(self, r: int, h: int, *, val_loss: bool) -> dict:
+        """Consensus (CD_L2 eqs. 34/40 per block, CD_JS eq. 46) of the workers' current parameters."""
+        params = [t.params_cpu() for t in self.trainers]
+        avg = consensus.average(params)
+        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
+        l2 = consensus.aggregate_l2([consensus.l2_term(p, avg, self.groups) for p in params])
+        self.eval_trainer.load_params(avg)
+        avg_logits = self.eval_trainer.logits(self.heldout)
+        worker_logits = [t.logits(self.heldout) for t in self.trainers]
+        record.update(cd_l2=l2["cd_l2"], cd_l2_sq=l2["cd_l2_sq"])
+        record["cd_js"] = consensus.consensus_js(worker_logits, avg_logits, self.cfg.monitor.js_top_k)
+        record["cd_l2_blocks"] = l2["cd_l2_blocks"]
+        if val_loss:
+            record["val_loss"] = self.eval_trainer.evaluate(self.val_batches)
+        return record
+
+    # -- the run ------------------------------------------------------------------------------
+
+    def run(self, sink: MetricsSink | None = None, on_step: Callable[[int, dict | None], None] | None = None) -> SwarmResult:
+        cfg = self.cfg
+        sink = sink or MetricsSink(None)
+        start = time.perf_counter()
+        every = cfg.monitor.every
+        pending: dict = {}  # per-round communication stats, attached to the next record
+        losses: list[float] = []
+        try:
+            for r in range(cfg.rounds):
+                if cfg.mode == "factored":
+                    for algo in self.algos:
+                        algo.begin_round(r)
+                for h in range(cfg.inner_steps):
+                    if h == 0 or (every and h % every == 0):
+                        record = self.measure(r, h, val_loss=h == 0 and cfg.monitor.val_loss)
+                        if losses:
+                            record["loss"] = sum(losses) / len(losses)
+                        record.update(pending)
+                        pending, losses = {}, []
+                        sink.write(record)
+                        if on_step:
+                            on_step(0, record)
+                    losses += self._inner_step(r * cfg.inner_steps + h)
+                    if on_step:
+                        on_step(1, None)
+                if cfg.mode == "factored":
+                    reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
+                    pending = round_stats(reports)
+            # After the last outer step (r = R, h = 0).
+            record = self.measure(cfg.rounds, 0, val_loss=True)
+            if losses:
+                record["loss"] = sum(losses) / len(losses)
+            record.update(pending)
+            sink.write(record)
+            if on_step:
+                on_step(0, record)
+        finally:
+            for algo in self.algos:
+                algo.close()
+            self.pool.shutdown(wait=True)
+
+        final = self.final_params()
+        self.eval_trainer.load_params(final)
+        final_val = self.eval_trainer.evaluate(self.val_batches)
+        summary = make_summary(cfg, sink.records, final_val, time.perf_counter() - start)
+        return SwarmResult(final_params=final, summary=summary, records=sink.records)
+
+    def _inner_step(self, step: int) -> list[float]:
+        if self.cfg.mode == "factored":
+            return [algo.inner_step() for algo in self.algos]
+        # sync-dp: every worker's gradient first, then the all-reduce for all of them at once.
+        losses = [algo.forward_backward() for algo in self.algos]
+        list(self.pool.map(lambda a: a.reduce_and_step(step), self.algos))
+        return losses
+
+    def final_params(self) -> TensorDict:
+        """Algorithm 1, line 15: the average of the workers' z (their current parameters)."""
+        return consensus.average([t.params_cpu() for t in self.trainers])
+
+
+def round_stats(reports: list[RoundReport]) -> dict:
+    """Swarm-wide communication figures of one round (sums and maxima over workers)."""
+    return {
+        "mix1_failures": sum(not rep.mix1.ok for rep in reports),
+        "mix2_failures": sum(not rep.mix2.ok for rep in reports),
+        "mix2_bytes": sum(rep.mix2.bytes for rep in reports) // max(len(reports), 1),
+        "mix1_wait_s": max(rep.mix1_wait_s for rep in reports),
+        "mix2_s": max(rep.mix2_s for rep in reports),
+    }
+
+
+def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float, wall_s: float) -> dict:
+    cd_l2 = [r["cd_l2"] for r in records if "cd_l2" in r]
+    cd_js = [r["cd_js"] for r in records if "cd_js" in r]
+    return {
+        "config": cfg.name,
+        "mode": cfg.mode,
+        "model": cfg.model.size,
+        "seed": cfg.seed,
+        "workers": cfg.workers,
+        "inner_steps": cfg.inner_steps,
+        "rounds": cfg.rounds,
+        "final_val_loss": final_val_loss,
+        "final_val_ppl": math.exp(min(final_val_loss, 50.0)),
+        "max_cd_l2": max(cd_l2, default=0.0),
+        "max_cd_js": max(cd_js, default=0.0),
+        "mix1_failures": sum(r.get("mix1_failures", 0) for r in records),
+        "mix2_failures": sum(r.get("mix2_failures", 0) for r in records),
+        "wall_s": wall_s,
+    }

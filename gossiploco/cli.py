@@ -88,7 +88,8 @@ def print_summary(summaries: list[dict]) -> None:
     for s in summaries:
         table.add_row(s["config"], str(s["workers"]), str(s["inner_steps"]), str(s["rounds"]), f"{s['final_val_loss']:.4f}",
                       f"{s['final_val_ppl']:.3f}", f"{s['max_cd_l2']:.4g}", f"{s['max_cd_js']:.4g}", f"{s['wall_s']:.1f}")
-    Console().print(table)
+    out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
+    out.print(table)
 
 
 @app.command()

@@ -27,13 +27,16 @@ LOG2 = math.log(2.0)
 
 
 def average(params: Sequence[Mapping[str, torch.Tensor]]) -> TensorDict:
-    """Element-wise mean of worker parameter dicts (fp32, summed in worker order)."""
+    """Element-wise mean of worker parameter dicts, accumulated in float64 (in worker order), returned as fp32.
+
+    Identical inputs give exactly their common value, so exact consensus measures exactly 0.
+    """
     out = {}
     for name in params[0]:
-        total = params[0][name].detach().to("cpu", torch.float32).clone()
+        total = params[0][name].detach().to("cpu", torch.float64).clone()
         for p in params[1:]:
-            total += p[name].detach().to("cpu", torch.float32)
-        out[name] = total / len(params)
+            total += p[name].detach().to("cpu", torch.float64)
+        out[name] = (total / len(params)).to(torch.float32)
     return out
 
 
@@ -72,12 +75,18 @@ def js_distance(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     entries (log = -inf) contribute nothing. Result has the leading shape, values in [0, 1].
     """
     logp, logq = logp.to(torch.float64), logq.to(torch.float64)
-    logm = torch.logaddexp(logp, logq) - LOG2
+    # log(p / m) = log 2 - softplus(log q - log p), written so that p == q gives exactly 0.
+    d = logq - logp
     p, q = logp.exp(), logq.exp()
-    kl_pm = torch.where(p > 0, p * (logp - logm), torch.zeros_like(p)).sum(-1)
-    kl_qm = torch.where(q > 0, q * (logq - logm), torch.zeros_like(q)).sum(-1)
+    kl_pm = torch.where(p > 0, p * (LOG2 - _softplus(d)), torch.zeros_like(p)).sum(-1)
+    kl_qm = torch.where(q > 0, q * (LOG2 - _softplus(-d)), torch.zeros_like(q)).sum(-1)
     js = 0.5 * (kl_pm + kl_qm)
     return (js / LOG2).clamp(0.0, 1.0).sqrt()
+
+
+def _softplus(x: torch.Tensor) -> torch.Tensor:
+    """log(1 + exp(x)) without overflow, exact log 2 at x = 0."""
+    return torch.where(x > 0, x + torch.log1p(torch.exp(-x)), torch.log1p(torch.exp(x)))
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,12 @@ class ModelArgs:
 MODEL_SIZES: dict[str, ModelArgs] = {
     # ~0.1M parameters: unit tests, well under a second per step on a CPU.
     "tiny": ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192),
-    # ~3.4M parameters: CPU benchmarks.
-    "small": ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768),
+    # ~1.5M parameters: CPU benchmarks.
+    "small": ModelArgs(dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=512),
     # ~125M parameters: a GPU user's first real run.
-    "125m": ModelArgs(dim=768, n_layers=18, n_heads=12, n_kv_heads=4, ffn_dim=2560),
+    "125m": ModelArgs(dim=768, n_layers=17, n_heads=12, n_kv_heads=4, ffn_dim=2560),
     # ~1.5B parameters: the paper's model size.
-    "1.5b": ModelArgs(dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, ffn_dim=6144),
+    "1.5b": ModelArgs(dim=2048, n_layers=30, n_heads=16, n_kv_heads=8, ffn_dim=6144),
 }
 
 

@@ -56,6 +56,10 @@ class VirtualSwarm:
         self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
         self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="virtual-worker")
+        self.sink = MetricsSink(None)
+        self.on_step: Callable[[int, dict | None], None] | None = None
+        self._pending: dict = {}  # last round's communication stats, attached to the next record
+        self._losses: list[float] = []  # training losses since the last record
 
     def _trainer(self, worker: int) -> LocalTrainer:
         cfg = self.cfg
@@ -84,51 +88,55 @@ class VirtualSwarm:
     # -- the run ------------------------------------------------------------------------------
 
     def run(self, sink: MetricsSink | None = None, on_step: Callable[[int, dict | None], None] | None = None) -> SwarmResult:
-        cfg = self.cfg
-        sink = sink or MetricsSink(None)
+        """All R rounds, then the final measurement (r = R, h = 0) and the final model's validation loss."""
+        self.sink = sink or MetricsSink(None)
+        self.on_step = on_step
         start = time.perf_counter()
-        every = cfg.monitor.every
-        pending: dict = {}  # per-round communication stats, attached to the next record
-        losses: list[float] = []
         try:
-            for r in range(cfg.rounds):
-                if cfg.mode == "factored":
-                    for algo in self.algos:
-                        algo.begin_round(r)
-                for h in range(cfg.inner_steps):
-                    if h == 0 or (every and h % every == 0):
-                        record = self.measure(r, h, val_loss=h == 0 and cfg.monitor.val_loss)
-                        if losses:
-                            record["loss"] = sum(losses) / len(losses)
-                        record.update(pending)
-                        pending, losses = {}, []
-                        sink.write(record)
-                        if on_step:
-                            on_step(0, record)
-                    losses += self._inner_step(r * cfg.inner_steps + h)
-                    if on_step:
-                        on_step(1, None)
-                if cfg.mode == "factored":
-                    reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
-                    pending = round_stats(reports)
-            # After the last outer step (r = R, h = 0).
-            record = self.measure(cfg.rounds, 0, val_loss=True)
-            if losses:
-                record["loss"] = sum(losses) / len(losses)
-            record.update(pending)
-            sink.write(record)
-            if on_step:
-                on_step(0, record)
+            for r in range(self.cfg.rounds):
+                self.run_round(r)
+            self._record(self.cfg.rounds, 0, val_loss=True)
         finally:
-            for algo in self.algos:
-                algo.close()
-            self.pool.shutdown(wait=True)
-
+            self.close()
         final = self.final_params()
         self.eval_trainer.load_params(final)
         final_val = self.eval_trainer.evaluate(self.val_batches)
-        summary = make_summary(cfg, sink.records, final_val, time.perf_counter() - start)
-        return SwarmResult(final_params=final, summary=summary, records=sink.records)
+        summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
+        return SwarmResult(final_params=final, summary=summary, records=self.sink.records)
+
+    def run_round(self, r: int) -> list[RoundReport]:
+        """One round of every worker: Mix1 launched, H inner steps (measured every N), Mix2 and outer step."""
+        cfg = self.cfg
+        every = cfg.monitor.every
+        if cfg.mode == "factored":
+            for algo in self.algos:
+                algo.begin_round(r)
+        for h in range(cfg.inner_steps):
+            if h == 0 or (every and h % every == 0):
+                self._record(r, h, val_loss=h == 0 and cfg.monitor.val_loss)
+            self._losses += self._inner_step(r * cfg.inner_steps + h)
+            if self.on_step:
+                self.on_step(1, None)
+        if cfg.mode != "factored":
+            return []
+        reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
+        self._pending = round_stats(reports)
+        return reports
+
+    def _record(self, r: int, h: int, *, val_loss: bool) -> None:
+        record = self.measure(r, h, val_loss=val_loss)
+        if self._losses:
+            record["loss"] = sum(self._losses) / len(self._losses)
+        record.update(self._pending)
+        self._pending, self._losses = {}, []
+        self.sink.write(record)
+        if self.on_step:
+            self.on_step(0, record)
+
+    def close(self) -> None:
+        for algo in self.algos:
+            algo.close()
+        self.pool.shutdown(wait=True)
 
     def _inner_step(self, step: int) -> list[float]:
         if self.cfg.mode == "factored":

@@ -1,0 +1,3 @@
+from gossiploco.cli import app
+
+app()

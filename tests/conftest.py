@@ -1,0 +1,38 @@
+"""Shared fixtures: small, fast configurations for the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gossiploco.config import load_config
+
+torch.set_num_threads(2)
+
+
+def tiny_config(preset: str, **overrides):
+    """A preset scaled down for tests: tiny model, short sequences, a 2 MB slice of the stdlib corpus."""
+    base = {
+        "model.size": "tiny",
+        "workers": 4,
+        "inner_steps": 4,
+        "rounds": 3,
+        "seed": 0,
+        "device": "cpu",
+        "data.seq_len": 32,
+        "data.batch_size": 4,
+        "data.heldout_batch_size": 4,
+        "data.val_batches": 2,
+        "data.max_corpus_mb": 2.0,
+        "monitor.every": 2,
+        "timeouts.exchange_s": 30.0,
+        "inner.warmup_steps": 2,
+        "inner.lr": 3e-3,
+    }
+    base.update(overrides)
+    return load_config(preset, base)
+
+
+@pytest.fixture
+def make_config():
+    return tiny_config

@@ -1,0 +1,78 @@
+"""The command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from gossiploco.cli import app
+
+FAST = ["--workers", "3", "--inner-steps", "4", "--rounds", "2", "--model", "tiny", "--device", "cpu", "--quiet"]
+
+
+def small_data(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"def function_{i}(x):\n    return x * {i}\n\n" for i in range(3000)))
+    return ["--data", str(text)]
+
+
+def run(args):
+    result = CliRunner().invoke(app, args, catch_exceptions=False)
+    return result
+
+
+def test_simulate_writes_metrics_and_summary(tmp_path):
+    out = tmp_path / "run"
+    result = run(["simulate", "--config", "peers/globalm1-localm2.toml", *FAST, *small_data(tmp_path), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all("round" in r and "h" in r for r in records)
+    assert all({"cd_l2", "cd_l2_sq", "cd_js"} <= set(r) for r in records)
+    assert any("loss" in r for r in records) and any("val_loss" in r for r in records)
+    assert [r["round"] for r in records if r["h"] == 0] == [0, 1, 2]
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("config", "workers", "inner_steps", "rounds", "final_val_loss", "final_val_ppl", "max_cd_l2", "max_cd_js", "wall_s"):
+        assert key in summary
+    assert summary["config"] == "globalm1-localm2" and summary["workers"] == 3 and summary["rounds"] == 2
+    assert "val loss" in result.output
+
+
+def test_same_seed_gives_the_same_metrics(tmp_path):
+    def metrics(name, seed):
+        out = tmp_path / name
+        assert run(["simulate", "-c", "localm1m2", *FAST, *small_data(tmp_path), "--seed", str(seed), "--out", str(out)]).exit_code == 0
+        return [{k: v for k, v in json.loads(line).items() if not k.endswith("_s")} for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    assert metrics("a", 1) == metrics("b", 1)
+    assert metrics("a", 1) != metrics("c", 2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "0"], "workers: must be > 0"),
+        (["--model", "huge"], "model.size: unknown size 'huge'"),
+        (["--config", "nope"], "config: no such file or preset 'nope'"),
+        (["--device", "tpu"], "device: must be auto, cpu, cuda or cuda:N"),
+        (["--data", "/nonexistent/*.txt"], "data.paths: '/nonexistent/*.txt' matches no file"),
+    ],
+)
+def test_bad_flags_fail_with_an_error_naming_the_field(tmp_path, args, message):
+    result = CliRunner().invoke(app, ["simulate", *FAST, "--out", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+
+
+def test_console_script_runs_as_a_subprocess(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gossiploco", "simulate", "-c", "diloco", *FAST, *small_data(tmp_path), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    # Measured only at h = 0 (monitor.every = 10 > H = 4), where DiLoCo is in exact consensus.
+    assert summary["config"] == "diloco" and summary["max_cd_l2"] == 0.0 and summary["final_val_loss"] < 5.6

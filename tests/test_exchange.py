@@ -1,0 +1,130 @@
+"""Conformance suite for ``Exchange`` implementations.
+
+Every implementation is driven through the same cases via the ``group`` fixture, which builds a
+group of exchanges (one per rank) and a way to crash a rank. Transport issues add their
+implementation to ``IMPLEMENTATIONS``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.mixing import MemoryHub
+
+
+class MemoryGroup:
+    def __init__(self, world: int, timeout_s: float):
+        self.hub = MemoryHub(world, timeout_s)
+        self.exchanges = [self.hub.exchange(r) for r in range(world)]
+
+    def crash(self, rank: int) -> None:
+        self.hub.fail(rank)
+
+    def close(self) -> None:
+        for ex in self.exchanges:
+            ex.close()
+
+
+IMPLEMENTATIONS = {"memory": MemoryGroup}
+
+
+@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+def group(request):
+    made = []
+
+    def make(world: int, timeout_s: float = 10.0):
+        g = IMPLEMENTATIONS[request.param](world, timeout_s)
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def run_all(fns):
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_all_reduce_mean_gives_every_member_the_same_mean(group):
+    g = group(5)
+    values = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(5)]
+    members = list(range(5))
+    out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("k/0", values[r], members) for r in range(5)])
+    expected = sum(v.double() for v in values) / 5
+    for o in out:
+        assert torch.allclose(o.double(), expected, atol=1e-6)
+        assert torch.equal(o, out[0])
+    assert all(torch.equal(v, torch.randn(1000, generator=torch.Generator().manual_seed(r))) for r, v in enumerate(values))
+
+
+def test_all_reduce_on_a_subgroup_and_repeated_keys(group):
+    g = group(4)
+    for round_index in range(3):
+        out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean(f"k/{round_index}", torch.full((3,), float(r)), [0, 2])
+                       for r in (0, 2)])
+        assert all(torch.equal(o, torch.full((3,), 1.0)) for o in out)
+
+
+def test_swap_exchanges_values_between_partners(group):
+    g = group(4)
+    out = run_all([
+        lambda: g.exchanges[0].swap("s/0", 3, torch.tensor([0.0, 0.5])),
+        lambda: g.exchanges[3].swap("s/0", 0, torch.tensor([3.0, 3.5])),
+        lambda: g.exchanges[1].swap("s/0", 2, torch.tensor([1.0])),
+        lambda: g.exchanges[2].swap("s/0", 1, torch.tensor([2.0])),
+    ])
+    assert [o.tolist() for o in out] == [[3.0, 3.5], [0.0, 0.5], [2.0], [1.0]]
+
+
+def test_concurrent_operations_with_different_keys_do_not_mix(group):
+    g = group(2)
+    fns = []
+    for r in range(2):
+        fns.append(lambda r=r: g.exchanges[r].all_reduce_mean("mix1/0", torch.full((4,), 10.0 * r), [0, 1]))
+        fns.append(lambda r=r: g.exchanges[r].swap("mix2/0", 1 - r, torch.full((4,), float(r))))
+    out = run_all(fns)
+    assert torch.equal(out[0], torch.full((4,), 5.0)) and torch.equal(out[2], torch.full((4,), 5.0))
+    assert torch.equal(out[1], torch.ones(4)) and torch.equal(out[3], torch.zeros(4))
+
+
+def test_byte_counters_follow_the_ring_volume(group):
+    g = group(4)
+    run_all([lambda r=r: g.exchanges[r].all_reduce_mean("k", torch.zeros(1000), list(range(4))) for r in range(4)])
+    assert g.exchanges[0].bytes_sent == 2 * 3 * 4000 // 4
+
+
+def test_missing_peer_times_out_within_the_deadline(group):
+    g = group(3, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(ExchangeTimeout):
+        g.exchanges[0].all_reduce_mean("k", torch.zeros(3), [0, 1, 2])
+    with pytest.raises(ExchangeTimeout):
+        g.exchanges[0].swap("s", 1, torch.zeros(3))
+    assert time.monotonic() - start < 3.0
+
+
+def test_crashed_peer_fails_the_exchange_promptly(group):
+    g = group(3, timeout_s=20.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(g.exchanges[0].swap, "s", 1, torch.zeros(3))
+        g.crash(1)
+        start = time.monotonic()
+        with pytest.raises(PeerFailed):
+            future.result(timeout=10)
+        assert time.monotonic() - start < 5.0
+    assert 1 not in g.exchanges[0].members()
+
+
+def test_closed_exchange_raises_closed(group):
+    g = group(2)
+    g.exchanges[0].close()
+    with pytest.raises(ExchangeClosed):
+        g.exchanges[0].swap("s", 1, torch.zeros(1))

@@ -36,6 +36,7 @@ def simulate(
     device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N."),
     data: Optional[list[str]] = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources)."),
     out: Path = typer.Option(Path("runs/simulate"), "--out", "-o", help="Output directory for metrics.jsonl and summary.json."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
@@ -47,6 +48,7 @@ def simulate(
     overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
                  "model.size": model, "device": device, "data.paths": data}
     try:
+        overrides.update(parse_sets(set_ or []))
         cfg = load_config(config, overrides)
         swarm = VirtualSwarm(cfg)
     except GossiplocoError as exc:
@@ -79,6 +81,24 @@ def simulate(
     sink.close()
     print_summary([result.summary])
     console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}")
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``["inner.lr=3e-4", "mix2.blocks=['embed']"]`` -> dotted overrides; values parse as TOML, else strings."""
+    import tomllib
+
+    from gossiploco.errors import ConfigError
+
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            parsed[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed[key.strip()] = value
+    return parsed
 
 
 def print_summary(summaries: list[dict]) -> None:

@@ -59,6 +59,9 @@ def test_same_seed_gives_the_same_metrics(tmp_path):
         (["--config", "nope"], "config: no such file or preset 'nope'"),
         (["--device", "tpu"], "device: must be auto, cpu, cuda or cuda:N"),
         (["--data", "/nonexistent/*.txt"], "data.paths: '/nonexistent/*.txt' matches no file"),
+        (["--set", "inner.lr=-1"], "inner.lr: must be > 0"),
+        (["--set", "mix2.blocks=['layers.9']"], "mix2.blocks: no block matches 'layers.9'"),
+        (["--set", "nonsense"], "--set: expected KEY=VALUE"),
     ],
 )
 def test_bad_flags_fail_with_an_error_naming_the_field(tmp_path, args, message):

@@ -6,6 +6,7 @@
     └── ExchangeError               a collective with other peers did not complete
         ├── ExchangeTimeout         a peer did not answer within its deadline (remote fault: "broken")
         ├── PeerFailed              a peer is known to be gone or sent something invalid (remote fault)
+        │   └── MalformedMessage    a message failed wire-format validation (gossiploco.transport.codec)
         └── ExchangeClosed          this side's exchange was closed (local misuse or shutdown)
 
 Remote faults (``ExchangeTimeout``, ``PeerFailed``) are expected in a decentralized run: the
@@ -43,6 +44,10 @@ class ExchangeTimeout(ExchangeError):
 
 class PeerFailed(ExchangeError):
     """A peer is gone, or sent something that failed validation."""
+
+
+class MalformedMessage(PeerFailed):
+    """A peer sent a message that failed validation (remote fault: the exchange falls back to identity)."""
 
 
 class ExchangeClosed(ExchangeError):

@@ -134,6 +134,10 @@ class VirtualSwarm:
             self.on_step(0, record)
 
     def close(self) -> None:
+        """Stop every worker. Closing the exchanges first wakes any thread still waiting in one
+        (after Ctrl+C, say), so shutting the threads down never waits out a deadline. Idempotent."""
+        for algo in self.algos:
+            algo.exchange.close()
         for algo in self.algos:
             algo.close()
         self.pool.shutdown(wait=True)

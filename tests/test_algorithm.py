@@ -191,3 +191,12 @@ def test_a_crashed_worker_means_weaker_mixing_not_a_stalled_run(make_config, cor
     # Whoever was matched with the crashed worker fell back to identity, with the cause recorded.
     assert all("PeerFailed" in rep.mix2.cause for rep in failed)
     swarm.close()
+
+
+def test_measurements_every_n_inner_steps_and_always_at_h0(make_config, corpus):
+    cfg = make_config("globalm1", rounds=2, inner_steps=5, **{"monitor.every": 2})
+    records = VirtualSwarm(cfg, corpus=corpus).run().records
+    assert [(r["round"], r["h"]) for r in records] == [(0, 0), (0, 2), (0, 4), (1, 0), (1, 2), (1, 4), (2, 0)]
+    assert [("val_loss" in r) for r in records] == [True, False, False, True, False, False, True]
+    assert all("loss" in r for r in records[1:]) and "loss" not in records[0]
+    assert all(r["mix1_failures"] == 0 and "mix2_bytes" in r for r in records if r["h"] == 0 and r["round"] > 0)

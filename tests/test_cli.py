@@ -79,3 +79,24 @@ def test_console_script_runs_as_a_subprocess(tmp_path):
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     # Measured only at h = 0 (monitor.every = 10 > H = 4), where DiLoCo is in exact consensus.
     assert summary["config"] == "diloco" and summary["max_cd_l2"] == 0.0 and summary["final_val_loss"] < 5.6
+
+
+def test_ctrl_c_stops_a_simulation_cleanly(tmp_path):
+    import signal
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossiploco", "simulate", "-c", "globalm1-localm2", "--workers", "4", "--inner-steps", "50",
+         "--rounds", "100", "--model", "tiny", "--device", "cpu", "--quiet", *small_data(tmp_path), "--out", str(tmp_path / "o")],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        header = proc.stderr.readline()  # printed once the swarm is built, right before training starts
+        assert "4 workers x 100 rounds" in header
+        metrics = tmp_path / "o" / "metrics.jsonl"
+        while not metrics.exists() or not metrics.read_text():
+            assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        assert "interrupted" in proc.stderr.read()
+    finally:
+        proc.kill()

@@ -1,0 +1,1 @@
+"""Transports: wire codec (socket-independent); ZeroMQ and in-memory transports come next."""

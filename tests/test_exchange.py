@@ -7,14 +7,18 @@ implementation to ``IMPLEMENTATIONS``.
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.mixing import MemoryHub
+from gossiploco.transport.zmq_exchange import ZmqExchange
 
 
 class MemoryGroup:
@@ -30,7 +34,51 @@ class MemoryGroup:
             ex.close()
 
 
-IMPLEMENTATIONS = {"memory": MemoryGroup}
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback ports that were free a moment ago (all held open together)."""
+    held = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+class ZmqGroup:
+    """``world`` ZmqExchanges on loopback; ``crash`` closes a rank (its peers see the disconnect)."""
+
+    def __init__(self, world: int, timeout_s: float, run_id: str | None = None, **options):
+        run_id = run_id or f"test-{uuid.uuid4().hex[:8]}"
+        self.exchanges: list[ZmqExchange] = []
+        for attempt in range(5):  # a free port may be taken between the probe and the bind
+            endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(world)]
+            try:
+                for r in range(world):
+                    self.exchanges.append(ZmqExchange(r, endpoints, run_id, timeout_s, **options))
+                break
+            except ExchangeError:
+                self.close()
+                self.exchanges = []
+                if attempt == 4:
+                    raise
+        assert all(ex.wait_connected(10.0) for ex in self.exchanges), "loopback peers did not connect"
+
+    def crash(self, rank: int) -> None:
+        self.exchanges[rank].close()
+
+    def close(self) -> None:
+        for ex in self.exchanges:
+            ex.close()
+        leaked = [t.name for t in threading.enumerate() if t.name.startswith("zmq-exchange-") and
+                  any(t is ex._receiver for ex in self.exchanges)]
+        assert not leaked, f"receiver threads still running after close: {leaked}"
+
+
+IMPLEMENTATIONS = {"memory": MemoryGroup, "zmq": ZmqGroup}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))

@@ -1,1 +1,1 @@
-"""Transports: wire codec (socket-independent); ZeroMQ and in-memory transports come next."""
+"""Transports: the wire codec (socket-independent) and the ZeroMQ exchange (``zmq_exchange``, the only zmq importer)."""

@@ -1,0 +1,184 @@
+"""ZeroMQ exchange beyond the conformance suite: large and chunked rings, hostile input, run ids, close.
+
+Every call has a deadline of a few seconds, ports are random, sockets linger 0, and every exchange
+is closed in teardown (the group's close also fails if a receiver thread is left running).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.transport import codec
+from gossiploco.transport.zmq_exchange import ZmqExchange, _op_and_round
+from tests.test_exchange import ZmqGroup, free_ports
+
+
+@pytest.fixture
+def groups():
+    made: list[ZmqGroup] = []
+
+    def make(world: int, timeout_s: float = 10.0, **options) -> ZmqGroup:
+        g = ZmqGroup(world, timeout_s, **options)
+        made.append(g)
+        return g
+
+    try:
+        yield make
+    finally:
+        for g in made:
+            g.close()
+
+
+def run_all(fns):
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        futures = [pool.submit(fn) for fn in fns]
+        return [f.result(timeout=60) for f in futures]
+
+
+def wait_until(predicate, timeout_s: float = 5.0) -> bool:
+    """Poll ``predicate`` until true or the deadline (a condition wait, not a sleep)."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        tick.wait(0.01)
+    return True
+
+
+def test_ring_all_reduce_of_three_million_floats_is_exact_and_bitwise_equal(groups):
+    g = groups(4)
+    values = [torch.randn(3_000_000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    copies = [v.clone() for v in values]
+    out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("mix1/3", values[r], [0, 1, 2, 3]) for r in range(4)])
+    expected = (sum(v.double() for v in values) / 4).float()
+    for o in out:
+        assert o.dtype == torch.float32 and o.shape == (3_000_000,)
+        assert torch.allclose(o, expected, atol=1e-5)
+        assert torch.equal(o, out[0])
+    assert all(torch.equal(v, c) for v, c in zip(values, copies)), "inputs were modified"
+    assert g.exchanges[1].bytes_sent == g.exchanges[1].bytes_received == 2 * 3 * 3_000_000 * 4 // 4
+
+
+def test_tiny_chunks_stream_uneven_segments(groups):
+    g = groups(3, chunk_bytes=1000, max_message_bytes=1 << 20)
+    n = 10_007  # not a multiple of 3 segments, nor of the 250-float chunks
+    values = [torch.randn(n, generator=torch.Generator().manual_seed(10 + r)) for r in range(3)]
+    out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("mix2/1", values[r], [0, 1, 2]) for r in range(3)])
+    expected = (sum(v.double() for v in values) / 3).float()
+    for o in out:
+        assert torch.allclose(o, expected, atol=1e-6)
+        assert torch.equal(o, out[0])
+    swapped = run_all([lambda: g.exchanges[0].swap("mix2/2", 2, values[0]),
+                       lambda: g.exchanges[2].swap("mix2/2", 0, values[2])])
+    assert torch.equal(swapped[0], values[2]) and torch.equal(swapped[1], values[0])
+
+
+def test_all_reduce_with_fewer_elements_than_peers(groups):
+    g = groups(4, chunk_bytes=8, max_message_bytes=1 << 20)
+    out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("k/0", torch.tensor([float(r), 1.0]), [0, 1, 2, 3])
+                   for r in range(4)])
+    assert all(torch.equal(o, torch.tensor([1.5, 1.0])) for o in out)
+
+
+def test_swap_size_mismatch_is_a_peer_failure(groups):
+    g = groups(2, timeout_s=3.0)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        a = pool.submit(g.exchanges[0].swap, "s/0", 1, torch.zeros(5))
+        b = pool.submit(g.exchanges[1].swap, "s/0", 0, torch.zeros(6))
+        for f in (a, b):
+            with pytest.raises(PeerFailed):
+                f.result(timeout=10)
+
+
+def _valid_frames(run: str, sender: int, key: str = "s/0", data: torch.Tensor | None = None) -> list:
+    data = torch.zeros(2) if data is None else data
+    header = codec.Header(run=run, round=0, op="monitor", chunk=0, sender=sender, key=key)
+    return codec.encode(header, [torch.tensor([data.numel()], dtype=torch.int64), data])
+
+
+def test_malformed_messages_are_dropped_counted_and_harmless(groups):
+    g = groups(2, timeout_s=5.0, run_id="run-ok", chunk_bytes=1000, max_message_bytes=100_000)
+    target = g.exchanges[0]
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    spoof = ctx.socket(zmq.DEALER)
+    try:
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.setsockopt(zmq.ROUTING_ID, b"7")
+        raw.connect(target.endpoints[0])
+        hostile = [
+            [b"\xc1garbage"],                                               # not msgpack
+            [msgpack.packb([1, 2, 3])],                                     # not a map
+            _valid_frames("other-run", sender=7),                           # wrong run id
+            _valid_frames("run-ok", sender=7, data=torch.zeros(30_000)),    # 120 kB > max_message_bytes
+            _valid_frames("run-ok", sender=1),                              # sender does not match the connection
+            _valid_frames("run-ok", sender=7),                              # not a peer of this group
+            [_valid_frames("run-ok", sender=7)[0]],                         # payload frames missing
+        ]
+        for frames in hostile:
+            raw.send_multipart(frames, copy=True)
+        assert wait_until(lambda: target.malformed_messages == len(hostile)), target.malformed_messages
+        # A second connection claiming peer 1's routing id is ignored by the ROUTER: its chunk never lands.
+        spoof.setsockopt(zmq.LINGER, 0)
+        spoof.setsockopt(zmq.ROUTING_ID, b"1")
+        spoof.connect(target.endpoints[0])
+        spoof.send_multipart(_valid_frames("run-ok", sender=1, data=torch.tensor([9.0, 9.0])), copy=True)
+        assert target.members() == [0, 1]
+        out = run_all([lambda: g.exchanges[0].swap("s/0", 1, torch.tensor([1.0, 2.0])),
+                       lambda: g.exchanges[1].swap("s/0", 0, torch.tensor([3.0, 4.0]))])
+        assert out[0].tolist() == [3.0, 4.0] and out[1].tolist() == [1.0, 2.0]
+    finally:
+        raw.close(linger=0)
+        spoof.close(linger=0)
+        ctx.term()
+
+
+def test_different_run_ids_never_mix():
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    a = ZmqExchange(0, endpoints, "run-a", timeout_s=0.5)
+    b = ZmqExchange(1, endpoints, "run-b", timeout_s=0.5)
+    try:
+        assert a.wait_connected(5.0) and b.wait_connected(5.0)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            fa = pool.submit(a.swap, "s/0", 1, torch.ones(3))
+            fb = pool.submit(b.swap, "s/0", 0, torch.zeros(3))
+            for f in (fa, fb):
+                with pytest.raises(ExchangeTimeout):
+                    f.result(timeout=10)
+        assert a.malformed_messages >= 1 and b.malformed_messages >= 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_close_wakes_a_waiting_call_with_exchange_closed(groups):
+    g = groups(2, timeout_s=30.0)
+    ex = g.exchanges[0]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(ex.swap, "s/0", 1, torch.zeros(4))
+        assert wait_until(lambda: "s/0" in ex._active)
+        start = time.monotonic()
+        ex.close()
+        with pytest.raises(ExchangeClosed):
+            future.result(timeout=5)
+        assert time.monotonic() - start < 2.0
+    with pytest.raises(ExchangeClosed):
+        ex.all_reduce_mean("k", torch.zeros(1), [0, 1])
+    ex.close()  # idempotent
+
+
+def test_header_op_and_round_come_from_the_key():
+    assert _op_and_round("mix1/12") == ("mix1", 12)
+    assert _op_and_round("mix2/3/embed") == ("mix2", 3)
+    assert _op_and_round("grad/7") == ("grad", 7)
+    assert _op_and_round("cd/4") == ("monitor", 4)
+    assert _op_and_round("k") == ("monitor", 0)

@@ -29,7 +29,7 @@ and a shape volume (zero-length dimensions counted as 1) of at most MAX_VOLUME e
 parsed); header size, msgpack and map; field names and types; version; run id; op; round, chunk
 and sender non-negative; one payload frame per tensor; each tensor's dtype, shape and byte
 length; and, unless ``allow_non_finite``, that floating payloads hold no NaN or Inf. Any
-failure raises ``MalformedMessage``. Nothing is unpickled, ever.
+failure raises ``MalformedMessage``. No Python object serialization is ever decoded.
 """
 
 from __future__ import annotations

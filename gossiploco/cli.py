@@ -121,7 +121,3 @@ def presets() -> None:
         cfg = load_config(name)
         print(f"{name:28s} mode={cfg.mode:9s} mix1={cfg.mix1.kind}{'+state' if cfg.mix1.state else ''}"
               f" mix2={cfg.mix2.kind} blocks={','.join(cfg.mix2.blocks)}")
-
-
-def main() -> None:  # pragma: no cover
-    sys.exit(app())

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,8 +298,6 @@ def _coerce(name: str, kind: Any, value: Any) -> Any:
     if kind is str:
         if not isinstance(value, str):
             raise ConfigError(name, f"expected a string, got {value!r}")
-        return value
-    if isinstance(kind, types.UnionType):  # pragma: no cover - no union fields today
         return value
     raise ConfigError(name, f"unsupported field type {kind!r}")  # pragma: no cover
 

@@ -107,7 +107,6 @@ class SyncDP:
         self.cfg = cfg
         self.exchange = exchange
         self.reducer = GlobalMix("grad", trainer.names, cfg.seed)
-        self.failures = 0
 
     def forward_backward(self) -> float:
         return self.trainer.forward_backward()
@@ -117,15 +116,8 @@ class SyncDP:
         result = self.reducer.mix([self.trainer.gradients_cpu()], step, self.exchange)
         if result.ok:
             self.trainer.load_gradients(result.values[0])
-        else:
-            self.failures += 1
         self.trainer.inner_opt.step()
         return result
-
-    def inner_step(self, step: int) -> float:
-        loss = self.forward_backward()
-        self.reduce_and_step(step)
-        return loss
 
     def close(self) -> None:
         pass

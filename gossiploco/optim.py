@@ -40,10 +40,6 @@ class InnerOptimizer:
         )
         self.step_index = 0
 
-    def set_step(self, step: int) -> None:
-        """Position in the schedule (used when a peer resumes from a donor's state)."""
-        self.step_index = step
-
     def step(self) -> float:
         """Clip, apply one AdamW step at the scheduled rate, zero the gradients. Returns the pre-clip grad norm."""
         lr = self.cfg.lr * lr_factor(self.step_index, self.cfg.warmup_steps, self.total_steps)

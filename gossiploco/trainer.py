@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from gossiploco.data import TokenStream
+from gossiploco.errors import ConfigError
 from gossiploco.model import Transformer
 from gossiploco.optim import InnerOptimizer
 
@@ -25,8 +26,6 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        from gossiploco.errors import ConfigError
-
         raise ConfigError("device", f"{name!r} requested but CUDA is not available")
     return device
 

@@ -98,11 +98,10 @@ class VirtualSwarm:
             self._record(self.cfg.rounds, 0, val_loss=True)
         finally:
             self.close()
-        final = self.final_params()
-        self.eval_trainer.load_params(final)
-        final_val = self.eval_trainer.evaluate(self.val_batches)
+        # The last record (r = R, h = 0) already holds the validation loss of the averaged model.
+        final_val = self.sink.records[-1]["val_loss"]
         summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
-        return SwarmResult(final_params=final, summary=summary, records=self.sink.records)
+        return SwarmResult(final_params=self.final_params(), summary=summary, records=self.sink.records)
 
     def run_round(self, r: int) -> list[RoundReport]:
         """One round of every worker: Mix1 launched, H inner steps (measured every N), Mix2 and outer step."""

@@ -18,7 +18,7 @@ import zmq
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
 from gossiploco.transport import codec
 from gossiploco.transport.zmq_exchange import ZmqExchange, _op_and_round
-from tests.test_exchange import ZmqGroup, free_ports
+from tests.test_exchange import ZmqGroup, free_ports, run_all
 
 
 @pytest.fixture
@@ -35,12 +35,6 @@ def groups():
     finally:
         for g in made:
             g.close()
-
-
-def run_all(fns):
-    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
-        futures = [pool.submit(fn) for fn in fns]
-        return [f.result(timeout=60) for f in futures]
 
 
 def wait_until(predicate, timeout_s: float = 5.0) -> bool:

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from gossiploco.errors import GossiplocoError
+from gossiploco.errors import ConfigError, GossiplocoError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
 console = Console(stderr=True)
@@ -42,7 +42,7 @@ def simulate(
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
     from gossiploco.config import load_config
     from gossiploco.metrics import MetricsSink
-    from gossiploco.virtual import VirtualSwarm
+    from gossiploco.runtime.virtual import VirtualSwarm
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
@@ -79,15 +79,99 @@ def simulate(
     result.summary["run_config"] = cfg.to_dict()
     sink.write_summary(result.summary)
     sink.close()
+    save_model(result.final_params, out)
     print_summary([result.summary])
-    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}")
+    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {out / 'model.pt'}")
+
+
+@app.command()
+def peer(
+    config: str = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/."),
+    rank: int = typer.Option(..., "--rank", help="This peer's index in --peers."),
+    peers: str = typer.Option(..., "--peers", help="Every peer's address, comma-separated, in rank order: tcp://HOST:PORT,..."),
+    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help="Inner steps H per round."),
+    rounds: Optional[int] = typer.Option(None, "--rounds", help="Outer rounds R."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, data and matchings."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b."),
+    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N."),
+    data: Optional[list[str]] = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default runs/peer-RANK)."),
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: preset name + digest of the config)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the final table."),
+) -> None:
+    """Run one peer of a swarm given by a static peer list; mixes over ZeroMQ."""
+    import faulthandler
+    import signal
+
+    from gossiploco.config import load_config
+    from gossiploco.metrics import MetricsSink
+    from gossiploco.runtime.peer import NetworkPeer
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    endpoints = [e.strip() for e in peers.split(",") if e.strip()]
+    overrides = {"workers": len(endpoints), "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
+                 "model.size": model, "device": device, "data.paths": data}
+    out = out or Path(f"runs/peer-{rank}")
+    try:
+        bad = [e for e in endpoints if not e.startswith("tcp://") or ":" not in e.removeprefix("tcp://")]
+        if bad:
+            raise ConfigError("--peers", f"expected tcp://HOST:PORT entries, got {bad}")
+        overrides.update(parse_sets(set_ or []))
+        cfg = load_config(config, overrides)
+        node = NetworkPeer(cfg, rank, endpoints, run_id=run_id)
+    except GossiplocoError as exc:
+        _fail(exc)
+    # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
+    console.print(f"[bold]{cfg.name}[/] peer {rank}/{cfg.workers} at {endpoints[rank]}: {cfg.rounds} rounds x "
+                  f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
+    sink = MetricsSink(out)
+
+    def on_record(record: dict) -> None:
+        if quiet:
+            return
+        text = f"rank {rank} r {record['round']} h {record['h']}"
+        if "cd_l2" in record:
+            text += f"  L2 {record['cd_l2']:.3g}  JS {record['cd_js']:.3g}"
+        if "loss" in record:
+            text += f"  loss {record['loss']:.3f}"
+        console.print(text)
+
+    try:
+        result = node.run(sink, on_record)
+    except KeyboardInterrupt:
+        sink.close()
+        console.print(f"[yellow]interrupted[/]; metrics so far are in {out / 'metrics.jsonl'}")
+        raise typer.Exit(code=130)
+    except GossiplocoError as exc:
+        sink.close()
+        _fail(exc)
+    result.summary["run_config"] = cfg.to_dict()
+    sink.write_summary(result.summary)
+    sink.close()
+    save_model(result.final_params, out)
+    print_summary([result.summary])
+    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {out / 'model.pt'}")
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def save_model(params: dict, out: Path) -> None:
+    """The final (averaged) parameters as a plain tensor state dict: ``torch.load(path, weights_only=True)``."""
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({n: t.contiguous() for n, t in params.items()}, out / "model.pt")
 
 
 def parse_sets(items: list[str]) -> dict:
     """``["inner.lr=3e-4", "mix2.blocks=['embed']"]`` -> dotted overrides; values parse as TOML, else strings."""
     import tomllib
-
-    from gossiploco.errors import ConfigError
 
     parsed = {}
     for item in items:

@@ -7,7 +7,7 @@ and raises ``ConfigError`` naming the offending field (``mix2.blocks: no block m
 
 TOML layout: run-level keys at the top (``name``, ``mode``, ``workers``, ``inner_steps``,
 ``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[data]``,
-``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``.
+``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``, ``[transport]``.
 """
 
 from __future__ import annotations
@@ -155,11 +155,34 @@ class MonitorConfig:
 
 @dataclass
 class TimeoutConfig:
+    """Every network wait has its deadline here (the one place to tune them)."""
+
     exchange_s: float = 120.0
-    """Deadline for one collective (all-reduce, gossip swap) to complete; past it the exchange fails and mixing falls back to identity."""
+    """Deadline for one collective (all-reduce, gossip swap, monitor average, state download) to complete; past it the exchange fails and mixing falls back to identity."""
+    startup_s: float = 60.0
+    """How long a starting network peer waits for the other peers to connect before it starts without them."""
+    hello_s: float = 5.0
+    """How long a starting (or catching-up) peer waits for the others' replies saying which round they are in."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.exchange_s", self.exchange_s)
+        _positive(f"{p}.startup_s", self.startup_s)
+        _positive(f"{p}.hello_s", self.hello_s)
+
+
+@dataclass
+class TransportConfig:
+    """The ZeroMQ data plane of network peers (every peer of a run must use the same values)."""
+
+    chunk_mb: float = 4.0
+    """Payload per message; large tensors stream as chunks of this size."""
+    max_message_mb: float = 64.0
+    """Messages larger than this are rejected unread (must exceed chunk_mb)."""
+
+    def check(self, p: str) -> None:
+        _positive(f"{p}.chunk_mb", self.chunk_mb)
+        if self.max_message_mb <= self.chunk_mb + 1:
+            raise ConfigError(f"{p}.max_message_mb", f"must exceed chunk_mb + 1 = {self.chunk_mb + 1}, got {self.max_message_mb}")
 
 
 @dataclass
@@ -186,6 +209,7 @@ class RunConfig:
     mix2: MixConfig = field(default_factory=lambda: MixConfig(kind="global"))
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -196,7 +220,7 @@ class RunConfig:
             raise ConfigError("seed", f"must be >= 0, got {self.seed}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("model", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts"):
+        for name in ("model", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport"):
             getattr(self, name).check(name)
         if self.mix2.state:
             raise ConfigError("mix2.state", "only Mix1 can average the outer optimizer state")

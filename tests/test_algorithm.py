@@ -9,7 +9,7 @@ from gossiploco.consensus import average
 from gossiploco.data import TokenStream, load_corpus
 from gossiploco.model import build_model
 from gossiploco.optim import lr_factor
-from gossiploco.virtual import VirtualSwarm
+from gossiploco.runtime.virtual import VirtualSwarm
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,9 @@ class Exchange(ABC):
     bytes_received: int = 0
 
     @abstractmethod
-    def members(self) -> list[int]:
-        """The ranks currently in the group (sorted, including this peer). Non-blocking."""
+    def members(self, round_index: int | None = None) -> list[int]:
+        """The ranks taking part in round ``round_index``'s exchanges (sorted, including this peer
+        when it takes part). ``None``: the ranks taking part now. Non-blocking."""
 
     @abstractmethod
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
@@ -161,7 +162,7 @@ class MemoryExchange(Exchange):
         self.bytes_received = 0
         self._lock = threading.Lock()
 
-    def members(self) -> list[int]:
+    def members(self, round_index: int | None = None) -> list[int]:
         return self.hub.alive()
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:

@@ -137,7 +137,7 @@ class GlobalMix(Mixer):
     kind = "global"
 
     def _combine(self, flat, round_index, exchange):
-        members = exchange.members()
+        members = exchange.members(round_index)
         if len(members) <= 1:
             return flat, None
         return exchange.all_reduce_mean(f"{self.label}/{round_index}", flat, members), None
@@ -147,7 +147,7 @@ class GossipMix(Mixer):
     kind = "gossip"
 
     def _combine(self, flat, round_index, exchange):
-        partner = pair_matching(self.seed, round_index, self.label, exchange.members()).get(exchange.rank)
+        partner = pair_matching(self.seed, round_index, self.label, exchange.members(round_index)).get(exchange.rank)
         if partner is None:
             return flat, None
         theirs = exchange.swap(f"{self.label}/{round_index}", partner, flat)

@@ -24,9 +24,22 @@ Messages of one call:
   neighbour. ``cps`` (chunks per segment) follows from the payload size, the group size and
   ``chunk_bytes``, so every peer of a group must use the same ``chunk_bytes``.
 
-Every message carries two tensors: an int64 ``[total elements]`` (so a size mismatch is
-detected and raised as ``PeerFailed``) and the float32 chunk. ``bytes_sent``/``bytes_received``
-count the float32 chunk bytes only.
+Every message carries two tensors: an int64 ``meta`` vector (1 to 4 entries; for data chunks
+``[total elements, tag]``, so a size mismatch is detected and raised as ``PeerFailed``) and a
+float32 chunk. ``bytes_sent``/``bytes_received`` count the float32 chunk bytes only.
+
+Membership (a static peer list, made dynamic by ``hello`` messages): ``members(r)`` is the set
+of peers taking part in round r's exchanges. At construction every peer of the list takes part
+from round 0. A peer whose connection drops leaves the group and, when it comes back, stays
+*pending* until it says ``hello``: "I take part from round J on" (``announce``). A hello may ask
+for a reply; the reply carries the replier's own join round and ``current_round`` (the round it
+is in, -1 before the first), so a starting peer learns whether the swarm is already past round 0
+(``peer_rounds``) and must catch up by downloading state (``fetch_state`` from a peer that
+``serve_state``s; served by a service thread, never the receiver).
+
+Failing fast: when a call fails on this peer (deadline, lost peer, bad data), it sends ``abort``
+for that key to the call's other participants, so they fail at once instead of waiting out their
+deadline for chunks that will never come.
 
 Failure detection: a monitor on each DEALER reports TCP disconnects. A peer whose connection
 dropped after having been up (its process exited or crashed; ZMTP heartbeats catch a silent
@@ -36,7 +49,8 @@ never connected, or that stays connected but silent, makes calls raise ``Exchang
 their deadline (``timeout_s`` for the whole call).
 
 Known limits: a message rejected by the codec (including a payload holding NaN or Inf) is
-dropped, so the waiting call times out rather than failing fast. Messages that arrive before
+dropped, so the waiting call times out (it cannot know which call the message belonged to); its
+own abort then releases the other participants. Messages that arrive before
 anyone waits for them are kept up to ``mailbox_bytes``; past that, entries of keys nobody is
 waiting on are evicted oldest first, then incoming messages are dropped (logged, counted in
 ``dropped_messages``).
@@ -46,9 +60,12 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import torch
 import zmq
@@ -66,13 +83,19 @@ SEND_RETRY_S = 0.05
 """Longest wait between two tries of a send whose queue is full."""
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+CONTROL_SEND_S = 1.0
+"""Deadline for sending one control message (hello, abort, state request)."""
+MAX_ABORTED_KEYS = 4096
+FAILED_GRACE_S = 0.5
+"""A call waiting on a peer whose connection dropped waits this much longer for data already on its way."""
 _FLOAT_BYTES = 4
+_EMPTY = torch.empty(0, dtype=torch.float32)
 
 
 def _op_and_round(key: str) -> tuple[str, int]:
     """Header ``op`` and ``round`` for ``key``: ``"mix1/12"`` gives ``("mix1", 12)``; unknown prefixes are "monitor"."""
     prefix, _, rest = key.partition("/")
-    op = prefix if prefix in ("mix1", "mix2", "grad") else "monitor"
+    op = prefix if prefix in ("mix1", "mix2", "grad", "state", "hello") else "monitor"
     number = rest.split("/", 1)[0]
     return op, int(number) if number.isdigit() else 0
 
@@ -80,10 +103,22 @@ def _op_and_round(key: str) -> tuple[str, int]:
 class _Mail:
     """One received message waiting for its taker."""
 
-    __slots__ = ("total", "data", "nbytes", "arrived")
+    __slots__ = ("meta", "data", "nbytes", "arrived")
 
-    def __init__(self, total: int, data: torch.Tensor, nbytes: int):
-        self.total, self.data, self.nbytes, self.arrived = total, data, nbytes, time.monotonic()
+    def __init__(self, meta: list[int], data: torch.Tensor, nbytes: int):
+        self.meta, self.data, self.nbytes, self.arrived = meta, data, nbytes, time.monotonic()
+
+    @property
+    def total(self) -> int:
+        return self.meta[0]
+
+    @property
+    def tag(self) -> int:
+        return self.meta[1] if len(self.meta) > 1 else 0
+
+
+StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
+"""Returns (round, flat fp32 state) to hand a catching-up peer, or None when there is none yet."""
 
 
 class ZmqExchange(Exchange):
@@ -120,10 +155,17 @@ class ZmqExchange(Exchange):
         self._mail: dict[str, dict[tuple[int, int], _Mail]] = {}  # key -> (sender, chunk) -> message
         self._mail_bytes = 0
         self._active: dict[str, int] = {}  # keys with a call in progress -> number of calls
-        self._failed: set[int] = set()
+        self._failed: dict[int, float] = {}  # rank -> when its connection dropped
         self._connected: set[int] = set()
+        self._joined: dict[int, int] = {p: 0 for p in range(self.world)}  # rank -> first round; absent: pending
+        self._reported: dict[int, int] = {}  # rank -> current round it reported in a hello reply
+        self._aborted: OrderedDict[str, set[int]] = OrderedDict()  # key -> peers that abandoned it
         self._closed = False
         self._close_lock = threading.Lock()
+        self.current_round = -1
+        """The round this peer is in (set by its runtime; -1 before the first); told to peers in hello replies."""
+        self._state_provider: StateProvider | None = None
+        self._tasks: queue.Queue = queue.Queue(maxsize=64)  # (kind, peer, key, meta) for the service thread
 
         self._ctx = zmq.Context(io_threads=1)
         sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes))
@@ -163,12 +205,17 @@ class ZmqExchange(Exchange):
 
         self._receiver = threading.Thread(target=self._receive_loop, name=f"zmq-exchange-{rank}-recv", daemon=True)
         self._receiver.start()
+        self._service = threading.Thread(target=self._service_loop, name=f"zmq-exchange-{rank}-service", daemon=True)
+        self._service.start()
 
     # -- the Exchange interface ------------------------------------------------------------------
 
-    def members(self) -> list[int]:
+    def members(self, round_index: int | None = None) -> list[int]:
+        last = math.inf if round_index is None else round_index
         with self._cond:
-            return [r for r in range(self.world) if r not in self._failed]
+            if self._joined.get(self.rank, math.inf) > last:
+                return [self.rank]  # not taking part in that round: mixes with nobody
+            return [r for r, first in sorted(self._joined.items()) if first <= last and r not in self._failed]
 
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         if partner == self.rank:
@@ -184,12 +231,15 @@ class ZmqExchange(Exchange):
         self._begin(key)
         try:
             for c in range(n_chunks):
-                self._send(partner, key, c, total, mine[c * per_chunk:(c + 1) * per_chunk], deadline, what)
+                self._send(partner, key, c, [total, 0], mine[c * per_chunk:(c + 1) * per_chunk], deadline, what)
             result = torch.empty(total, dtype=torch.float32)
             for c in range(n_chunks):
                 part = result[c * per_chunk:(c + 1) * per_chunk]
-                part.copy_(self._take(key, partner, c, total, part.numel(), [partner], deadline, what))
+                part.copy_(self._take_data(key, partner, c, total, part.numel(), [partner], deadline, what))
             return result.reshape(flat.shape)
+        except (ExchangeTimeout, PeerFailed):
+            self._abort(key, [partner])
+            raise
         finally:
             self._end(key)
 
@@ -221,11 +271,11 @@ class ZmqExchange(Exchange):
         def step(s: int, send_seg: int, recv_seg: int, reduce: bool) -> None:
             out = segment(send_seg)
             for c in range(cps):
-                self._send(right, key, s * cps + c, total, out[c * per_chunk:(c + 1) * per_chunk], deadline, what)
+                self._send(right, key, s * cps + c, [total, 0], out[c * per_chunk:(c + 1) * per_chunk], deadline, what)
             into = segment(recv_seg)
             for c in range(cps):
                 part = into[c * per_chunk:(c + 1) * per_chunk]
-                got = self._take(key, left, s * cps + c, total, part.numel(), others, deadline, what)
+                got = self._take_data(key, left, s * cps + c, total, part.numel(), others, deadline, what)
                 if reduce:
                     part += got
                 else:
@@ -240,11 +290,16 @@ class ZmqExchange(Exchange):
             # the same bits (each segment was summed by exactly one peer).
             for s in range(n - 1):
                 step(n - 1 + s, me + 1 - s, me - s, reduce=False)
+        except (ExchangeTimeout, PeerFailed):
+            self._abort(key, others)
+            raise
         finally:
             self._end(key)
         return (acc / n).reshape(flat.shape)
 
-    def close(self) -> None:
+    def close(self, linger_s: float = 0.0) -> None:
+        """Stop: calls in progress and later raise ``ExchangeClosed``. ``linger_s > 0`` (a graceful
+        leave) gives messages already sent that long to reach their peers. Idempotent."""
         with self._close_lock:
             with self._cond:
                 if self._closed:
@@ -252,16 +307,21 @@ class ZmqExchange(Exchange):
                 self._closed = True
                 self._cond.notify_all()
             self._receiver.join(timeout=10)
-            if self._receiver.is_alive():
-                log.error("rank %d: receiver thread did not stop; leaking its sockets", self.rank)
+            self._service.join(timeout=10)
+            if self._receiver.is_alive() or self._service.is_alive():
+                log.error("rank %d: exchange threads did not stop; leaking their sockets", self.rank)
                 return
-            for dealer, lock in self._dealers.values():
+            monitors = {peer: monitor for monitor, peer in self._monitors.items()}
+            for peer, (dealer, lock) in self._dealers.items():
                 with lock:  # senders notice _closed within SEND_RETRY_S and release it
+                    # Stop the monitor while its reader is still open: libzmq's "monitor stopped"
+                    # event is a blocking send that would hang on a closed reader.
                     try:
                         dealer.disable_monitor()
                     except zmq.ZMQError:
                         pass
-                    dealer.close(linger=0)
+                    monitors[peer].close(linger=0)
+                    dealer.close(linger=int(1000 * linger_s))
             self._ctx.term()
 
     # -- extras ------------------------------------------------------------------------------------
@@ -277,17 +337,98 @@ class ZmqExchange(Exchange):
                 self._cond.wait(remaining)
             return len(self._connected) == self.world - 1
 
+    def connected(self) -> list[int]:
+        """Other peers with a live connection right now."""
+        with self._cond:
+            return sorted(self._connected)
+
+    def pending(self) -> list[int]:
+        """Connected peers outside the group: they came back and have not said hello yet."""
+        with self._cond:
+            return sorted(p for p in self._connected if p not in self._joined)
+
+    def drop_unconnected(self) -> list[int]:
+        """Move peers that never connected to pending (they join with a hello when they come). Returns them."""
+        with self._cond:
+            gone = [p for p in range(self.world) if p != self.rank and p not in self._connected and p in self._joined]
+            for p in gone:
+                del self._joined[p]
+            return gone
+
+    def announce(self, join_round: int, ask_reply: bool = True) -> None:
+        """Take part in exchanges from round ``join_round`` on, and tell every other peer so
+        (best effort: a peer that misses it keeps this peer pending or as it was).
+        ``join_round = -1`` is a probe: it changes no membership and only asks for replies."""
+        with self._cond:
+            if join_round >= 0:
+                self._joined[self.rank] = join_round
+            self._reported.clear()
+        for peer in range(self.world):
+            if peer != self.rank:
+                self._submit(("hello", peer, join_round, int(ask_reply)))
+
+    def peer_rounds(self, wait_s: float, peers: Sequence[int] | None = None) -> dict[int, int]:
+        """Current rounds other peers reported in replies to this peer's last ``announce``; waits
+        up to ``wait_s`` for a reply from each of ``peers`` (default: the connected ones)."""
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            want = set(self._connected if peers is None else peers)
+            while not want <= self._reported.keys() and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return dict(self._reported)
+
+    def serve_state(self, provider: StateProvider) -> None:
+        """Answer other peers' ``fetch_state`` with ``provider()`` (called on the service thread)."""
+        self._state_provider = provider
+
+    def fetch_state(self, peer: int, timeout_s: float | None = None) -> tuple[int, torch.Tensor]:
+        """Download ``(round, flat state)`` from ``peer``'s provider. Raises ``ExchangeError``."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        nonce = uuid.uuid4().hex[:16]
+        key = f"state/rep/{nonce}"
+        what = f"state download from {peer}"
+        self._begin(key)
+        try:
+            self._send(peer, f"state/req/{nonce}", 0, [0, 0], _EMPTY, deadline, what)
+            first = self._take(key, peer, 0, [peer], deadline, what)
+            if first.tag < 0:
+                raise PeerFailed(f"{what}: peer {peer} has no state to give yet")
+            total, round_index = first.total, first.tag
+            if total < 0:
+                raise PeerFailed(f"{what}: invalid total {total}")
+            per_chunk = self._chunk_elems()
+            n_chunks = max(1, math.ceil(total / per_chunk))
+            result = torch.empty(total, dtype=torch.float32)
+            got = first
+            for c in range(n_chunks):
+                if c:
+                    got = self._take(key, peer, c, [peer], deadline, what)
+                part = result[c * per_chunk:(c + 1) * per_chunk]
+                if got.total != total or got.data.numel() != part.numel():
+                    raise PeerFailed(f"{what}: chunk {c} has {got.data.numel()} elements, expected {part.numel()}")
+                part.copy_(got.data)
+            return round_index, result
+        finally:
+            self._end(key)
+
     # -- sending -----------------------------------------------------------------------------------
 
     def _chunk_elems(self) -> int:
         return max(1, self.chunk_bytes // _FLOAT_BYTES)
 
-    def _send(self, peer: int, key: str, chunk: int, total: int, data: torch.Tensor, deadline: float, what: str) -> None:
-        op, round_index = _op_and_round(key)
-        header = codec.Header(run=self.run_id, round=round_index, op=op, chunk=chunk, sender=self.rank, key=key)
-        frames = codec.encode(header, [torch.tensor([total], dtype=torch.int64), data])
+    def _send(self, peer: int, key: str, chunk: int, meta: list[int], data: torch.Tensor, deadline: float, what: str,
+              op: str | None = None) -> None:
+        derived, round_index = _op_and_round(key)
+        header = codec.Header(run=self.run_id, round=round_index, op=op or derived, chunk=chunk, sender=self.rank, key=key)
+        frames = codec.encode(header, [torch.tensor(meta, dtype=torch.int64), data])
         dealer, lock = self._dealers[peer]
-        with lock:
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ExchangeTimeout(f"{what}: the connection to {peer} stayed busy past the deadline")
+        try:
             while True:
                 if self._closed:
                     raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
@@ -303,8 +444,60 @@ class ZmqExchange(Exchange):
                 if remaining <= 0:
                     raise ExchangeTimeout(f"{what}: peer {peer} did not take data within {self.timeout_s:.1f}s")
                 dealer.poll(max(1, int(1000 * min(remaining, SEND_RETRY_S))), zmq.POLLOUT)
+        finally:
+            lock.release()
         with self._cond:
             self.bytes_sent += data.numel() * _FLOAT_BYTES
+
+    def _abort(self, key: str, peers: Sequence[int]) -> None:
+        """Tell ``peers`` this peer abandoned ``key`` (best effort, from the service thread)."""
+        for peer in peers:
+            if peer != self.rank:
+                self._submit(("abort", peer, key, 0))
+
+    def _submit(self, task: tuple) -> None:
+        try:
+            self._tasks.put_nowait(task)
+        except queue.Full:
+            log.warning("rank %d: service queue full; dropped a %s for %d", self.rank, task[0], task[1])
+
+    def _service_loop(self) -> None:
+        """Sends control messages and serves state requests, so the receiver thread never sends."""
+        while not self._closed:
+            try:
+                kind, peer, arg, flag = self._tasks.get(timeout=POLL_MS / 1000)
+            except queue.Empty:
+                continue
+            deadline = time.monotonic() + CONTROL_SEND_S
+            try:
+                if kind == "hello":
+                    self._send(peer, f"hello/{arg}", 0, [arg, self.current_round, flag], _EMPTY, deadline, "hello")
+                elif kind == "abort":
+                    self._send(peer, arg, 0, [0, 0], _EMPTY, deadline, "abort", op="abort")
+                elif kind == "state":
+                    self._serve_state(peer, arg)
+            except ExchangeClosed:
+                return
+            except ExchangeError as exc:
+                log.info("rank %d: %s to %d not sent: %s", self.rank, kind, peer, exc)
+            except Exception:  # noqa: BLE001 - a provider bug must not kill the service thread
+                log.exception("rank %d: serving %s to %d failed", self.rank, kind, peer)
+
+    def _serve_state(self, peer: int, nonce: str) -> None:
+        key = f"state/rep/{nonce}"
+        deadline = time.monotonic() + self.timeout_s
+        what = f"state upload to {peer}"
+        provider = self._state_provider
+        state = provider() if provider is not None else None
+        if state is None:
+            self._send(peer, key, 0, [0, -1], _EMPTY, deadline, what)
+            return
+        round_index, flat = state
+        flat = flat.detach().reshape(-1).to(torch.float32)
+        total, per_chunk = flat.numel(), self._chunk_elems()
+        for c in range(max(1, math.ceil(total / per_chunk))):
+            self._send(peer, key, c, [total, round_index], flat[c * per_chunk:(c + 1) * per_chunk], deadline, what)
+        log.info("rank %d: gave round %d state (%d values) to peer %d", self.rank, round_index, total, peer)
 
     # -- receiving ---------------------------------------------------------------------------------
 
@@ -323,9 +516,20 @@ class ZmqExchange(Exchange):
                 for mail in self._mail.pop(key, {}).values():
                     self._mail_bytes -= mail.nbytes
 
-    def _take(self, key: str, sender: int, chunk: int, total: int, numel: int, watch: Sequence[int],
-              deadline: float, what: str) -> torch.Tensor:
-        """Wait for message ``(key, sender, chunk)``; check it carries ``numel`` of ``total`` elements."""
+    def _take_data(self, key: str, sender: int, chunk: int, total: int, numel: int, watch: Sequence[int],
+                   deadline: float, what: str) -> torch.Tensor:
+        """``_take`` a data chunk and check it carries ``numel`` of ``total`` elements."""
+        mail = self._take(key, sender, chunk, watch, deadline, what)
+        if mail.total != total or mail.data.numel() != numel:
+            raise PeerFailed(f"{what}: peer {sender} sent chunk {chunk} of {mail.data.numel()} elements "
+                             f"(of {mail.total}); expected {numel} (of {total})")
+        return mail.data
+
+    def _take(self, key: str, sender: int, chunk: int, watch: Sequence[int], deadline: float, what: str) -> _Mail:
+        """Wait for message ``(key, sender, chunk)`` while ``sender`` is connected (or lost it less than
+        ``FAILED_GRACE_S`` ago: its last data may still be arriving) and no peer of ``watch``
+        abandoned ``key``. A peer that crashes is seen by the peer waiting on it, whose abort
+        then releases everyone else."""
         with self._cond:
             while True:
                 if self._closed:
@@ -335,18 +539,19 @@ class ZmqExchange(Exchange):
                 if mail is not None:
                     self._mail_bytes -= mail.nbytes
                     break
-                gone = sorted(p for p in watch if p in self._failed)
-                if gone:
-                    raise PeerFailed(f"{what}: peer(s) {gone} disconnected")
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                lost = self._failed.get(sender)
+                if lost is not None and now >= lost + FAILED_GRACE_S:
+                    raise PeerFailed(f"{what}: peer {sender} disconnected")
+                quit_ = sorted(p for p in watch if p in self._aborted.get(key, ()))
+                if quit_:
+                    raise PeerFailed(f"{what}: peer(s) {quit_} abandoned the exchange")
+                remaining = deadline - now
                 if remaining <= 0:
                     raise ExchangeTimeout(f"{what}: no chunk {chunk} from {sender} within {self.timeout_s:.1f}s")
-                self._cond.wait(remaining)
+                self._cond.wait(min(remaining, lost + FAILED_GRACE_S - now) if lost is not None else remaining)
             self.bytes_received += mail.nbytes
-        if mail.total != total or mail.data.numel() != numel:
-            raise PeerFailed(f"{what}: peer {sender} sent chunk {chunk} of {mail.data.numel()} elements "
-                             f"(of {mail.total}); expected {numel} (of {total})")
-        return mail.data
+        return mail
 
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
@@ -363,9 +568,7 @@ class ZmqExchange(Exchange):
         except Exception:  # noqa: BLE001 - a dying receiver must be logged; callers then time out
             log.exception("rank %d: receiver thread failed", self.rank)
         finally:
-            for monitor in self._monitors:
-                monitor.close(linger=0)
-            self._router.close(linger=0)
+            self._router.close(linger=0)  # the monitors are closed by close(), after their dealers stop them
 
     def _drain_router(self) -> None:
         for _ in range(1000):  # bounded, so close() and the monitors are not starved
@@ -390,10 +593,14 @@ class ZmqExchange(Exchange):
             raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
         if not 0 <= header.sender < self.world or header.sender == self.rank:
             raise MalformedMessage(f"sender {header.sender} is not another peer of this group of {self.world}")
-        if (len(tensors) != 2 or tensors[0].dtype != torch.int64 or tensors[0].shape != (1,)
-                or tensors[1].dtype != torch.float32 or tensors[1].dim() != 1):
-            raise MalformedMessage("expected an int64 [total] and a 1-d float32 chunk")
-        mail = _Mail(int(tensors[0].item()), tensors[1], tensors[1].numel() * _FLOAT_BYTES)
+        if (len(tensors) != 2 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1
+                or not 1 <= tensors[0].numel() <= 4 or tensors[1].dtype != torch.float32 or tensors[1].dim() != 1):
+            raise MalformedMessage("expected an int64 meta vector (1 to 4 entries) and a 1-d float32 chunk")
+        meta = [int(v) for v in tensors[0].tolist()]
+        if header.op in ("hello", "abort") or header.key.startswith("state/req/"):
+            self._control(header, meta)
+            return
+        mail = _Mail(meta, tensors[1], tensors[1].numel() * _FLOAT_BYTES)
         with self._cond:
             if self._mail_bytes + mail.nbytes > self.mailbox_bytes:
                 self._evict(mail.nbytes)
@@ -409,6 +616,33 @@ class ZmqExchange(Exchange):
             box[(header.sender, header.chunk)] = mail
             self._mail_bytes += mail.nbytes
             self._cond.notify_all()
+
+    def _control(self, header: codec.Header, meta: list[int]) -> None:
+        """A hello, abort or state request (validated by the caller). Runs on the receiver thread."""
+        sender = header.sender
+        if header.op == "abort":
+            with self._cond:
+                self._aborted.setdefault(header.key, set()).add(sender)
+                self._aborted.move_to_end(header.key)
+                while len(self._aborted) > MAX_ABORTED_KEYS:
+                    self._aborted.popitem(last=False)
+                self._cond.notify_all()
+        elif header.op == "hello":
+            if len(meta) != 3 or meta[0] < -1:
+                raise MalformedMessage(f"hello needs [join round >= -1, current round, ask reply], got {meta}")
+            join_round, current, ask_reply = meta
+            with self._cond:
+                if join_round >= 0:
+                    self._joined[sender] = join_round
+                if not ask_reply:
+                    self._reported[sender] = current
+                self._cond.notify_all()
+            if join_round >= 0:
+                log.info("rank %d: peer %d takes part from round %d (it is in round %d)", self.rank, sender, join_round, current)
+            if ask_reply:
+                self._submit(("hello", sender, self._joined.get(self.rank, -1), 0))
+        else:
+            self._submit(("state", sender, header.key.removeprefix("state/req/"), 0))
 
     def _evict(self, needed: int) -> None:
         """Drop whole keys nobody waits for, oldest first, until ``needed`` bytes fit. Holds ``_cond``."""
@@ -432,9 +666,10 @@ class ZmqExchange(Exchange):
             with self._cond:
                 if event["event"] == zmq.EVENT_CONNECTED:
                     self._connected.add(peer)
-                    self._failed.discard(peer)
+                    self._failed.pop(peer, None)
                 elif event["event"] == zmq.EVENT_DISCONNECTED and peer in self._connected:
                     self._connected.discard(peer)
-                    self._failed.add(peer)
+                    self._failed[peer] = time.monotonic()
+                    self._joined.pop(peer, None)  # back only after a hello
                     log.warning("rank %d: lost the connection to peer %d", self.rank, peer)
                 self._cond.notify_all()

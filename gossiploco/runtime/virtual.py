@@ -9,7 +9,6 @@ parameters in hand; the network peer computes the same quantities from per-worke
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,13 +19,12 @@ import torch
 from gossiploco import consensus
 from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
-from gossiploco.data import Corpus, TokenStream, heldout_batch, load_corpus, validation_batches
+from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
-from gossiploco.model import build_model
-from gossiploco.optim import InnerOptimizer
-from gossiploco.trainer import LocalTrainer, resolve_device
+from gossiploco.runtime.common import build_trainer, make_summary, measure_due
+from gossiploco.trainer import resolve_device
 
 TensorDict = dict[str, torch.Tensor]
 
@@ -47,11 +45,11 @@ class VirtualSwarm:
         self.device = resolve_device(device or cfg.device)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
         self.hub = MemoryHub(cfg.workers, cfg.timeouts.exchange_s)
-        self.trainers = [self._trainer(m) for m in range(cfg.workers)]
+        self.trainers = [build_trainer(cfg, self.corpus, self.device, m) for m in range(cfg.workers)]
         algo = SyncDP if cfg.mode == "sync-dp" else FactoredDiLoCo
         self.algos = [algo(t, cfg, self.hub.exchange(m)) for m, t in enumerate(self.trainers)]
         # A scratch model that holds averaged parameters for the JS monitor and validation.
-        self.eval_trainer = self._trainer(-1)
+        self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
         self.groups = group_by_block(self.trainers[0].names)
         self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
         self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
@@ -60,12 +58,6 @@ class VirtualSwarm:
         self.on_step: Callable[[int, dict | None], None] | None = None
         self._pending: dict = {}  # last round's communication stats, attached to the next record
         self._losses: list[float] = []  # training losses since the last record
-
-    def _trainer(self, worker: int) -> LocalTrainer:
-        cfg = self.cfg
-        model = build_model(cfg.model.size, self.corpus.vocab_size, cfg.data.seq_len, cfg.seed, self.device)
-        stream = TokenStream(self.corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.seed, max(worker, 0))
-        return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision)
 
     # -- measurement --------------------------------------------------------------------------
 
@@ -106,13 +98,13 @@ class VirtualSwarm:
     def run_round(self, r: int) -> list[RoundReport]:
         """One round of every worker: Mix1 launched, H inner steps (measured every N), Mix2 and outer step."""
         cfg = self.cfg
-        every = cfg.monitor.every
         if cfg.mode == "factored":
             for algo in self.algos:
                 algo.begin_round(r)
         for h in range(cfg.inner_steps):
-            if h == 0 or (every and h % every == 0):
-                self._record(r, h, val_loss=h == 0 and cfg.monitor.val_loss)
+            due, val_loss = measure_due(cfg, h)
+            if due:
+                self._record(r, h, val_loss=val_loss)
             self._losses += self._inner_step(r * cfg.inner_steps + h)
             if self.on_step:
                 self.on_step(1, None)
@@ -146,7 +138,10 @@ class VirtualSwarm:
             return [algo.inner_step() for algo in self.algos]
         # sync-dp: every worker's gradient first, then the all-reduce for all of them at once.
         losses = [algo.forward_backward() for algo in self.algos]
-        list(self.pool.map(lambda a: a.reduce_and_step(step), self.algos))
+        results = list(self.pool.map(lambda a: a.reduce_and_step(step), self.algos))
+        failures = sum(not res.ok for res in results)
+        if failures:
+            self._pending["grad_failures"] = self._pending.get("grad_failures", 0) + failures
         return losses
 
     def final_params(self) -> TensorDict:
@@ -162,25 +157,4 @@ def round_stats(reports: list[RoundReport]) -> dict:
         "mix2_bytes": sum(rep.mix2.bytes for rep in reports) // max(len(reports), 1),
         "mix1_wait_s": max(rep.mix1_wait_s for rep in reports),
         "mix2_s": max(rep.mix2_s for rep in reports),
-    }
-
-
-def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float, wall_s: float) -> dict:
-    cd_l2 = [r["cd_l2"] for r in records if "cd_l2" in r]
-    cd_js = [r["cd_js"] for r in records if "cd_js" in r]
-    return {
-        "config": cfg.name,
-        "mode": cfg.mode,
-        "model": cfg.model.size,
-        "seed": cfg.seed,
-        "workers": cfg.workers,
-        "inner_steps": cfg.inner_steps,
-        "rounds": cfg.rounds,
-        "final_val_loss": final_val_loss,
-        "final_val_ppl": math.exp(min(final_val_loss, 50.0)),
-        "max_cd_l2": max(cd_l2, default=0.0),
-        "max_cd_js": max(cd_js, default=0.0),
-        "mix1_failures": sum(r.get("mix1_failures", 0) for r in records),
-        "mix2_failures": sum(r.get("mix2_failures", 0) for r in records),
-        "wall_s": wall_s,
     }

@@ -1,0 +1,56 @@
+"""What the virtual swarm and the network peer share: building a worker, when to measure, the summary."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gossiploco.config import RunConfig
+from gossiploco.data import Corpus, TokenStream
+from gossiploco.model import build_model
+from gossiploco.optim import InnerOptimizer
+from gossiploco.trainer import LocalTrainer
+
+
+def build_trainer(cfg: RunConfig, corpus: Corpus, device: torch.device, worker: int) -> LocalTrainer:
+    """Worker ``worker``'s model (identical init everywhere), inner optimizer and data stream.
+
+    ``worker = -1`` builds a scratch model (for averaged parameters) with worker 0's stream.
+    """
+    model = build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed, device)
+    stream = TokenStream(corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.seed, max(worker, 0))
+    return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision)
+
+
+def measure_due(cfg: RunConfig, h: int) -> tuple[bool, bool]:
+    """(measure consensus, also measure validation loss) before inner step ``h`` of a round.
+
+    Every round is measured at h = 0 (with the validation loss when ``monitor.val_loss``) and
+    every ``monitor.every`` steps; the runtimes add one final measurement after the last round.
+    """
+    every = cfg.monitor.every
+    due = h == 0 or bool(every and h % every == 0)
+    return due, due and h == 0 and cfg.monitor.val_loss
+
+
+def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float | None, wall_s: float) -> dict:
+    cd_l2 = [r["cd_l2"] for r in records if "cd_l2" in r]
+    cd_js = [r["cd_js"] for r in records if "cd_js" in r]
+    return {
+        "config": cfg.name,
+        "mode": cfg.mode,
+        "model": cfg.model.size,
+        "seed": cfg.seed,
+        "workers": cfg.workers,
+        "inner_steps": cfg.inner_steps,
+        "rounds": cfg.rounds,
+        "final_val_loss": final_val_loss,
+        "final_val_ppl": math.exp(min(final_val_loss, 50.0)) if final_val_loss is not None else None,
+        "max_cd_l2": max(cd_l2, default=0.0),
+        "max_cd_js": max(cd_js, default=0.0),
+        "mix1_failures": sum(r.get("mix1_failures", 0) for r in records),
+        "mix2_failures": sum(r.get("mix2_failures", 0) for r in records),
+        "grad_failures": sum(r.get("grad_failures", 0) for r in records),
+        "wall_s": wall_s,
+    }

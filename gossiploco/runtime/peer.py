@@ -1,0 +1,365 @@
+"""The network peer: one worker of Algorithm 1 in its own process, mixing over ZeroMQ.
+
+The loop is the virtual swarm's, for one worker: ``FactoredDiLoCo`` (or ``SyncDP``) is the
+same class, only the exchange is a ``ZmqExchange``. Inner steps run on the main thread (GPU
+when available), Mix1 on the algorithm's background thread, Mix2 and the outer step block.
+
+Start-up (``_join``): wait up to ``timeouts.startup_s`` for every peer of the list to connect,
+then ask the connected peers which round they are in (``timeouts.hello_s``). If one is already
+past round 0, this peer was restarted (or started late): it downloads the current state
+(z, outer momentum, round k) from a live peer, trains round k on its own (identity mixing) and
+takes part in exchanges from round k + 1. The same catch-up runs at the start of any round in
+which this peer finds itself alone while other peers are connected (it was frozen and they
+went on without it). Peers that never connected are left out until they say hello.
+
+Consensus monitors over the network (same schedule and definitions as the virtual swarm):
+the peers all-reduce their current parameters (key ``monitor/r/h``) to get the average, each
+computes its own terms (sqrt of its squared L2 distance in total and per block, the squared
+distance, and its JS term against the averaged model's output on the shared held-out batch),
+and a second, tiny all-reduce averages the terms: CD_L2 (eq. 34), CD_L2^2 (eq. 40) and CD_JS
+(eq. 46) are exactly these means. Every peer logs the same swarm-wide values. The averaged
+parameters after the last round are the final model (Algorithm 1, line 15).
+
+Per-peer metrics add to the virtual swarm's fields the seconds this peer computed, blocked on
+Mix1 and in Mix2 and in the monitors, bytes sent and received, and each failure with its cause,
+so compute utilization is measured, not estimated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gossiploco import consensus
+from gossiploco.blocks import group_by_block
+from gossiploco.config import RunConfig
+from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
+from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
+from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
+from gossiploco.metrics import MetricsSink
+from gossiploco.mixing.operators import pack, unpack
+from gossiploco.runtime.common import build_trainer, make_summary, measure_due
+from gossiploco.trainer import resolve_device
+from gossiploco.transport.zmq_exchange import ZmqExchange
+
+log = logging.getLogger(__name__)
+TensorDict = dict[str, torch.Tensor]
+
+LEAVE_LINGER_S = 2.0
+"""After its last exchange a finishing peer keeps its sockets this long so its final chunks arrive."""
+
+
+def run_id_for(cfg: RunConfig) -> str:
+    """Default run id: the preset name plus a digest of everything peers must agree on.
+
+    Peers started with different settings (seed, model, mixing, data...) get different ids, so
+    their messages are rejected instead of silently mixed. The device may differ per peer.
+    """
+    shared = cfg.to_dict()
+    shared.pop("device", None)
+    digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{cfg.name}-{digest}"
+
+
+@dataclass
+class PeerResult:
+    final_params: TensorDict
+    """The averaged model after the last round (this peer's own z if the final average failed)."""
+    summary: dict
+    records: list[dict] = field(default_factory=list)
+
+
+class NetworkPeer:
+    """Rank ``rank`` of a static peer list ``endpoints`` (``tcp://HOST:PORT``, one per rank).
+
+    Build, then ``run()``. ``close()`` (idempotent) releases the sockets and threads.
+    """
+
+    def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str], *, run_id: str | None = None,
+                 corpus: Corpus | None = None, device: str | None = None):
+        if len(endpoints) != cfg.workers:
+            raise ConfigError("peers", f"{len(endpoints)} endpoints given but workers = {cfg.workers}")
+        if not 0 <= rank < len(endpoints):
+            raise ConfigError("rank", f"must be in 0..{len(endpoints) - 1}, got {rank}")
+        self.cfg = cfg
+        self.rank = rank
+        self.device = resolve_device(device or cfg.device)
+        self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
+        self.trainer = build_trainer(cfg, self.corpus, self.device, rank)
+        self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
+        self.names = self.trainer.names
+        self.groups = group_by_block(self.names)
+        self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
+        self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
+        self.run_id = run_id or run_id_for(cfg)
+        chunk = int(cfg.transport.chunk_mb * (1 << 20)) // 4 * 4
+        self.exchange = ZmqExchange(rank, endpoints, self.run_id, cfg.timeouts.exchange_s,
+                                    max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk)
+        self.algo: FactoredDiLoCo | SyncDP
+        if cfg.mode == "sync-dp":
+            self.algo = SyncDP(self.trainer, cfg, self.exchange)
+        else:
+            self.algo = FactoredDiLoCo(self.trainer, cfg, self.exchange)
+        self._snapshot: tuple[int, TensorDict, TensorDict] | None = None  # (round, z, momentum) at a round start
+        self.exchange.serve_state(self._provide_state)
+        self.sink = MetricsSink(None)
+        self.on_record: Callable[[dict], None] | None = None
+        self._losses: list[float] = []
+        self._pending: dict = {}
+        self._clock = {"compute_s": 0.0, "monitor_s": 0.0}
+        self._totals = {"compute_s": 0.0, "monitor_s": 0.0, "mix1_wait_s": 0.0, "mix2_s": 0.0, "grad_s": 0.0,
+                        "catchup_s": 0.0, "startup_s": 0.0}
+        self._counts = {"mix1_failures": 0, "mix2_failures": 0, "grad_failures": 0, "monitor_failures": 0,
+                        "catchups": 0}
+        self._final_params: TensorDict | None = None
+        self._closed = False
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self, sink: MetricsSink | None = None, on_record: Callable[[dict], None] | None = None) -> PeerResult:
+        """Join, train every round, measure the final model. Ctrl+C (KeyboardInterrupt) propagates after close()."""
+        self.sink = sink or MetricsSink(None)
+        self.on_record = on_record
+        start = time.perf_counter()
+        try:
+            t = time.perf_counter()
+            r = self._join()
+            self._totals["startup_s"] = time.perf_counter() - t
+            cfg = self.cfg
+            while r < cfg.rounds:
+                r = self._maybe_catch_up(r)
+                if r >= cfg.rounds:
+                    break
+                self._run_round(r)
+                r += 1
+            self.exchange.current_round = cfg.rounds
+            final = self._record(cfg.rounds, 0, val_loss=True, final=True)
+        except BaseException:
+            self.close()
+            raise
+        self.close(linger_s=LEAVE_LINGER_S)
+        wall = time.perf_counter() - start
+        summary = make_summary(self.cfg, self.sink.records, final.get("val_loss"), wall)
+        summary.update(self._peer_summary(wall))
+        return PeerResult(final_params=self._final_params or self._own_params(), summary=summary, records=self.sink.records)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the exchange first (wakes a Mix1 still waiting), then the algorithm's thread. Idempotent.
+        ``linger_s``: after a finished run, time for this peer's last sends to reach the others."""
+        if self._closed:
+            return
+        self._closed = True
+        self.exchange.close(linger_s=linger_s)
+        self.algo.close()
+
+    # -- joining and catching up -------------------------------------------------------------------
+
+    def _join(self) -> int:
+        """Wait for the others, ask where they are; returns the round this peer starts with."""
+        ex, t = self.exchange, self.cfg.timeouts
+        if not ex.wait_connected(t.startup_s):
+            log.warning("rank %d: peers %s not connected after %.0fs; starting without them until they say hello",
+                        self.rank, ex.drop_unconnected(), t.startup_s)
+        rounds = self._ask_rounds()
+        ahead = {p: r for p, r in rounds.items() if r >= 1}
+        if not ahead:
+            return 0
+        return self._catch_up(ahead, fresh=True)
+
+    def _ask_rounds(self) -> dict[int, int]:
+        ex = self.exchange
+        ex.announce(-1)  # a probe: changes no membership, asks every peer for its round
+        return ex.peer_rounds(self.cfg.timeouts.hello_s)
+
+    def _maybe_catch_up(self, r: int) -> int:
+        """At a round start: alone while others are connected means the swarm went on without us."""
+        ex = self.exchange
+        if self.cfg.workers == 1 or ex.members(r) != [self.rank] or not ex.pending():
+            return r
+        rounds = self._ask_rounds()
+        ahead = {p: k for p, k in rounds.items() if k > r}
+        if ahead:
+            return self._catch_up(ahead, fresh=False)
+        ex.announce(r)  # they are not ahead: just take part again from this round
+        return r
+
+    def _catch_up(self, ahead: dict[int, int], fresh: bool) -> int:
+        """Download (z, momentum, round k) from a peer that is ahead; take part from round k + 1."""
+        if self.cfg.mode == "sync-dp":
+            raise ExchangeError(f"rank {self.rank}: the swarm is past round 0 (peers' rounds {ahead}) and the "
+                                "sync-dp baseline cannot rejoin a running swarm; restart every peer")
+        start = time.perf_counter()
+        latest = max(ahead.values())
+        donors = sorted(p for p, k in ahead.items() if k == latest)
+        donors = donors[self.rank % len(donors):] + donors[:self.rank % len(donors)]  # spread newcomers over donors
+        algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
+        for donor in donors:
+            try:
+                k, flat = self.exchange.fetch_state(donor)
+            except ExchangeClosed:
+                raise
+            except ExchangeError as exc:
+                log.warning("rank %d: state download from %d failed: %s", self.rank, donor, exc)
+                continue
+            if flat.numel() != 2 * sum(algo.z[n].numel() for n in self.names) or not torch.isfinite(flat).all():
+                log.warning("rank %d: peer %d sent an unusable state (%d values); trying another", self.rank, donor, flat.numel())
+                continue
+            z, momentum = unpack(flat, [algo.z, algo.momentum], self.names)
+            algo.z = {n: v.clone() for n, v in z.items()}
+            algo.momentum = {n: v.clone() for n, v in momentum.items()}
+            self.trainer.load_params(algo.z)
+            self.trainer.inner_opt.step_index = k * self.cfg.inner_steps
+            self.exchange.announce(k + 1, ask_reply=False)
+            self._counts["catchups"] += 1
+            self._totals["catchup_s"] += time.perf_counter() - start
+            log.warning("rank %d: %s; caught up from peer %d at round %d, mixing again from round %d",
+                        self.rank, "joined a running swarm" if fresh else "fell behind the swarm", donor, k, k + 1)
+            self._pending["catchup_from"] = donor
+            return k
+        self._totals["catchup_s"] += time.perf_counter() - start
+        raise ExchangeError(f"rank {self.rank}: the swarm is ahead (rounds {ahead}) and no peer gave its state")
+
+    def _provide_state(self) -> tuple[int, torch.Tensor] | None:
+        """State for a catching-up peer: (k, [z_k, momentum_k]) of the round this peer last started."""
+        snapshot = self._snapshot
+        if snapshot is None:
+            return None
+        k, z, momentum = snapshot
+        return k, pack([z, momentum], self.names)
+
+    # -- one round -----------------------------------------------------------------------------
+
+    def _run_round(self, r: int) -> None:
+        cfg = self.cfg
+        self.exchange.current_round = r
+        factored = cfg.mode == "factored"
+        if factored:
+            algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
+            self._snapshot = (r, algo.z, algo.momentum)  # outer_step makes new dicts: safe to hand out
+            algo.begin_round(r)
+        for h in range(cfg.inner_steps):
+            due, val_loss = measure_due(cfg, h)
+            if due:
+                self._record(r, h, val_loss=val_loss)
+            t = time.perf_counter()
+            if factored:
+                loss = self.algo.inner_step()
+                self._clock["compute_s"] += time.perf_counter() - t
+            else:
+                loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
+            self._losses.append(loss)
+        if factored:
+            self._round_done(self.algo.end_round(r))
+
+    def _sync_dp_step(self, step: int, start: float) -> float:
+        algo: SyncDP = self.algo  # type: ignore[assignment]
+        loss = algo.forward_backward()
+        self._clock["compute_s"] += time.perf_counter() - start
+        t = time.perf_counter()
+        result = algo.reduce_and_step(step)
+        self._totals["grad_s"] += time.perf_counter() - t
+        if not result.ok:
+            self._counts["grad_failures"] += 1
+            self._pending["grad_failures"] = self._pending.get("grad_failures", 0) + 1
+            self._pending["grad_cause"] = result.cause
+        return loss
+
+    def _round_done(self, rep: RoundReport) -> None:
+        stats = {
+            "mix1_failures": int(not rep.mix1.ok), "mix2_failures": int(not rep.mix2.ok),
+            "mix1_bytes": rep.mix1.bytes, "mix2_bytes": rep.mix2.bytes,
+            "mix1_s": rep.mix1.seconds, "mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s, "outer_s": rep.outer_s,
+        }
+        for mix in ("mix1", "mix2"):
+            res = getattr(rep, mix)
+            if not res.ok:
+                stats[f"{mix}_cause"] = res.cause
+                self._counts[f"{mix}_failures"] += 1
+            if res.partner is not None:
+                stats[f"{mix}_partner"] = res.partner
+        self._totals["mix1_wait_s"] += rep.mix1_wait_s
+        self._totals["mix2_s"] += rep.mix2_s
+        self._pending.update(stats)
+
+    # -- measurement -------------------------------------------------------------------------------
+
+    def _own_params(self) -> TensorDict:
+        return self.trainer.params_cpu()
+
+    def _record(self, r: int, h: int, *, val_loss: bool, final: bool = False) -> dict:
+        t = time.perf_counter()
+        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
+        record.update(self._measure(r, h, val_loss=val_loss, final=final))
+        self._clock["monitor_s"] += time.perf_counter() - t
+        if self._losses:
+            record["loss"] = sum(self._losses) / len(self._losses)
+        record.update(self._pending)
+        for k, v in self._clock.items():
+            record[k] = v
+            self._totals[k] += v
+        record["bytes_sent"] = self.exchange.bytes_sent
+        record["bytes_received"] = self.exchange.bytes_received
+        record["members"] = len(self.exchange.members(r))
+        self._pending, self._losses = {}, []
+        self._clock = dict.fromkeys(self._clock, 0.0)
+        self.sink.write(record)
+        if self.on_record:
+            self.on_record(record)
+        return record
+
+    def _measure(self, r: int, h: int, *, val_loss: bool, final: bool) -> dict:
+        """Swarm-wide consensus from per-peer terms (module docstring); own values if the group fails."""
+        ex = self.exchange
+        params = self._own_params()
+        members = ex.members(r)
+        out: dict = {}
+        try:
+            flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members)
+            if not torch.isfinite(flat).all():
+                raise ExchangeError("non-finite average")
+            avg = unpack(flat, [params], self.names)[0]
+            terms = consensus.l2_term(params, avg, self.groups)
+            self.eval_trainer.load_params(avg)
+            avg_logits = self.eval_trainer.logits(self.heldout)
+            js = consensus.js_term(self.trainer.logits(self.heldout), avg_logits, self.cfg.monitor.js_top_k)
+            blocks = list(terms)
+            total = sum(terms.values())
+            mine = torch.tensor([math.sqrt(total), total, js] + [math.sqrt(terms[b]) for b in blocks], dtype=torch.float32)
+            mean = ex.all_reduce_mean(f"monitor/{r}/{h}/terms", mine, members).tolist()
+            out.update(cd_l2=mean[0], cd_l2_sq=mean[1], cd_js=mean[2],
+                       cd_l2_blocks={b: mean[3 + i] for i, b in enumerate(blocks)}, monitor_peers=len(members))
+            if final:
+                self._final_params = {n: v.clone() for n, v in avg.items()}
+        except ExchangeClosed:
+            raise
+        except ExchangeError as exc:
+            self._counts["monitor_failures"] += 1
+            out["monitor_cause"] = f"{type(exc).__name__}: {exc}"
+            log.warning("rank %d: monitor average at round %d h %d failed: %s", self.rank, r, h, exc)
+            self.eval_trainer.load_params(params)  # validation loss of this peer's own model
+        if val_loss:
+            out["val_loss"] = self.eval_trainer.evaluate(self.val_batches)
+        return out
+
+    def _peer_summary(self, wall: float) -> dict:
+        totals = dict(self._totals)
+        return {
+            "rank": self.rank,
+            "run_id": self.run_id,
+            "compute_utilization": totals["compute_s"] / wall if wall > 0 else 0.0,
+            **{f"total_{k}": v for k, v in totals.items()},
+            **{k: v for k, v in self._counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
+            "bytes_sent": self.exchange.bytes_sent,
+            "bytes_received": self.exchange.bytes_received,
+            "malformed_messages": self.exchange.malformed_messages,
+            "dropped_messages": self.exchange.dropped_messages,
+            "final_model": "averaged" if self._final_params is not None else "own",
+        }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -10,27 +12,39 @@ from gossiploco.config import load_config
 torch.set_num_threads(2)
 
 
+TINY = {
+    "model.size": "tiny",
+    "workers": 4,
+    "inner_steps": 4,
+    "rounds": 3,
+    "seed": 0,
+    "device": "cpu",
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "data.heldout_batch_size": 4,
+    "data.val_batches": 2,
+    "data.max_corpus_mb": 2.0,
+    "monitor.every": 2,
+    "timeouts.exchange_s": 30.0,
+    "inner.warmup_steps": 2,
+    "inner.lr": 3e-3,
+}
+"""Overrides that scale a preset down for tests: tiny model, short sequences, a 2 MB slice of the stdlib corpus."""
+
+
 def tiny_config(preset: str, **overrides):
-    """A preset scaled down for tests: tiny model, short sequences, a 2 MB slice of the stdlib corpus."""
-    base = {
-        "model.size": "tiny",
-        "workers": 4,
-        "inner_steps": 4,
-        "rounds": 3,
-        "seed": 0,
-        "device": "cpu",
-        "data.seq_len": 32,
-        "data.batch_size": 4,
-        "data.heldout_batch_size": 4,
-        "data.val_batches": 2,
-        "data.max_corpus_mb": 2.0,
-        "monitor.every": 2,
-        "timeouts.exchange_s": 30.0,
-        "inner.warmup_steps": 2,
-        "inner.lr": 3e-3,
-    }
-    base.update(overrides)
-    return load_config(preset, base)
+    """A preset scaled down for tests (``TINY``), plus ``overrides``."""
+    return load_config(preset, {**TINY, **overrides})
+
+
+def tiny_peer_args(preset: str, **overrides) -> list[str]:
+    """``gossiploco peer`` arguments giving the same config as ``tiny_config(preset, **overrides)``."""
+    args = ["--config", preset, "--quiet"]
+    for key, value in {**TINY, **overrides}.items():
+        if key == "workers":
+            continue  # a peer's world size is the length of --peers
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    return args
 
 
 @pytest.fixture

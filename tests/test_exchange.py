@@ -57,6 +57,7 @@ class ZmqGroup:
         for attempt in range(5):  # a free port may be taken between the probe and the bind
             endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(world)]
             try:
+                self.endpoints, self.run_id, self.timeout_s, self.options = endpoints, run_id, timeout_s, options
                 for r in range(world):
                     self.exchanges.append(ZmqExchange(r, endpoints, run_id, timeout_s, **options))
                 break
@@ -69,6 +70,12 @@ class ZmqGroup:
 
     def crash(self, rank: int) -> None:
         self.exchanges[rank].close()
+
+    def restart(self, rank: int) -> ZmqExchange:
+        """A fresh exchange for ``rank`` at its old address (a restarted process)."""
+        self.exchanges[rank].close()
+        self.exchanges[rank] = ZmqExchange(rank, self.endpoints, self.run_id, self.timeout_s, **self.options)
+        return self.exchanges[rank]
 
     def close(self) -> None:
         for ex in self.exchanges:

@@ -176,3 +176,72 @@ def test_header_op_and_round_come_from_the_key():
     assert _op_and_round("grad/7") == ("grad", 7)
     assert _op_and_round("cd/4") == ("monitor", 4)
     assert _op_and_round("k") == ("monitor", 0)
+
+
+# -- membership, aborts, state transfer, fault injection -------------------------------------------
+
+
+def test_a_returning_peer_is_pending_until_it_says_hello_and_joins_from_its_round(groups):
+    g = groups(3)
+    ex0, ex1 = g.exchanges[0], g.exchanges[1]
+    assert ex0.members(0) == [0, 1, 2]
+    g.crash(2)
+    assert wait_until(lambda: ex0.members() == [0, 1] and ex1.members() == [0, 1])
+    back = g.restart(2)
+    assert back.wait_connected(10.0)
+    assert wait_until(lambda: 2 in ex0.pending() and 2 in ex1.pending())
+    assert ex0.members(5) == [0, 1]  # connected again, but not taking part yet
+
+    ex0.current_round, ex1.current_round = 7, 6
+    back.announce(-1)  # a probe changes nothing and asks for rounds
+    assert back.peer_rounds(5.0) == {0: 7, 1: 6}
+    assert ex0.members(5) == [0, 1]
+    back.announce(8, ask_reply=False)
+    assert wait_until(lambda: 2 in ex0.members(8) and 2 in ex1.members(8))
+    assert ex0.members(7) == [0, 1] and ex0.pending() == []
+    assert back.members(7) == [2] and back.members(8) == [0, 1, 2]  # alone before its join round
+    values = [torch.full((10,), float(r)) for r in range(3)]
+    out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("mix1/8", values[r], [0, 1, 2]) for r in range(3)])
+    assert all(torch.equal(o, torch.full((10,), 1.0)) for o in out)
+
+
+def test_a_failed_call_aborts_the_others_at_once(groups):
+    g = groups(3, timeout_s=20.0)
+    sizes = [100, 100, 77]  # rank 2 is inconsistent: its neighbour detects it and abandons the call
+    start = time.monotonic()
+    results = run_all([lambda r=r: _outcome(lambda: g.exchanges[r].all_reduce_mean("k/1", torch.ones(sizes[r]), [0, 1, 2]))
+                       for r in range(3)])
+    assert time.monotonic() - start < 5.0, "the others must not wait out the 20 s deadline"
+    assert all(isinstance(res, PeerFailed) for res in results), results
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+
+
+def test_state_download_is_chunked_exact_and_refused_when_there_is_none(groups):
+    g = groups(2, chunk_bytes=1024, max_message_bytes=1 << 20)
+    donor, newcomer = g.exchanges
+    with pytest.raises(PeerFailed, match="no state"):
+        newcomer.fetch_state(0)
+    state = torch.randn(5000)
+    donor.serve_state(lambda: (12, state))
+    round_index, got = newcomer.fetch_state(0)
+    assert round_index == 12 and torch.equal(got, state)
+    assert newcomer.bytes_received >= state.numel() * 4
+
+
+def test_fault_injection_spec_is_parsed_strictly():
+    import signal
+
+    from gossiploco.transport.zmq_exchange import _parse_fault
+
+    assert _parse_fault(None) is None
+    assert _parse_fault("KILL:mix1/2:3") == (int(signal.SIGKILL), "mix1/2", 3)
+    assert _parse_fault("stop:monitor/1/0:0") == (int(signal.SIGSTOP), "monitor/1/0", 0)
+    for bad in ("KILL", "NOPE:mix1/2:3", "KILL:mix1/2:x"):
+        with pytest.raises(ValueError, match="SIGNAL:KEY:CHUNK"):
+            _parse_fault(bad)

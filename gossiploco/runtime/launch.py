@@ -37,6 +37,7 @@ class LocalPeers:
 
     def __init__(self, count: int, out_dir: str | Path, args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  per_rank: dict[int, Sequence[str]] | None = None, env: dict[str, str] | None = None):
+        """``env``: extra environment for every peer (``start`` adds per-rank extras)."""
         self.count = count
         self.out_dir = Path(out_dir)
         self.args = list(args)
@@ -56,14 +57,18 @@ class LocalPeers:
         return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), "--peers", ",".join(self.endpoints),
                 "--out", str(self.peer_dir(rank)), *self.args, *self.per_rank.get(rank, ())]
 
-    def start(self, ranks: Sequence[int] | None = None) -> LocalPeers:
-        """Start the given ranks (default: all); a rank started again (a restart) gets a fresh log section."""
+    def start(self, ranks: Sequence[int] | None = None, env: dict[int, dict[str, str]] | None = None) -> LocalPeers:
+        """Start ``ranks`` (default: all), with extra environment ``env[rank]``. A rank started again
+        (a restart) appends to its log."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.count) if ranks is None else ranks:
+            old = self._logs.pop(rank, None)
+            if old is not None:
+                old.close()
             log = self.log_path(rank).open("a")
             self._logs[rank] = log
-            self.procs[rank] = subprocess.Popen(self.command(rank), stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                                start_new_session=True)
+            self.procs[rank] = subprocess.Popen(self.command(rank), stdout=log, stderr=subprocess.STDOUT,
+                                                env={**self.env, **(env or {}).get(rank, {})}, start_new_session=True)
         return self
 
     def signal(self, rank: int, sig: int) -> None:

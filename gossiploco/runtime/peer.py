@@ -297,6 +297,7 @@ class NetworkPeer:
     def _record(self, r: int, h: int, *, val_loss: bool, final: bool = False) -> dict:
         t = time.perf_counter()
         record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
+        record["members"] = len(self.exchange.members(r))  # the group this measurement averages over
         record.update(self._measure(r, h, val_loss=val_loss, final=final))
         self._clock["monitor_s"] += time.perf_counter() - t
         if self._losses:
@@ -307,7 +308,6 @@ class NetworkPeer:
             self._totals[k] += v
         record["bytes_sent"] = self.exchange.bytes_sent
         record["bytes_received"] = self.exchange.bytes_received
-        record["members"] = len(self.exchange.members(r))
         self._pending, self._losses = {}, []
         self._clock = dict.fromkeys(self._clock, 0.0)
         self.sink.write(record)
@@ -335,7 +335,7 @@ class NetworkPeer:
             mine = torch.tensor([math.sqrt(total), total, js] + [math.sqrt(terms[b]) for b in blocks], dtype=torch.float32)
             mean = ex.all_reduce_mean(f"monitor/{r}/{h}/terms", mine, members).tolist()
             out.update(cd_l2=mean[0], cd_l2_sq=mean[1], cd_js=mean[2],
-                       cd_l2_blocks={b: mean[3 + i] for i, b in enumerate(blocks)}, monitor_peers=len(members))
+                       cd_l2_blocks={b: mean[3 + i] for i, b in enumerate(blocks)})
             if final:
                 self._final_params = {n: v.clone() for n, v in avg.items()}
         except ExchangeClosed:

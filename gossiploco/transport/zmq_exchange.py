@@ -41,12 +41,13 @@ Failing fast: when a call fails on this peer (deadline, lost peer, bad data), it
 for that key to the call's other participants, so they fail at once instead of waiting out their
 deadline for chunks that will never come.
 
-Failure detection: a monitor on each DEALER reports TCP disconnects. A peer whose connection
-dropped after having been up (its process exited or crashed; ZMTP heartbeats catch a silent
-machine within ``HEARTBEAT_TIMEOUT_MS``) is marked failed: it leaves ``members()`` and calls
-waiting on it raise ``PeerFailed`` at once. It rejoins when the connection is back. A peer that
-never connected, or that stays connected but silent, makes calls raise ``ExchangeTimeout`` at
-their deadline (``timeout_s`` for the whole call).
+Failure detection: a monitor on each DEALER reports ZMTP handshakes and disconnects. A peer whose
+connection dropped after having been up (its process exited or crashed; ZMTP heartbeats catch a
+frozen process or a silent machine within ``HEARTBEAT_TIMEOUT_MS``) is marked failed: it leaves
+``members()``, and a call waiting for data from it raises ``PeerFailed`` after
+``FAILED_GRACE_S`` (data it sent before dying may still be arriving). When it comes back it is
+pending until it says hello. A peer that never connected, or that stays connected but silent,
+makes calls raise ``ExchangeTimeout`` at their deadline (``timeout_s`` for the whole call).
 
 Known limits: a message rejected by the codec (including a payload holding NaN or Inf) is
 dropped, so the waiting call times out (it cannot know which call the message belonged to); its
@@ -60,7 +61,9 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -88,6 +91,10 @@ CONTROL_SEND_S = 1.0
 MAX_ABORTED_KEYS = 4096
 FAILED_GRACE_S = 0.5
 """A call waiting on a peer whose connection dropped waits this much longer for data already on its way."""
+FAULT_ENV = "GOSSIPLOCO_FAULT"
+"""Fault injection for tests: ``SIGNAL:KEY:CHUNK`` (``KILL:mix1/2:3``) makes this process send
+itself SIGNAL just before it sends chunk CHUNK of exchange KEY, i.e. in the middle of a real
+exchange. Unset in normal use."""
 _FLOAT_BYTES = 4
 _EMPTY = torch.empty(0, dtype=torch.float32)
 
@@ -98,6 +105,16 @@ def _op_and_round(key: str) -> tuple[str, int]:
     op = prefix if prefix in ("mix1", "mix2", "grad", "state", "hello") else "monitor"
     number = rest.split("/", 1)[0]
     return op, int(number) if number.isdigit() else 0
+
+
+def _parse_fault(spec: str | None) -> tuple[int, str, int] | None:
+    if not spec:
+        return None
+    try:
+        name, key, chunk = spec.rsplit(":", 2)
+        return int(getattr(signal, f"SIG{name.upper()}")), key, int(chunk)
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected SIGNAL:KEY:CHUNK, e.g. KILL:mix1/2:3") from exc
 
 
 class _Mail:
@@ -155,7 +172,8 @@ class ZmqExchange(Exchange):
         self._mail: dict[str, dict[tuple[int, int], _Mail]] = {}  # key -> (sender, chunk) -> message
         self._mail_bytes = 0
         self._active: dict[str, int] = {}  # keys with a call in progress -> number of calls
-        self._failed: dict[int, float] = {}  # rank -> when its connection dropped
+        self._failed: dict[int, float] = {}  # rank -> when its connection dropped (cleared on reconnect)
+        self._lost_at: dict[int, float] = {}  # rank -> when its connection last dropped (kept)
         self._connected: set[int] = set()
         self._joined: dict[int, int] = {p: 0 for p in range(self.world)}  # rank -> first round; absent: pending
         self._reported: dict[int, int] = {}  # rank -> current round it reported in a hello reply
@@ -166,6 +184,7 @@ class ZmqExchange(Exchange):
         """The round this peer is in (set by its runtime; -1 before the first); told to peers in hello replies."""
         self._state_provider: StateProvider | None = None
         self._tasks: queue.Queue = queue.Queue(maxsize=64)  # (kind, peer, key, meta) for the service thread
+        self._fault = _parse_fault(os.environ.get(FAULT_ENV))
 
         self._ctx = zmq.Context(io_threads=1)
         sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes))
@@ -197,7 +216,9 @@ class ZmqExchange(Exchange):
             dealer.setsockopt(zmq.ROUTING_ID, str(rank).encode())
             dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
+            # TCP connections, but only a live peer completes the handshake.
+            monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
             monitor.setsockopt(zmq.LINGER, 0)
             dealer.connect(self.endpoints[peer])
             self._dealers[peer] = (dealer, threading.Lock())
@@ -384,10 +405,10 @@ class ZmqExchange(Exchange):
         """Answer other peers' ``fetch_state`` with ``provider()`` (called on the service thread)."""
         self._state_provider = provider
 
-    def fetch_state(self, peer: int, timeout_s: float | None = None) -> tuple[int, torch.Tensor]:
-        """Download ``(round, flat state)`` from ``peer``'s provider. Raises ``ExchangeError``."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
+    def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:
+        """Download ``(round, flat state)`` from ``peer``'s provider within the exchange deadline.
+        Raises ``ExchangeError``."""
+        deadline = time.monotonic() + self.timeout_s
         nonce = uuid.uuid4().hex[:16]
         key = f"state/rep/{nonce}"
         what = f"state download from {peer}"
@@ -422,6 +443,9 @@ class ZmqExchange(Exchange):
 
     def _send(self, peer: int, key: str, chunk: int, meta: list[int], data: torch.Tensor, deadline: float, what: str,
               op: str | None = None) -> None:
+        if self._fault is not None and self._fault[1:] == (key, chunk):
+            log.warning("rank %d: %s: raising signal %d before chunk %d of %r", self.rank, FAULT_ENV, self._fault[0], chunk, key)
+            os.kill(os.getpid(), self._fault[0])
         derived, round_index = _op_and_round(key)
         header = codec.Header(run=self.run_id, round=round_index, op=op or derived, chunk=chunk, sender=self.rank, key=key)
         frames = codec.encode(header, [torch.tensor(meta, dtype=torch.int64), data])
@@ -526,10 +550,12 @@ class ZmqExchange(Exchange):
         return mail.data
 
     def _take(self, key: str, sender: int, chunk: int, watch: Sequence[int], deadline: float, what: str) -> _Mail:
-        """Wait for message ``(key, sender, chunk)`` while ``sender`` is connected (or lost it less than
-        ``FAILED_GRACE_S`` ago: its last data may still be arriving) and no peer of ``watch``
-        abandoned ``key``. A peer that crashes is seen by the peer waiting on it, whose abort
-        then releases everyone else."""
+        """Wait for message ``(key, sender, chunk)`` while ``sender`` kept its connection since the
+        call began (a lost connection counts after ``FAILED_GRACE_S``: its last data may still be
+        arriving; a reconnection does not help, data in flight was lost) and no peer of ``watch``
+        abandoned ``key``. A peer that crashes is seen by the peer waiting on it, whose abort then
+        releases everyone else."""
+        began = deadline - self.timeout_s
         with self._cond:
             while True:
                 if self._closed:
@@ -540,7 +566,9 @@ class ZmqExchange(Exchange):
                     self._mail_bytes -= mail.nbytes
                     break
                 now = time.monotonic()
-                lost = self._failed.get(sender)
+                lost = self._lost_at.get(sender)
+                if lost is not None and lost < began:
+                    lost = None
                 if lost is not None and now >= lost + FAILED_GRACE_S:
                     raise PeerFailed(f"{what}: peer {sender} disconnected")
                 quit_ = sorted(p for p in watch if p in self._aborted.get(key, ()))
@@ -664,12 +692,12 @@ class ZmqExchange(Exchange):
             except zmq.Again:
                 return
             with self._cond:
-                if event["event"] == zmq.EVENT_CONNECTED:
+                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._connected.add(peer)
                     self._failed.pop(peer, None)
                 elif event["event"] == zmq.EVENT_DISCONNECTED and peer in self._connected:
                     self._connected.discard(peer)
-                    self._failed[peer] = time.monotonic()
+                    self._failed[peer] = self._lost_at[peer] = time.monotonic()
                     self._joined.pop(peer, None)  # back only after a hello
                     log.warning("rank %d: lost the connection to peer %d", self.rank, peer)
                 self._cond.notify_all()

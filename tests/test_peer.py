@@ -1,0 +1,139 @@
+"""Real peer processes on loopback: every preset matches the virtual swarm, and remote faults
+(SIGKILL mid-all-reduce, SIGSTOP mid-gossip, a restart) never stall or crash the survivors."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_config, tiny_peer_args
+from gossiploco.config import preset_names
+from gossiploco.runtime.launch import LocalPeers
+from gossiploco.runtime.virtual import VirtualSwarm
+from gossiploco.transport.zmq_exchange import FAULT_ENV
+
+ENV = {"OMP_NUM_THREADS": "1"}  # four processes share two cores
+
+
+def records(peers: LocalPeers, rank: int) -> list[dict]:
+    path = peers.peer_dir(rank) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def summary(peers: LocalPeers, rank: int) -> dict:
+    return json.loads((peers.peer_dir(rank) / "summary.json").read_text())
+
+
+def model(peers: LocalPeers, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(peers.peer_dir(rank) / "model.pt", weights_only=True)
+
+
+def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    num = sum(float((a[n].double() - b[n].double()).norm() ** 2) for n in b)
+    den = sum(float(b[n].double().norm() ** 2) for n in b)
+    return (num / den) ** 0.5
+
+
+def assert_exit(peers: LocalPeers, codes: dict[int, int | None], ranks) -> None:
+    for rank in ranks:
+        assert codes[rank] == 0, f"peer {rank} exited with {codes[rank]}; log:\n{peers.log(rank)[-3000:]}"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("preset", preset_names())
+def test_peer_swarm_trains_every_preset_and_matches_the_virtual_swarm(preset, tmp_path):
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV) as peers:
+        peers.start()
+        codes = peers.wait(180)
+    assert_exit(peers, codes, range(4))
+
+    reference = VirtualSwarm(tiny_config(preset)).run()
+    for rank in range(4):
+        assert relative_error(model(peers, rank), reference.final_params) <= 1e-4
+        mine = records(peers, rank)
+        assert [(r["round"], r["h"]) for r in mine] == [(r["round"], r["h"]) for r in reference.records]
+        for got, want in zip(mine, reference.records):
+            assert got["cd_l2"] == pytest.approx(want["cd_l2"], rel=1e-3, abs=1e-6)
+            assert got["cd_js"] == pytest.approx(want["cd_js"], rel=1e-3, abs=1e-6)
+            assert got["compute_s"] >= 0 and got["monitor_s"] >= 0 and got["members"] == 4
+        s = summary(peers, rank)
+        assert s["final_val_loss"] == pytest.approx(reference.summary["final_val_loss"], rel=1e-4)
+        assert s["mix1_failures"] == s["mix2_failures"] == s["grad_failures"] == 0
+        assert 0 < s["compute_utilization"] < 1 and s["final_model"] == "averaged"
+        assert s["bytes_sent"] > 0 and s["malformed_messages"] == 0
+        if reference.summary["mode"] == "factored":
+            assert all("mix1_wait_s" in r and "mix2_s" in r for r in mine[1:] if r["h"] == 0)
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_mid_all_reduce_costs_one_round_of_mixing_and_the_survivors_finish(tmp_path):
+    args = tiny_peer_args("globalm1-localm2", rounds=4, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start(env={2: {FAULT_ENV: "KILL:mix1/1:2"}})  # rank 2 dies after two chunks of round 1's Mix1
+        codes = peers.wait(150)
+    assert codes[2] == -signal.SIGKILL
+    survivors = [0, 1, 3]
+    assert_exit(peers, codes, survivors)
+    finals = [model(peers, r) for r in survivors]
+    for rank, final in zip(survivors, finals):
+        s = summary(peers, rank)
+        assert s["wall_s"] < 45, "a crash must be detected, not waited out (exchange_s = 60)"
+        assert s["rounds"] == 4 and s["final_model"] == "averaged"
+        after_round_1 = next(r for r in records(peers, rank) if r["round"] == 2 and r["h"] == 0)
+        assert after_round_1["mix1_failures"] == 1 and "mix1_cause" in after_round_1
+        assert records(peers, rank)[-1]["members"] == 3
+        assert relative_error(final, finals[0]) == 0.0  # the survivors' final average is one model
+
+
+@pytest.mark.timeout(180)
+def test_sigstop_mid_gossip_is_identity_for_that_pair_and_the_others_finish(tmp_path):
+    args = tiny_peer_args("globalm1-localm2", rounds=4, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start(env={1: {FAULT_ENV: "STOP:mix2/1:1"}})  # rank 1 freezes in the middle of its round-1 swap
+        codes = peers.wait(150, ranks=[0, 2, 3])
+        frozen = peers.procs[1].poll()
+    assert frozen is None, "the frozen peer must still exist (stopped, not dead)"
+    survivors = [0, 2, 3]
+    assert_exit(peers, codes, survivors)
+    mix2_failures = 0
+    for rank in survivors:
+        s = summary(peers, rank)
+        assert s["wall_s"] < 45, "a frozen peer is dropped after the heartbeat timeout, not exchange_s"
+        mix2_failures += s["mix2_failures"]
+        assert records(peers, rank)[-1]["members"] == 3
+    assert mix2_failures >= 1  # at least the frozen peer's partner fell back to identity
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_peer_downloads_the_state_and_ends_in_consensus(tmp_path):
+    args = tiny_peer_args("globalm1-localm2", rounds=60, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start(env={3: {FAULT_ENV: "KILL:mix1/2:0"}})
+        assert peers.wait(60, ranks=[3])[3] == -signal.SIGKILL
+        peers.start([3])  # the same rank and address, a fresh process
+        codes = peers.wait(200)
+    assert_exit(peers, codes, range(4))
+    log = peers.log(3)
+    assert "caught up from peer" in log, log[-3000:]
+    rejoined = summary(peers, 3)
+    assert rejoined["catchups"] == 1
+    first = records(peers, 3)[0]  # the restarted process's own metrics start where it caught up
+    assert first["round"] >= 2 and first["catchup_from"] in (0, 1, 2)
+    finals = [model(peers, r) for r in range(4)]
+    assert all(relative_error(f, finals[0]) == 0.0 for f in finals)  # the final average includes the newcomer
+    assert records(peers, 3)[-1]["members"] == 4
+
+
+def test_peer_rejects_bad_arguments_clearly(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "gossiploco", "peer", "--rank", "0", "--peers", "localhost:1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--peers" in run.stderr
+    run = subprocess.run([sys.executable, "-m", "gossiploco", "peer", "--rank", "5", "--peers", "tcp://127.0.0.1:1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "rank" in run.stderr

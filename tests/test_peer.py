@@ -40,6 +40,17 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return (num / den) ** 0.5
 
 
+def wait_stopped(pid: int, timeout_s: float) -> bool:
+    """Wait until process ``pid`` is stopped (state T in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        time.sleep(0.05)
+    return False
+
+
 def assert_exit(peers: LocalPeers, codes: dict[int, int | None], ranks) -> None:
     for rank in ranks:
         assert codes[rank] == 0, f"peer {rank} exited with {codes[rank]}; log:\n{peers.log(rank)[-3000:]}"
@@ -137,3 +148,21 @@ def test_peer_rejects_bad_arguments_clearly(tmp_path):
     run = subprocess.run([sys.executable, "-m", "gossiploco", "peer", "--rank", "5", "--peers", "tcp://127.0.0.1:1",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "rank" in run.stderr
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_peer_that_resumes_catches_up_instead_of_dragging_the_others(tmp_path):
+    args = tiny_peer_args("globalm1-localm2", rounds=60, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start(env={1: {FAULT_ENV: "STOP:mix2/1:0"}})
+        assert wait_stopped(peers.procs[1].pid, 120), "the fault did not freeze the peer"
+        time.sleep(8)  # past the heartbeat timeout: the others have dropped it and gone on
+        peers.signal(1, signal.SIGCONT)
+        codes = peers.wait(200)
+    assert_exit(peers, codes, range(4))
+    assert "fell behind the swarm; caught up from peer" in peers.log(1), peers.log(1)[-3000:]
+    assert summary(peers, 1)["catchups"] >= 1
+    finals = [model(peers, r) for r in range(4)]
+    assert all(relative_error(f, finals[0]) == 0.0 for f in finals)
+    for rank in (0, 2, 3):
+        assert summary(peers, rank)["wall_s"] < 150

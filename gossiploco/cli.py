@@ -19,6 +19,16 @@ console = Console(stderr=True)
 
 DEFAULT_PRESET = "globalm1-localm2"
 
+# Options shared by every command that runs training (one definition, the same flags everywhere).
+CONFIG = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/.")
+INNER_STEPS = typer.Option(None, "--inner-steps", help="Inner steps H per round.")
+ROUNDS = typer.Option(None, "--rounds", help="Outer rounds R.")
+SEED = typer.Option(None, "--seed", help="Seed for init, data and matchings.")
+MODEL = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b.")
+DEVICE = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N.")
+DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources).")
+SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
+
 
 def _fail(exc: Exception) -> None:
     console.print(f"[bold red]error:[/] {exc}")
@@ -27,16 +37,16 @@ def _fail(exc: Exception) -> None:
 
 @app.command()
 def simulate(
-    config: str = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/."),
+    config: str = CONFIG,
     workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M."),
-    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help="Inner steps H per round."),
-    rounds: Optional[int] = typer.Option(None, "--rounds", help="Outer rounds R."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, data and matchings."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N."),
-    data: Optional[list[str]] = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources)."),
+    inner_steps: Optional[int] = INNER_STEPS,
+    rounds: Optional[int] = ROUNDS,
+    seed: Optional[int] = SEED,
+    model: Optional[str] = MODEL,
+    device: Optional[str] = DEVICE,
+    data: Optional[list[str]] = DATA,
     out: Path = typer.Option(Path("runs/simulate"), "--out", "-o", help="Output directory for metrics.jsonl and summary.json."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value)."),
+    set_: Optional[list[str]] = SETS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
@@ -86,18 +96,18 @@ def simulate(
 
 @app.command()
 def peer(
-    config: str = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/."),
+    config: str = CONFIG,
     rank: int = typer.Option(..., "--rank", help="This peer's index in --peers."),
     peers: str = typer.Option(..., "--peers", help="Every peer's address, comma-separated, in rank order: tcp://HOST:PORT,..."),
-    inner_steps: Optional[int] = typer.Option(None, "--inner-steps", help="Inner steps H per round."),
-    rounds: Optional[int] = typer.Option(None, "--rounds", help="Outer rounds R."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for init, data and matchings."),
-    model: Optional[str] = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b."),
-    device: Optional[str] = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N."),
-    data: Optional[list[str]] = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources)."),
+    inner_steps: Optional[int] = INNER_STEPS,
+    rounds: Optional[int] = ROUNDS,
+    seed: Optional[int] = SEED,
+    model: Optional[str] = MODEL,
+    device: Optional[str] = DEVICE,
+    data: Optional[list[str]] = DATA,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default runs/peer-RANK)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: preset name + digest of the config)."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value)."),
+    set_: Optional[list[str]] = SETS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the final table."),
 ) -> None:
     """Run one peer of a swarm given by a static peer list; mixes over ZeroMQ."""

@@ -7,7 +7,6 @@ implementation to ``IMPLEMENTATIONS``.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ import torch
 
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.mixing import MemoryHub
+from gossiploco.runtime.launch import free_ports
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 
@@ -32,20 +32,6 @@ class MemoryGroup:
     def close(self) -> None:
         for ex in self.exchanges:
             ex.close()
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that were free a moment ago (all held open together)."""
-    held = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            held.append(s)
-        return [s.getsockname()[1] for s in held]
-    finally:
-        for s in held:
-            s.close()
 
 
 class ZmqGroup:

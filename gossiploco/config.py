@@ -146,6 +146,8 @@ class MonitorConfig:
     """JS distance is computed on the top-k tokens of the averaged model, recomputed each time."""
     val_loss: bool = True
     """Evaluate the averaged model's validation loss at h = 0 of every round."""
+    enabled: bool = True
+    """Measure during training; false: only the final measurement (for timing runs: in a network peer each measurement is a blocking all-reduce of the parameters)."""
 
     def check(self, p: str) -> None:
         if self.every < 0:

@@ -200,3 +200,16 @@ def test_measurements_every_n_inner_steps_and_always_at_h0(make_config, corpus):
     assert [("val_loss" in r) for r in records] == [True, False, False, True, False, False, True]
     assert all("loss" in r for r in records[1:]) and "loss" not in records[0]
     assert all(r["mix1_failures"] == 0 and "mix2_bytes" in r for r in records if r["h"] == 0 and r["round"] > 0)
+
+
+def test_monitors_off_leave_only_the_final_measurement_and_keep_every_failure(make_config, corpus):
+    from gossiploco.runtime.common import merge_stats
+
+    cfg = make_config("globalm1", rounds=3, **{"monitor.enabled": False})
+    records = VirtualSwarm(cfg, corpus=corpus).run().records
+    assert [(r["round"], r["h"]) for r in records] == [(3, 0)]
+    assert "val_loss" in records[0] and "loss" in records[0]
+    pending: dict = {}
+    merge_stats(pending, {"mix1_failures": 1, "mix2_s": 0.5, "mix1_cause": "a"})
+    merge_stats(pending, {"mix1_failures": 2, "mix2_s": 0.25, "mix1_cause": "b"})
+    assert pending == {"mix1_failures": 3, "mix2_s": 0.25, "mix1_cause": "b"}

@@ -27,11 +27,21 @@ def measure_due(cfg: RunConfig, h: int) -> tuple[bool, bool]:
     """(measure consensus, also measure validation loss) before inner step ``h`` of a round.
 
     Every round is measured at h = 0 (with the validation loss when ``monitor.val_loss``) and
-    every ``monitor.every`` steps; the runtimes add one final measurement after the last round.
+    every ``monitor.every`` steps; the runtimes add one final measurement after the last round
+    (the only one when ``monitor.enabled`` is false).
     """
+    if not cfg.monitor.enabled:
+        return False, False
     every = cfg.monitor.every
     due = h == 0 or bool(every and h % every == 0)
     return due, due and h == 0 and cfg.monitor.val_loss
+
+
+def merge_stats(pending: dict, stats: dict) -> None:
+    """Add a round's stats to those waiting for the next record: failure counts add up (rounds
+    between two records all count), everything else is the latest round's."""
+    for key, value in stats.items():
+        pending[key] = pending.get(key, 0) + value if key.endswith("_failures") else value
 
 
 def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float | None, wall_s: float) -> dict:

@@ -46,7 +46,7 @@ from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import pack, unpack
-from gossiploco.runtime.common import build_trainer, make_summary, measure_due
+from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
@@ -268,8 +268,7 @@ class NetworkPeer:
         self._totals["grad_s"] += time.perf_counter() - t
         if not result.ok:
             self._counts["grad_failures"] += 1
-            self._pending["grad_failures"] = self._pending.get("grad_failures", 0) + 1
-            self._pending["grad_cause"] = result.cause
+            merge_stats(self._pending, {"grad_failures": 1, "grad_cause": result.cause})
         return loss
 
     def _round_done(self, rep: RoundReport) -> None:
@@ -287,7 +286,7 @@ class NetworkPeer:
                 stats[f"{mix}_partner"] = res.partner
         self._totals["mix1_wait_s"] += rep.mix1_wait_s
         self._totals["mix2_s"] += rep.mix2_s
-        self._pending.update(stats)
+        merge_stats(self._pending, stats)
 
     # -- measurement -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batch
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
-from gossiploco.runtime.common import build_trainer, make_summary, measure_due
+from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
 from gossiploco.trainer import resolve_device
 
 TensorDict = dict[str, torch.Tensor]
@@ -111,7 +111,7 @@ class VirtualSwarm:
         if cfg.mode != "factored":
             return []
         reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
-        self._pending = round_stats(reports)
+        merge_stats(self._pending, round_stats(reports))
         return reports
 
     def _record(self, r: int, h: int, *, val_loss: bool) -> None:
@@ -141,7 +141,7 @@ class VirtualSwarm:
         results = list(self.pool.map(lambda a: a.reduce_and_step(step), self.algos))
         failures = sum(not res.ok for res in results)
         if failures:
-            self._pending["grad_failures"] = self._pending.get("grad_failures", 0) + failures
+            merge_stats(self._pending, {"grad_failures": failures})
         return losses
 
     def final_params(self) -> TensorDict:

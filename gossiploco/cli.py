@@ -215,3 +215,47 @@ def presets() -> None:
         cfg = load_config(name)
         print(f"{name:28s} mode={cfg.mode:9s} mix1={cfg.mix1.kind}{'+state' if cfg.mix1.state else ''}"
               f" mix2={cfg.mix2.kind} blocks={','.join(cfg.mix2.blocks)}")
+
+
+@app.command()
+def utilization(
+    config: str = CONFIG,
+    bandwidth_mbps: float = typer.Option(..., "--bandwidth-mbps", help="Bandwidth of the link between any two peers, Mbit/s."),
+    params: Optional[float] = typer.Option(None, "--params", help="Parameters N (default: the config's model size)."),
+    model: Optional[str] = MODEL,
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Vocabulary for block sizes and the default N (default: data.vocab_size, else 256)."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M (default: the config's)."),
+    inner_steps: Optional[int] = INNER_STEPS,
+    step_time: Optional[float] = typer.Option(None, "--step-time", help="Seconds per inner step (else estimated from --tokens-per-step, --peak-tflops, --mfu)."),
+    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", help="Tokens per inner step on one worker, to estimate --step-time."),
+    peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="Peak TFLOP/s of one worker's device, to estimate --step-time."),
+    mfu: float = typer.Option(0.4, "--mfu", help="Model FLOPs utilization, to estimate --step-time."),
+    outer_step_time: float = typer.Option(0.0, "--outer-step-time", help="Seconds of the outer step."),
+    subset_fraction: Optional[float] = typer.Option(None, "--subset-fraction", help="Fraction of the parameters Mix2 sends (default: from mix2.blocks); with --plot, for the subset presets."),
+    bytes_per_value: str = typer.Option("4", "--bytes-per-value", help="4 (fp32), 2 (bf16), 1 (8-bit), 0.5 (4-bit), or one of those names."),
+    failure_rate: float = typer.Option(0.0, "--failure-rate", help="Probability that one attempt of a collective fails (all-reduce restarts, gossip is lost)."),
+    json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw utilization against bandwidth for every preset to this PNG."),
+) -> None:
+    """Compute utilization of a configuration on a network of fixed per-link bandwidth (paper section 5.2)."""
+    import json
+
+    from gossiploco import utilization as util
+    from gossiploco.config import load_config
+
+    try:
+        cfg = load_config(config, {"model.size": model})
+        vocab = util.default_vocab_size(cfg, vocab_size)
+        scenario = util.resolve_scenario(
+            cfg, bandwidth_mbps=bandwidth_mbps, params=params, vocab_size=vocab, workers=workers, inner_steps=inner_steps,
+            step_time_s=step_time, tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, mfu=mfu,
+            outer_step_s=outer_step_time, bytes_per_value=bytes_per_value, failure_rate=failure_rate)
+        plan = util.CommPlan.from_config(cfg, vocab, subset_fraction)
+        plans = util.preset_plans(cfg.model.size, vocab, subset_fraction) if plot else []
+    except GossiplocoError as exc:
+        _fail(exc)
+    result = util.simulate(plan, scenario)
+    print(json.dumps(util.report(plan, scenario, result), indent=2) if json_ else util.describe(plan, scenario, result))
+    if plot:
+        util.plot_bandwidth_sweep(plot, plans, scenario)
+        console.print(f"plot: {plot}")

@@ -7,7 +7,8 @@ and raises ``ConfigError`` naming the offending field (``mix2.blocks: no block m
 
 TOML layout: run-level keys at the top (``name``, ``mode``, ``workers``, ``inner_steps``,
 ``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[data]``,
-``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``, ``[transport]``.
+``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``, ``[transport]``,
+``[adaptive]``.
 """
 
 from __future__ import annotations
@@ -131,11 +132,42 @@ class MixConfig:
     """Parameter blocks this operator mixes (names or globs, see gossiploco.blocks); others pass through."""
     state: bool = False
     """Mix1 only: also average the outer momentum (the paper's GlobalM1S variants, appendix B)."""
+    mode: str = "fixed"
+    """Mix2 only: fixed (always ``blocks``) or adaptive (the consensus monitors grow and shrink the covered blocks round by round, starting from ``blocks``; see [adaptive])."""
 
     def check(self, p: str) -> None:
         _choice(f"{p}.kind", self.kind, MIX_KINDS)
+        _choice(f"{p}.mode", self.mode, ("fixed", "adaptive"))
         if not self.blocks:
             raise ConfigError(f"{p}.blocks", "must name at least one block (use ['*'] for all)")
+
+
+@dataclass
+class AdaptiveConfig:
+    """How ``mix2.mode = "adaptive"`` moves Mix2's block subset (gossiploco.adaptive). The signal of
+    round r is the largest swarm-wide CD_JS measured during it; its recent level is the median of
+    the previous ``window`` rounds' signals."""
+
+    order: list[str] = field(default_factory=list)
+    """Blocks to add, most needed first (paste the ranking of `gossiploco sensitivity`); empty: layers in order, then norm."""
+    grow_factor: float = 1.5
+    """Grow when the round's CD_JS exceeds this times its recent level (a spike)."""
+    calm_factor: float = 1.1
+    """A round is calm when its CD_JS is at most this times its recent level (hysteresis: below grow_factor)."""
+    shrink_after: int = 3
+    """Drop the last added block after this many calm rounds in a row (never below mix2.blocks)."""
+    grow_step: int = 1
+    """Blocks added per spike."""
+    window: int = 5
+    """Rounds in the recent level."""
+    warmup_rounds: int = 2
+    """Rounds observed before the first decision."""
+
+    def check(self, p: str) -> None:
+        if not 1.0 <= self.calm_factor < self.grow_factor:
+            raise ConfigError(f"{p}.calm_factor", f"need 1 <= calm_factor < grow_factor, got {self.calm_factor} and {self.grow_factor}")
+        for name in ("shrink_after", "grow_step", "window", "warmup_rounds"):
+            _positive(f"{p}.{name}", getattr(self, name))
 
 
 @dataclass
@@ -212,6 +244,7 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -222,16 +255,25 @@ class RunConfig:
             raise ConfigError("seed", f"must be >= 0, got {self.seed}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("model", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport"):
+        for name in ("model", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive"):
             getattr(self, name).check(name)
         if self.mix2.state:
             raise ConfigError("mix2.state", "only Mix1 can average the outer optimizer state")
+        if self.mix1.mode != "fixed":
+            raise ConfigError("mix1.mode", "only Mix2 can be adaptive (Mix1 is non-blocking)")
+        if self.mix2.mode == "adaptive":
+            if self.mix2.kind == "identity":
+                raise ConfigError("mix2.mode", "adaptive needs mix2.kind gossip or global")
+            if not self.monitor.enabled:
+                raise ConfigError("mix2.mode", "adaptive is driven by the monitors: monitor.enabled must be true")
         from gossiploco.blocks import block_names, select_blocks
         from gossiploco.model import MODEL_SIZES
 
         names = block_names(MODEL_SIZES[self.model.size].n_layers)
         for mix in ("mix1", "mix2"):
             select_blocks(names, getattr(self, mix).blocks, field=f"{mix}.blocks")
+        if self.adaptive.order:
+            select_blocks(names, self.adaptive.order, field="adaptive.order")
 
     @property
     def total_inner_steps(self) -> int:

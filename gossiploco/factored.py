@@ -62,6 +62,11 @@ class FactoredDiLoCo:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mix1-rank{exchange.rank}")
         self._mix1: Future[MixResult] | None = None
 
+    def set_mix2_blocks(self, patterns: list[str]) -> None:
+        """Cover ``patterns`` in Mix2 from now on (adaptive Mix2; call between rounds)."""
+        names = select_parameters(self.trainer.names, patterns, "mix2.blocks")
+        self.mix2 = build_mixer(self.cfg.mix2.kind, "mix2", names, self.cfg.seed)
+
     def begin_round(self, r: int) -> None:
         """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background."""
         state = [self.z, self.momentum] if self.cfg.mix1.state else [self.z]

@@ -50,3 +50,11 @@ def tiny_peer_args(preset: str, **overrides) -> list[str]:
 @pytest.fixture
 def make_config():
     return tiny_config
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """The tiny configs' corpus, loaded once."""
+    from gossiploco.data import load_corpus
+
+    return load_corpus(tiny_config("diloco").data)

@@ -6,17 +6,10 @@ import pytest
 import torch
 
 from gossiploco.consensus import average
-from gossiploco.data import TokenStream, load_corpus
+from gossiploco.data import TokenStream
 from gossiploco.model import build_model
 from gossiploco.optim import lr_factor
 from gossiploco.runtime.virtual import VirtualSwarm
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    from tests.conftest import tiny_config
-
-    return load_corpus(tiny_config("diloco").data)
 
 
 def reference_diloco(cfg, corpus):

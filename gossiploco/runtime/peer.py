@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from gossiploco import consensus
+from gossiploco.adaptive import AdaptiveMix2
 from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
@@ -121,6 +122,8 @@ class NetworkPeer:
                         "catchups": 0}
         self._final_params: TensorDict | None = None
         self._closed = False
+        self.adaptive = AdaptiveMix2(cfg) if cfg.mix2.mode == "adaptive" and cfg.mode == "factored" else None
+        self._round_js: list[float] = []
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -257,6 +260,11 @@ class NetworkPeer:
                 loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
             self._losses.append(loss)
         if factored:
+            if self.adaptive is not None:
+                decision = self.adaptive.decide(r, max(self._round_js, default=None))
+                algo.set_mix2_blocks(decision.blocks)
+                self._pending["mix2_decision"] = decision.to_dict()
+            self._round_js = []
             self._round_done(self.algo.end_round(r))
 
     def _sync_dp_step(self, step: int, start: float) -> float:
@@ -331,10 +339,17 @@ class NetworkPeer:
             js = consensus.js_term(self.trainer.logits(self.heldout), avg_logits, self.cfg.monitor.js_top_k)
             blocks = list(terms)
             total = sum(terms.values())
-            mine = torch.tensor([math.sqrt(total), total, js] + [math.sqrt(terms[b]) for b in blocks], dtype=torch.float32)
+            extra = [float(self.adaptive.size)] if self.adaptive is not None else []
+            mine = torch.tensor([math.sqrt(total), total, js] + [math.sqrt(terms[b]) for b in blocks] + extra,
+                                dtype=torch.float32)
             mean = ex.all_reduce_mean(f"monitor/{r}/{h}/terms", mine, members).tolist()
             out.update(cd_l2=mean[0], cd_l2_sq=mean[1], cd_js=mean[2],
                        cd_l2_blocks={b: mean[3 + i] for i, b in enumerate(blocks)})
+            self._round_js.append(mean[2])
+            if self.adaptive is not None:
+                # Every member sees the same mean, so all adopt the same prefix (a late joiner, or
+                # a peer that missed a measurement, realigns here).
+                self.adaptive.adopt(int(math.floor(mean[-1] + 0.5)))
             if final:
                 self._final_params = {n: v.clone() for n, v in avg.items()}
         except ExchangeClosed:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gossiploco import consensus
+from gossiploco.adaptive import AdaptiveMix2
 from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
@@ -54,6 +55,8 @@ class VirtualSwarm:
         self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
         self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="virtual-worker")
+        self.adaptive = AdaptiveMix2(cfg) if cfg.mix2.mode == "adaptive" and cfg.mode == "factored" else None
+        self._round_js: list[float] = []  # CD_JS measured during the current round (the adaptive signal)
         self.sink = MetricsSink(None)
         self.on_step: Callable[[int, dict | None], None] | None = None
         self._pending: dict = {}  # last round's communication stats, attached to the next record
@@ -110,12 +113,19 @@ class VirtualSwarm:
                 self.on_step(1, None)
         if cfg.mode != "factored":
             return []
+        if self.adaptive is not None:
+            decision = self.adaptive.decide(r, max(self._round_js, default=None))
+            for algo in self.algos:
+                algo.set_mix2_blocks(decision.blocks)
+            merge_stats(self._pending, {"mix2_decision": decision.to_dict()})
+        self._round_js = []
         reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
         merge_stats(self._pending, round_stats(reports))
         return reports
 
     def _record(self, r: int, h: int, *, val_loss: bool) -> None:
         record = self.measure(r, h, val_loss=val_loss)
+        self._round_js.append(record["cd_js"])
         if self._losses:
             record["loss"] = sum(self._losses) / len(self._losses)
         record.update(self._pending)

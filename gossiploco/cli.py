@@ -259,3 +259,75 @@ def utilization(
     if plot:
         util.plot_bandwidth_sweep(plot, plans, scenario)
         console.print(f"plot: {plot}")
+
+
+@app.command()
+def sensitivity(
+    config: str = CONFIG,
+    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M."),
+    inner_steps: Optional[int] = INNER_STEPS,
+    rounds: Optional[int] = ROUNDS,
+    seed: Optional[int] = SEED,
+    model: Optional[str] = MODEL,
+    device: Optional[str] = DEVICE,
+    data: Optional[list[str]] = DATA,
+    out: Path = typer.Option(Path("runs/sensitivity.json"), "--out", "-o", help="JSON report: per-block series, mean, max, ranking, sweep, proposal."),
+    sweep_sizes: Optional[str] = typer.Option(None, "--sweep-sizes", help="Subset sizes to sweep, comma-separated: 1,2,4 (default 1,2,4,6, those below the number of blocks)."),
+    no_sweep: bool = typer.Option(False, "--no-sweep", help="Only rank the blocks; train no subset runs."),
+    tolerance: float = typer.Option(0.1, "--tolerance", help="Propose the smallest subset whose peak CD_JS is at most (1 + tolerance) x full Mix2's."),
+    rank_by: str = typer.Option("mean", "--rank-by", help="Rank blocks by their mean or max sensitivity over training."),
+    preset_out: Optional[Path] = typer.Option(None, "--preset-out", help="Write the proposed configuration as a preset TOML (e.g. peers/my-subset.toml)."),
+    runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help="Also keep every training run's metrics.jsonl and summary.json under this directory."),
+    set_: Optional[list[str]] = SETS,
+) -> None:
+    """Per-block JS sensitivity and Mix2 subset sweep (paper appendix D.3, Figure 7, Table 6) on the virtual swarm."""
+    from gossiploco import sensitivity as sens
+    from gossiploco.config import load_config
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
+                 "model.size": model, "device": device, "data.paths": data}
+    try:
+        sizes = None
+        if sweep_sizes is not None:
+            try:
+                sizes = [int(k) for k in sweep_sizes.split(",") if k.strip()]
+            except ValueError:
+                raise ConfigError("--sweep-sizes", f"expected comma-separated integers, got {sweep_sizes!r}") from None
+        overrides.update(parse_sets(set_ or []))
+        cfg = load_config(config, overrides)
+        report = sens.analyze(cfg, out, sizes=sizes, sweep_subsets=not no_sweep, tolerance=tolerance, rank_by=rank_by,
+                              preset_name=preset_out.stem if preset_out else None, runs_dir=runs_dir,
+                              show=lambda text: print(text + "\n"), progress=console.print)
+    except GossiplocoError as exc:
+        _fail(exc)
+    if "proposal" in report:
+        proposal = report["proposal"]
+        verdict = "within" if proposal["within_tolerance"] else "no subset within"
+        console.print(f"proposed: {proposal['label']} ({verdict} {100 * tolerance:g}% of full Mix2's peak CD_JS): "
+                      f"mix2.blocks = [{', '.join(proposal['blocks'])}]", markup=False, soft_wrap=True)
+        if preset_out:
+            preset_out.parent.mkdir(parents=True, exist_ok=True)
+            preset_out.write_text(report["preset_toml"])
+            console.print(f"preset: {preset_out}")
+        else:
+            print(report["preset_toml"])
+    console.print(f"report: {out}")
+
+
+@app.command()
+def plot(
+    run_dirs: list[Path] = typer.Argument(..., help="Output directories of simulate runs or network peers (each with metrics.jsonl)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG to write (default: RUN_DIR/metrics.png for one run, plot.png for several)."),
+    window: int = typer.Option(10, "--window", help="Records per rolling window of the CD_JS median/min/max panel (Figure 4, right)."),
+) -> None:
+    """Plot loss, validation loss, CD_L2 and CD_JS over steps for one or several runs (PNG)."""
+    from gossiploco import plots
+
+    out = out or (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("plot.png"))
+    try:
+        runs = [plots.load_run(d) for d in run_dirs]
+        plots.plot_runs(runs, out, window)
+    except GossiplocoError as exc:
+        _fail(exc)
+    console.print(f"plot: {out}")

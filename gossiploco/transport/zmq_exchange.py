@@ -14,6 +14,8 @@ Threads and ownership (zmq sockets are not thread-safe):
 * each DEALER has its own lock; any caller thread may send while holding it. Sends never block:
   ``NOBLOCK`` plus a poll/retry loop bounded by the call's deadline, so a dead peer whose queue is
   full cannot hold a sender forever.
+* one service thread sends what the receiver decides to send (hello replies, aborts, state
+  uploads), so the receiver never waits on a socket it does not own.
 
 Messages of one call:
 

@@ -94,9 +94,13 @@ class InnerOptConfig:
     """AdamW epsilon."""
     grad_clip: float = 1.0
     """Clip the gradient's global L2 norm to this value (0 disables)."""
+    synthetic_step_s: float = 0.0
+    """Benchmarks only: > 0 makes a network peer sleep this long instead of computing each inner step (the model stays put; communication is real), so network measurements are not distorted by CPU contention."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.lr", self.lr)
+        if self.synthetic_step_s < 0:
+            raise ConfigError(f"{p}.synthetic_step_s", f"must be >= 0, got {self.synthetic_step_s}")
         if self.warmup_steps < 0:
             raise ConfigError(f"{p}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         if self.weight_decay < 0:

@@ -166,3 +166,17 @@ def test_a_frozen_peer_that_resumes_catches_up_instead_of_dragging_the_others(tm
     assert all(relative_error(f, finals[0]) == 0.0 for f in finals)
     for rank in (0, 2, 3):
         assert summary(peers, rank)["wall_s"] < 150
+
+
+@pytest.mark.timeout(180)
+def test_synthetic_compute_mode_times_sleeps_and_measures_round_utilization(tmp_path):
+    args = tiny_peer_args("globalm1-localm2", rounds=3, **{"monitor.enabled": False, "inner.synthetic_step_s": 0.05})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start()
+        codes = peers.wait(150)
+    assert_exit(peers, codes, range(4))
+    for rank in range(4):
+        s = summary(peers, rank)
+        assert s["total_compute_s"] == pytest.approx(3 * 4 * 0.05, rel=0.5)  # 12 sleeps of 50 ms
+        assert 0 < s["round_utilization"] <= 1 and s["total_rounds_s"] >= s["total_compute_s"]
+        assert [(r["round"], r["h"]) for r in records(peers, rank)] == [(3, 0)]

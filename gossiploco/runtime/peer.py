@@ -137,12 +137,14 @@ class NetworkPeer:
             r = self._join()
             self._totals["startup_s"] = time.perf_counter() - t
             cfg = self.cfg
+            t = time.perf_counter()
             while r < cfg.rounds:
                 r = self._maybe_catch_up(r)
                 if r >= cfg.rounds:
                     break
                 self._run_round(r)
                 r += 1
+            self._totals["rounds_s"] = time.perf_counter() - t
             self.exchange.current_round = cfg.rounds
             final = self._record(cfg.rounds, 0, val_loss=True, final=True)
         except BaseException:
@@ -254,7 +256,7 @@ class NetworkPeer:
                 self._record(r, h, val_loss=val_loss)
             t = time.perf_counter()
             if factored:
-                loss = self.algo.inner_step()
+                loss = self._inner_step()
                 self._clock["compute_s"] += time.perf_counter() - t
             else:
                 loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
@@ -267,9 +269,21 @@ class NetworkPeer:
             self._round_js = []
             self._round_done(self.algo.end_round(r))
 
+    def _inner_step(self) -> float:
+        if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: compute replaced by a fixed sleep
+            time.sleep(self.cfg.inner.synthetic_step_s)
+            return float("nan")
+        return self.algo.inner_step()
+
     def _sync_dp_step(self, step: int, start: float) -> float:
         algo: SyncDP = self.algo  # type: ignore[assignment]
-        loss = algo.forward_backward()
+        if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: a sleep and zero gradients, then the real exchange
+            time.sleep(self.cfg.inner.synthetic_step_s)
+            for param in self.trainer.model.parameters():
+                param.grad = torch.zeros_like(param)
+            loss = float("nan")
+        else:
+            loss = algo.forward_backward()
         self._clock["compute_s"] += time.perf_counter() - start
         t = time.perf_counter()
         result = algo.reduce_and_step(step)
@@ -369,6 +383,8 @@ class NetworkPeer:
             "rank": self.rank,
             "run_id": self.run_id,
             "compute_utilization": totals["compute_s"] / wall if wall > 0 else 0.0,
+            # Over the training rounds only (no start-up, no final measurement): what the simulator predicts.
+            "round_utilization": totals["compute_s"] / totals["rounds_s"] if totals.get("rounds_s") else 0.0,
             **{f"total_{k}": v for k, v in totals.items()},
             **{k: v for k, v in self._counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
             "bytes_sent": self.exchange.bytes_sent,

@@ -99,6 +99,9 @@ class AdaptiveMix2:
                 self.calm = 0
                 action, reason = "shrink", (f"CD_JS {signal:.4g} <= {c.calm_factor} x level {level:.4g} for "
                                             f"{c.shrink_after} rounds: dropped {self.order[self.size]}")
+            elif self.size == 0:
+                self.calm = min(self.calm, c.shrink_after)
+                action, reason = "hold", "calm, at the floor (mix2.blocks)"
             else:
                 action, reason = "hold", f"calm ({self.calm} of {c.shrink_after})"
         else:

@@ -266,17 +266,24 @@ class ZmqExchange(Exchange):
         finally:
             self._end(key)
 
-    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
+    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
+                        inplace: bool = False) -> torch.Tensor:
+        """Mean of ``flat`` over ``members`` (see ``Exchange``). ``inplace=True`` (for a caller that
+        hands over a contiguous fp32 CPU ``flat`` it no longer needs, such as Mix1's packed vector)
+        reduces in ``flat``'s own memory and returns a view of it: no copy and no new buffer."""
         members = sorted(set(members))
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
         if not all(0 <= m < self.world for m in members):
             raise ValueError(f"members {members} outside world of {self.world}")
-        acc = torch.empty(flat.numel(), dtype=torch.float32)
-        acc.copy_(flat.detach().reshape(-1))
+        if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
+            acc = flat.detach().view(-1)
+        else:
+            acc = torch.empty(flat.numel(), dtype=torch.float32)
+            acc.copy_(flat.detach().reshape(-1))
         n = len(members)
         if n == 1:
-            return acc.reshape(flat.shape)
+            return acc.view(flat.shape)
         deadline = time.monotonic() + self.timeout_s
         me = members.index(self.rank)
         right, left = members[(me + 1) % n], members[(me - 1) % n]
@@ -286,6 +293,9 @@ class ZmqExchange(Exchange):
         per_chunk = self._chunk_elems()
         cps = max(1, math.ceil(math.ceil(total / n) / per_chunk))  # chunks per segment
         what = f"all-reduce {key!r} over {members}"
+        # Chunks go out zero-copy (zmq reads them from ``acc``): a segment is overwritten only
+        # after zmq is done with the sends that read it, and ``acc`` is divided only at the end.
+        in_flight: dict[int, list[zmq.MessageTracker]] = {k: [] for k in range(n)}
 
         def segment(k: int) -> torch.Tensor:
             k %= n
@@ -294,8 +304,12 @@ class ZmqExchange(Exchange):
         def step(s: int, send_seg: int, recv_seg: int, reduce: bool) -> None:
             out = segment(send_seg)
             for c in range(cps):
-                self._send(right, key, s * cps + c, [total, 0], out[c * per_chunk:(c + 1) * per_chunk], deadline, what)
+                in_flight[send_seg % n].append(self._send(
+                    right, key, s * cps + c, [total, 0], out[c * per_chunk:(c + 1) * per_chunk], deadline, what,
+                    zero_copy=True))
             into = segment(recv_seg)
+            if not reduce:
+                self._wait_sent(in_flight[recv_seg % n], deadline, what)
             for c in range(cps):
                 part = into[c * per_chunk:(c + 1) * per_chunk]
                 got = self._take_data(key, left, s * cps + c, total, part.numel(), others, deadline, what)
@@ -313,12 +327,14 @@ class ZmqExchange(Exchange):
             # the same bits (each segment was summed by exactly one peer).
             for s in range(n - 1):
                 step(n - 1 + s, me + 1 - s, me - s, reduce=False)
+            for trackers in in_flight.values():
+                self._wait_sent(trackers, deadline, what)
         except (ExchangeTimeout, PeerFailed):
             self._abort(key, others)
             raise
         finally:
             self._end(key)
-        return (acc / n).reshape(flat.shape)
+        return acc.div_(n).view(flat.shape)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop: calls in progress and later raise ``ExchangeClosed``. ``linger_s > 0`` (a graceful
@@ -444,7 +460,10 @@ class ZmqExchange(Exchange):
         return max(1, self.chunk_bytes // _FLOAT_BYTES)
 
     def _send(self, peer: int, key: str, chunk: int, meta: list[int], data: torch.Tensor, deadline: float, what: str,
-              op: str | None = None) -> None:
+              op: str | None = None, zero_copy: bool = False) -> zmq.MessageTracker | None:
+        """Queue one message for ``peer``. By default zmq copies ``data``; with ``zero_copy`` it reads
+        ``data`` in place until the returned tracker is done, so the caller must not change
+        ``data`` before then (``_wait_sent``)."""
         if self._fault is not None and self._fault[1:] == (key, chunk):
             log.warning("rank %d: %s: raising signal %d before chunk %d of %r", self.rank, FAULT_ENV, self._fault[0], chunk, key)
             os.kill(os.getpid(), self._fault[0])
@@ -460,7 +479,7 @@ class ZmqExchange(Exchange):
                     raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
                 try:
                     # copy=True: zmq owns a copy, so the caller may change ``data`` right after.
-                    dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+                    tracker = dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=not zero_copy, track=zero_copy)
                     break
                 except zmq.Again:
                     pass
@@ -474,6 +493,18 @@ class ZmqExchange(Exchange):
             lock.release()
         with self._cond:
             self.bytes_sent += data.numel() * _FLOAT_BYTES
+        return tracker
+
+    def _wait_sent(self, trackers: list[zmq.MessageTracker], deadline: float, what: str) -> None:
+        """Block until zmq has released the buffers of zero-copy sends ``trackers`` (then forget them)."""
+        for tracker in trackers:
+            if tracker is None or tracker.done:
+                continue
+            try:
+                tracker.wait(max(0.001, deadline - time.monotonic()))
+            except zmq.NotDone:
+                raise ExchangeTimeout(f"{what}: sent data still queued after {self.timeout_s:.1f}s") from None
+        trackers.clear()
 
     def _abort(self, key: str, peers: Sequence[int]) -> None:
         """Tell ``peers`` this peer abandoned ``key`` (best effort, from the service thread)."""
@@ -618,7 +649,8 @@ class ZmqExchange(Exchange):
         if len(frames) < 2:
             raise MalformedMessage("no codec frames after the routing id")
         identity = frames[0].bytes
-        header, tensors = codec.decode(frames[1:], expect_run=self.run_id, max_bytes=self.max_message_bytes)
+        # copy=False: the chunk is a view of the zmq frame (which it keeps alive), not a copy.
+        header, tensors = codec.decode(frames[1:], expect_run=self.run_id, max_bytes=self.max_message_bytes, copy=False)
         if identity != str(header.sender).encode():
             raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
         if not 0 <= header.sender < self.world or header.sender == self.rank:

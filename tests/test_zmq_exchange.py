@@ -245,3 +245,14 @@ def test_fault_injection_spec_is_parsed_strictly():
     for bad in ("KILL", "NOPE:mix1/2:3", "KILL:mix1/2:x"):
         with pytest.raises(ValueError, match="SIGNAL:KEY:CHUNK"):
             _parse_fault(bad)
+
+
+def test_peers_that_disagree_on_the_member_list_fail_at_once(groups):
+    g = groups(3, timeout_s=20.0)
+    views = [[0, 1, 2], [0, 1, 2], [1, 2]]  # rank 2 missed that rank 0 is back
+    start = time.monotonic()
+    results = run_all([lambda r=r: _outcome(lambda: g.exchanges[r].all_reduce_mean("mix1/3", torch.ones(300), views[r]))
+                       for r in range(3)])
+    assert time.monotonic() - start < 5.0, "a member-list mismatch must not wait out the deadline"
+    assert all(isinstance(res, PeerFailed) for res in results), results
+    assert any("another member list" in str(res) for res in results)

@@ -222,7 +222,8 @@ class NetworkPeer:
             algo.momentum = {n: v.clone() for n, v in momentum.items()}
             self.trainer.load_params(algo.z)
             self.trainer.inner_opt.step_index = k * self.cfg.inner_steps
-            self.exchange.announce(k + 1, ask_reply=False)
+            # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
+            self.exchange.announce(k + 1)
             self._counts["catchups"] += 1
             self._totals["catchup_s"] += time.perf_counter() - start
             log.warning("rank %d: %s; caught up from peer %d at round %d, mixing again from round %d",

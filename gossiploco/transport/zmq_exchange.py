@@ -69,6 +69,7 @@ import signal
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -107,6 +108,11 @@ def _op_and_round(key: str) -> tuple[str, int]:
     op = prefix if prefix in ("mix1", "mix2", "grad", "state", "hello") else "monitor"
     number = rest.split("/", 1)[0]
     return op, int(number) if number.isdigit() else 0
+
+
+def _digest(members: Sequence[int]) -> int:
+    """A short fingerprint of a member list (fits the int64 meta entry)."""
+    return zlib.crc32(",".join(map(str, sorted(members))).encode())
 
 
 def _parse_fault(spec: str | None) -> tuple[int, str, int] | None:
@@ -293,6 +299,7 @@ class ZmqExchange(Exchange):
         per_chunk = self._chunk_elems()
         cps = max(1, math.ceil(math.ceil(total / n) / per_chunk))  # chunks per segment
         what = f"all-reduce {key!r} over {members}"
+        digest = _digest(members)  # every chunk carries it: a peer with another member list fails at once
         # Chunks go out zero-copy (zmq reads them from ``acc``): a segment is overwritten only
         # after zmq is done with the sends that read it, and ``acc`` is divided only at the end.
         in_flight: dict[int, list[zmq.MessageTracker]] = {k: [] for k in range(n)}
@@ -305,14 +312,14 @@ class ZmqExchange(Exchange):
             out = segment(send_seg)
             for c in range(cps):
                 in_flight[send_seg % n].append(self._send(
-                    right, key, s * cps + c, [total, 0], out[c * per_chunk:(c + 1) * per_chunk], deadline, what,
+                    right, key, s * cps + c, [total, 0, digest], out[c * per_chunk:(c + 1) * per_chunk], deadline, what,
                     zero_copy=True))
             into = segment(recv_seg)
             if not reduce:
                 self._wait_sent(in_flight[recv_seg % n], deadline, what)
             for c in range(cps):
                 part = into[c * per_chunk:(c + 1) * per_chunk]
-                got = self._take_data(key, left, s * cps + c, total, part.numel(), others, deadline, what)
+                got = self._take_data(key, left, s * cps + c, total, part.numel(), others, deadline, what, digest)
                 if reduce:
                     part += got
                 else:
@@ -574,9 +581,12 @@ class ZmqExchange(Exchange):
                     self._mail_bytes -= mail.nbytes
 
     def _take_data(self, key: str, sender: int, chunk: int, total: int, numel: int, watch: Sequence[int],
-                   deadline: float, what: str) -> torch.Tensor:
-        """``_take`` a data chunk and check it carries ``numel`` of ``total`` elements."""
+                   deadline: float, what: str, digest: int | None = None) -> torch.Tensor:
+        """``_take`` a data chunk and check it carries ``numel`` of ``total`` elements (and, for a
+        ring, the digest of the same member list)."""
         mail = self._take(key, sender, chunk, watch, deadline, what)
+        if digest is not None and (len(mail.meta) < 3 or mail.meta[2] != digest):
+            raise PeerFailed(f"{what}: peer {sender} runs this all-reduce over another member list")
         if mail.total != total or mail.data.numel() != numel:
             raise PeerFailed(f"{what}: peer {sender} sent chunk {chunk} of {mail.data.numel()} elements "
                              f"(of {mail.total}); expected {numel} (of {total})")

@@ -1,0 +1,938 @@
+"""Real peers on shaped links: measured compute utilization against the simulator's prediction.
+
+For each bandwidth B this benchmark builds a small private network out of Linux network
+namespaces, runs M real ``gossiploco peer`` processes on it (one per namespace), and compares each
+peer's measured compute utilization with ``gossiploco utilization``'s prediction for the same step
+time, payload and bandwidth.
+
+Topology (every name starts with ``--prefix``, default ``gln``; nothing is added to the root
+namespace)::
+
+    namespace PREFIX-sw:  bridge br0 with ports p0 .. p{M-1}          (the "switch")
+    namespace PREFIX-pI:  eth0 = 10.77.0.{I+1}/24, veth peer of PREFIX-sw's pI   (peer I)
+
+Each peer's access link is shaped to B in both directions with ``tc``: an HTB class of rate B on
+the egress of the peer-side veth (upload) and on the egress of the switch-side veth (download),
+so a peer has B up and B down (full duplex, the simulator's link). Under each class a FIFO of
+``--queue-packets`` (1000, Linux's default queue length); ``--delay-ms`` / ``--loss-pct`` put a
+netem qdisc there instead (both directions, so the round trip is twice the delay; needs sch_netem
+in the kernel, else exit 2). tc counts whole Ethernet frames: at MTU 1500 a TCP flow carries at
+most 1448 / 1514 = 95.6% of B as payload, which the simulator does not model (it sends payload at
+exactly B); the table also shows the simulator fed with the measured TCP goodput, for comparison.
+
+TCP congestion control in the peer namespaces (``--congestion-control``): ``auto`` takes cubic
+(Linux's default) when the host allows it, else reno. BBR, the host's default on the machine the
+results were taken on, gets only about 72% of B for the project's ring all-reduce on these links
+(each ring step is a short burst that BBR paces below the link rate; reno gets 95%), so it is not
+the default here; ``--congestion-control inherit`` measures with it.
+
+ZeroMQ heartbeats (``--heartbeat-timeout-s``): the runtime drops a connection when no whole
+message arrives within 5 s of a heartbeat (libzmq counts complete messages, not bytes). On these
+slow shared links a 4 MiB chunk, or a TCP flow stalled by drops, can take longer, so healthy
+connections are dropped and exchanges fail (results/utilization.md has the evidence). The option
+starts the peers through ``bench/netem_peer.py`` with a longer timeout; 0 (default) runs the
+runtime unchanged.
+
+Per bandwidth it runs, in order:
+
+1. a raw TCP stream p0 -> p1 (``bench/netem_probe.py tcp-*``): the goodput one flow gets;
+2. the ring all-reduce of the model's payload among the M peers (``netem_probe.py ring``, the
+   project's ``ZmqExchange.all_reduce_mean``): effective rate ``2 (M-1)/M * bytes * 8 / seconds``
+   against B;
+3. every preset (``--presets``, default all of ``peers/``): M peers, each started as
+   ``ip netns exec PREFIX-pI python -m gossiploco peer --rank I --peers tcp://10.77.0.1:PORT,...``.
+   By default an inner step is a sleep of ``--step-time`` seconds (``inner.synthetic_step_s``: the
+   machine's CPU may be shared, a sleep is not slowed down by it; the communication is real).
+   ``--real-compute`` runs the model's real inner steps instead, and the prediction then uses the
+   measured seconds per step. Training-time monitors are off (``monitor.enabled = false``) except
+   for ``globalm1-adaptive``, which needs them (``monitor.every = 0``: one measurement, i.e. one
+   blocking all-reduce of the parameters, per round; the simulator does not model it).
+
+Measured utilization of a peer = ``round_utilization`` of its summary.json: seconds computing
+inner steps / seconds of the training rounds (start-up and the final measurement excluded). The
+table gives the median over the peers and their min-max; a row passes when the median is within
+``--tolerance`` points (default 5) of the prediction. The prediction is
+``gossiploco.utilization.simulate`` with N = the model's real parameter count, the preset's real
+Mix1/Mix2 block fractions, M, H, T and B; outer-step time 0 (the simulator's default).
+
+Safety: needs root (namespaces and tc need CAP_NET_ADMIN), ``ip`` and ``tc``; when it cannot run it
+says why and exits 2. Only addresses in 10.77.0.0/24 inside its own namespaces are used. Namespaces
+are removed on every exit path (try/finally; SIGINT, SIGTERM and SIGHUP are turned into a clean
+stop; a second Ctrl+C during the clean-up is ignored), and leftovers of a crashed earlier run with the
+same prefix are removed at start (their processes killed by pid first). A lock file keeps two runs
+with the same prefix apart. Every wait has a deadline; peer processes get SIGINT, then SIGKILL.
+
+    sudo .venv/bin/python bench/netem.py --heartbeat-timeout-s 60   # every preset at 16 and 60 Mbit/s
+    sudo .venv/bin/python bench/netem.py --presets diloco,globalm1 --bandwidths 20 --rounds 3
+    sudo .venv/bin/python bench/netem.py --real-compute --presets globalm1-localm2 --bandwidths 60
+    .venv/bin/python bench/netem.py --predict-only             # the predictions only (no root needed)
+    sudo .venv/bin/python bench/netem.py --cleanup             # remove leftovers of a crashed run
+
+Exit codes: 0 ran (misses are reported, not failures; ``--strict`` makes a miss exit 1), 1 a run
+broke (a peer failed or timed out), 2 cannot run here, 130 interrupted. Output: ``--out``
+(default runs/netem): results.json (everything, per peer), table.md, and per run the peers' logs,
+metrics.jsonl and summary.json; ``--sample-links 0.1`` adds every switch port's byte counters
+over time (links.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_PREFIX = "gln"
+SUBNET = "10.77.0"
+"""Peer I gets 10.77.0.{I+1}/24 (a private range; only inside this benchmark's namespaces)."""
+PEER_PORT = 7100
+RING_PORT = 6900
+TCP_PORT = 6800
+CMD_TIMEOUT_S = 20.0
+"""Deadline of one ip / tc command."""
+STOP_GRACE_S = 10.0
+"""After SIGINT a process gets this long to leave before SIGKILL."""
+PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
+EXIT_UNAVAILABLE = 2
+
+
+class Unavailable(Exception):
+    """This machine cannot run the benchmark (not root, no ip/tc, namespaces refused)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Commands
+
+
+def sh(cmd: Sequence[str], *, check: bool = True, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run one command with a deadline; raise with its stderr when ``check`` and it fails."""
+    try:
+        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{' '.join(cmd)}: no answer after {timeout:.0f}s") from exc
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip()}")
+    return proc
+
+
+def preflight() -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if not sys.platform.startswith("linux"):
+        return f"needs Linux network namespaces; this is {sys.platform}"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth and tc need CAP_NET_ADMIN); run it with sudo"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the `{tool}` command (iproute2), not found on PATH"
+    try:
+        proc = sh(["ip", "netns", "list"], check=False)
+    except RuntimeError as exc:
+        return f"`ip netns list` does not answer: {exc}"
+    if proc.returncode != 0:
+        return f"`ip netns` is unavailable: {proc.stderr.strip()}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# The network
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    """Namespaces this benchmark made with ``prefix`` (``PREFIX-sw``, ``PREFIX-pI``)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(sw|p\d+)$")
+    out = sh(["ip", "netns", "list"]).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return sorted(n for n in names if pattern.match(n))
+
+
+def kill_namespace_processes(ns: str) -> list[int]:
+    """SIGKILL every process living in namespace ``ns`` (only ever one of ours), by pid."""
+    proc = sh(["ip", "netns", "pids", ns], check=False)
+    pids = [int(p) for p in proc.stdout.split() if p.isdigit()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def remove_namespaces(prefix: str) -> list[str]:
+    """Kill the processes in, then delete, every namespace with ``prefix``. Returns what was removed."""
+    names = list_namespaces(prefix)
+    for ns in names:
+        kill_namespace_processes(ns)
+    if names:
+        time.sleep(0.2)  # let the killed processes go (a namespace lives while a process is in it)
+    for ns in names:
+        sh(["ip", "netns", "del", ns], check=False)
+    return names
+
+
+@contextlib.contextmanager
+def prefix_lock(prefix: str) -> Iterator[None]:
+    """Hold ``/run/lock/gossiploco-netem-PREFIX.lock`` (or under /tmp): one run per prefix at a time."""
+    lock_dir = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
+    path = lock_dir / f"gossiploco-netem-{prefix}.lock"
+    with path.open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise Unavailable(f"another bench/netem.py run with prefix {prefix!r} is active ({path}); "
+                              "wait for it or use --prefix") from None
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # still holding it: a run starting now makes a fresh file
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@dataclass
+class Network:
+    """``peers`` namespaces joined by a bridge in a switch namespace, each access link shaped (module docstring)."""
+
+    prefix: str
+    peers: int
+    mtu: int = 1500
+    built: bool = False
+    shaping: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not PREFIX_RE.match(self.prefix):
+            raise ValueError(f"--prefix must match {PREFIX_RE.pattern} (short: interface and namespace names), got {self.prefix!r}")
+        if not 1 <= self.peers <= 200:
+            raise ValueError(f"peers must be in 1..200, got {self.peers}")
+
+    @property
+    def switch(self) -> str:
+        return f"{self.prefix}-sw"
+
+    def ns(self, rank: int) -> str:
+        return f"{self.prefix}-p{rank}"
+
+    def address(self, rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}"
+
+    def exec_prefix(self, rank: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns(rank)]
+
+    def exec_prefix_switch(self) -> list[str]:
+        return ["ip", "netns", "exec", self.switch]
+
+    def build(self) -> None:
+        """Create the namespaces, bridge and veth pairs. Raises ``Unavailable`` if namespaces are refused."""
+        sw = self.switch
+        try:
+            sh(["ip", "netns", "add", sw])
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot create a network namespace: {exc}") from exc
+        self.built = True
+        try:
+            sh(["ip", "-n", sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0"])
+        except RuntimeError as exc:
+            raise Unavailable(f"cannot create a bridge: {exc}") from exc
+        sh(["ip", "-n", sw, "link", "set", "br0", "mtu", str(self.mtu), "up"])
+        for rank in range(self.peers):
+            ns = self.ns(rank)
+            sh(["ip", "netns", "add", ns])
+            sh(["ip", "-n", sw, "link", "add", f"p{rank}", "mtu", str(self.mtu), "type", "veth",
+                "peer", "name", "eth0", "mtu", str(self.mtu), "netns", ns])
+            sh(["ip", "-n", sw, "link", "set", f"p{rank}", "master", "br0", "up"])
+            sh(["ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0"])
+            sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def links(self) -> list[tuple[str, str]]:
+        """(namespace, device) of every shaped egress: each peer's upload, then each peer's download."""
+        return [(self.ns(r), "eth0") for r in range(self.peers)] + [(self.switch, f"p{r}") for r in range(self.peers)]
+
+    def shape(self, rate_mbit: float, delay_ms: float = 0.0, loss_pct: float = 0.0, queue_packets: int = 1000) -> None:
+        """Rate ``rate_mbit`` (10^6 bit/s of Ethernet frames) on every link in both directions, a FIFO of
+        ``queue_packets`` (Linux's default txqueuelen is 1000), plus netem delay/loss. Replaces any
+        earlier shaping."""
+        rate = f"{rate_mbit:g}mbit"
+        limit = int(queue_packets)
+        for ns, dev in self.links():
+            sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)  # earlier shaping, if any
+            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+            sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+                "rate", rate, "ceil", rate, "quantum", str(self.mtu + 14)])
+            # The leaf queue under the class: netem (delay / loss) or a plain FIFO.
+            if delay_ms > 0 or loss_pct > 0:
+                netem = ["netem", "limit", str(limit)]
+                if delay_ms > 0:
+                    netem += ["delay", f"{delay_ms:g}ms"]
+                if loss_pct > 0:
+                    netem += ["loss", f"{loss_pct:g}%"]
+                try:
+                    sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", *netem])
+                except RuntimeError as exc:
+                    raise Unavailable(f"cannot add a netem qdisc for --delay-ms / --loss-pct (this kernel may lack "
+                                      f"sch_netem): {exc}") from exc
+            else:
+                sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo", "limit", str(limit)])
+        self.shaping = {"rate_mbit": rate_mbit, "delay_ms": delay_ms, "loss_pct": loss_pct, "queue_packets": limit}
+
+    def set_congestion_control(self, name: str) -> str:
+        """TCP congestion control of every peer namespace. ``auto``: cubic (Linux's default) when the
+        host allows it, else reno; ``inherit``: leave what the namespace got. Returns the one in use."""
+        allowed = sh(["ip", "netns", "exec", self.ns(0), "sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"],
+                     check=False).stdout.split()
+        if name == "auto":
+            name = "cubic" if "cubic" in allowed else "reno"
+        for rank in range(self.peers):
+            # Every connection starts fresh: no ssthresh / RTT remembered from an earlier run's connections.
+            sh(["ip", "netns", "exec", self.ns(rank), "sysctl", "-w", "net.ipv4.tcp_no_metrics_save=1"], check=False)
+        if name != "inherit":
+            for rank in range(self.peers):
+                proc = sh(["ip", "netns", "exec", self.ns(rank), "sysctl", "-w", f"net.ipv4.tcp_congestion_control={name}"],
+                          check=False)
+                if proc.returncode != 0:
+                    raise Unavailable(f"cannot use TCP congestion control {name!r} in the namespaces (allowed here: "
+                                      f"{' '.join(allowed) or '?'}): {proc.stderr.strip()}")
+        return sh(["ip", "netns", "exec", self.ns(0), "sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
+
+    def flush_tcp_metrics(self) -> None:
+        """Forget what TCP learnt about each destination (before each run, so runs do not depend on their order)."""
+        for rank in range(self.peers):
+            sh(["ip", "-n", self.ns(rank), "tcp_metrics", "flush", "all"], check=False)
+
+    def qdisc_text(self, rank: int = 0) -> str:
+        """``tc qdisc show`` and ``tc class show`` of peer ``rank``'s two directions, for the record."""
+        parts = []
+        for label, ns, dev in (("upload", self.ns(rank), "eth0"), ("download", self.switch, f"p{rank}")):
+            qdisc = sh(["tc", "-n", ns, "qdisc", "show", "dev", dev]).stdout.strip()
+            cls = sh(["tc", "-n", ns, "class", "show", "dev", dev]).stdout.strip()
+            parts.append(f"{label} ({ns} {dev}):\n{qdisc}\n{cls}")
+        return "\n".join(parts)
+
+    def destroy(self) -> list[str]:
+        """Remove everything with this prefix (idempotent)."""
+        self.built = False
+        return remove_namespaces(self.prefix)
+
+
+# ---------------------------------------------------------------------------------------
+# Processes
+
+
+class Group:
+    """Child processes in their own sessions; ``stop()`` always leaves none running."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list[Any] = []
+
+    def start(self, cmd: list[str], log_name: str, env: dict[str, str]) -> subprocess.Popen:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.out_dir / log_name).open("w")
+        self._logs.append(log)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def wait(self, timeout_s: float) -> list[int | None]:
+        """Exit codes once all exit; None for any still running at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        codes: list[int | None] = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGINT every live child's process group, wait up to ``grace_s``, then SIGKILL. Idempotent."""
+        live = [p for p in self.procs if p.poll() is None]
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        for proc in live:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+        for log in self._logs:
+            log.close()
+        self._logs = []
+
+
+def child_env() -> dict[str, str]:
+    """Children: unbuffered output, one math thread each (M peers share the machine's cores)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------------------
+# Probes of the link
+
+
+def probe_tcp(net: Network, out_dir: Path, seconds: float) -> dict:
+    """One raw TCP stream from peer 0 to peer 1: its goodput."""
+    group = Group(out_dir)
+    result_path = out_dir / "tcp.json"
+    result_path.unlink(missing_ok=True)
+    probe = str(ROOT / "bench" / "netem_probe.py")
+    try:
+        group.start([*net.exec_prefix(1), sys.executable, probe, "tcp-server", "--host", net.address(1),
+                     "--port", str(TCP_PORT), "--out", str(result_path), "--timeout-s", "60"], "tcp-server.log", child_env())
+        group.start([*net.exec_prefix(0), sys.executable, probe, "tcp-client", "--host", net.address(1),
+                     "--port", str(TCP_PORT), "--seconds", str(seconds), "--timeout-s", "60"], "tcp-client.log", child_env())
+        codes = group.wait(seconds + 90)
+    finally:
+        group.stop()
+    if codes != [0, 0] or not result_path.exists():
+        raise RuntimeError(f"TCP probe failed (exit codes {codes}):\n{tail(out_dir / 'tcp-server.log')}\n{tail(out_dir / 'tcp-client.log')}")
+    return json.loads(result_path.read_text())
+
+
+def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s: float, trace: bool = False,
+               chunk_mb: float = 4.0) -> dict:
+    """The project's ring all-reduce of ``numel`` fp32 among all peers, ``repeats`` times."""
+    group = Group(out_dir)
+    peers = ",".join(f"tcp://{net.address(r)}:{RING_PORT}" for r in range(net.peers))
+    probe = str(ROOT / "bench" / "netem_probe.py")
+    paths = [out_dir / f"ring-{r}.json" for r in range(net.peers)]
+    try:
+        for r, path in enumerate(paths):
+            path.unlink(missing_ok=True)
+            group.start([*net.exec_prefix(r), sys.executable, probe, "ring", "--rank", str(r), "--peers", peers,
+                         "--numel", str(numel), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
+                         "--chunk-mb", str(chunk_mb), "--out", str(path), *(["--trace"] if trace else [])], f"ring-{r}.log", child_env())
+        codes = group.wait(timeout_s * (repeats + 2) + 60)
+    finally:
+        group.stop()
+    if any(c != 0 for c in codes) or not all(p.exists() for p in paths):
+        logs = "\n".join(tail(out_dir / f"ring-{r}.log", 5) for r in range(net.peers))
+        raise RuntimeError(f"ring probe failed (exit codes {codes}):\n{logs}")
+    per_rank = [json.loads(p.read_text())["seconds"] for p in paths]
+    # One collective's duration: the slowest rank of that repeat (all ranks started after a barrier).
+    durations = [max(rank[k] for rank in per_rank) for k in range(repeats)]
+    return {"numel": numel, "payload_bytes": 4 * numel, "seconds_per_rank": per_rank, "durations_s": durations}
+
+
+def ring_rate_mbps(payload_bytes: float, workers: int, seconds: float) -> float:
+    """Effective per-link rate of a ring all-reduce: ``2 (M-1)/M * payload * 8 / seconds`` in Mbit/s."""
+    return 2 * (workers - 1) / workers * payload_bytes * 8 / seconds / 1e6
+
+
+# ---------------------------------------------------------------------------------------
+# Presets
+
+
+@dataclass
+class Plan:
+    """One preset at one bandwidth: its config overrides and the simulator's prediction."""
+
+    preset: str
+    bandwidth_mbps: float
+    overrides: dict
+    cfg: Any
+    prediction: dict
+
+
+def preset_overrides(preset: str, args: argparse.Namespace) -> dict:
+    """The ``--set`` overrides of one preset's peers (also what the prediction loads)."""
+    from gossiploco.config import load_config
+
+    sync = load_config(preset).mode == "sync-dp"
+    overrides: dict[str, Any] = {
+        "model.size": args.model,
+        "workers": args.workers,
+        "inner_steps": args.sync_dp_inner_steps if sync else args.inner_steps,
+        "rounds": args.sync_dp_rounds if sync else args.rounds,
+        "seed": 0,
+        "device": "cpu",
+        "data.seq_len": args.seq_len,
+        "data.batch_size": args.batch_size,
+        "data.heldout_batch_size": 2,
+        "data.val_batches": 1,
+        "data.max_corpus_mb": 2.0,
+        "inner.warmup_steps": 1,
+        "monitor.enabled": False,
+        "timeouts.exchange_s": args.exchange_timeout_s,
+        "timeouts.startup_s": 120.0,
+        "transport.chunk_mb": args.chunk_mb,
+    }
+    if not args.real_compute:
+        overrides["inner.synthetic_step_s"] = args.step_time
+    if load_config(preset).mix2.mode == "adaptive":
+        # Adaptive Mix2 is driven by the monitors: one consensus measurement per round, at h = 0.
+        overrides.update({"monitor.enabled": True, "monitor.every": 0, "monitor.val_loss": False})
+    return overrides
+
+
+def predict(cfg: Any, bandwidth_mbps: float, step_time_s: float) -> dict:
+    """``gossiploco utilization`` for ``cfg``: real parameter count and block fractions of its model."""
+    from gossiploco import utilization as util
+
+    vocab = util.default_vocab_size(cfg)
+    plan = util.CommPlan.from_config(cfg, vocab)
+    sc = util.resolve_scenario(cfg, bandwidth_mbps=bandwidth_mbps, vocab_size=vocab, step_time_s=step_time_s)
+    return util.report(plan, sc, util.simulate(plan, sc))
+
+
+def make_plan(preset: str, bandwidth_mbps: float, args: argparse.Namespace) -> Plan:
+    from gossiploco.config import load_config
+
+    overrides = preset_overrides(preset, args)
+    cfg = load_config(preset, overrides)
+    return Plan(preset, bandwidth_mbps, overrides, cfg, predict(cfg, bandwidth_mbps, args.step_time))
+
+
+def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, heartbeat_ms: int = 0) -> list[str]:
+    """``ip netns exec PREFIX-pI python -m gossiploco peer ...`` (through ``bench/netem_peer.py`` when the
+    heartbeat timeout is changed)."""
+    peers = ",".join(f"tcp://{net.address(r)}:{port}" for r in range(net.peers))
+    sets = []
+    for key, value in plan.overrides.items():
+        if key != "workers":  # a peer's world size is the length of --peers
+            sets += ["--set", f"{key}={json.dumps(value)}"]
+    launcher = [str(ROOT / "bench" / "netem_peer.py")] if heartbeat_ms else ["-m", "gossiploco"]
+    return [*net.exec_prefix(rank), sys.executable, *launcher, "peer", "--config", plan.preset,
+            "--rank", str(rank), "--peers", peers, "--out", str(out_dir / f"peer-{rank}"), "--quiet", *sets]
+
+
+def read_peer(out_dir: Path, rank: int) -> dict:
+    """One peer's summary plus the per-round fields of its last record (the last round's Mix timings)."""
+    peer_dir = out_dir / f"peer-{rank}"
+    summary = json.loads((peer_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (peer_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = records[-1] if records else {}
+    rounds = summary["rounds"]
+    # The final record's monitor_s is the final measurement (after the rounds): not round time.
+    monitor_rounds = summary.get("total_monitor_s", 0.0) - last.get("monitor_s", 0.0)
+    blocking = {
+        "mix1_wait_s": summary.get("total_mix1_wait_s", 0.0),
+        "mix2_s": summary.get("total_mix2_s", 0.0),
+        "grad_s": summary.get("total_grad_s", 0.0),
+        "monitor_s": monitor_rounds,
+    }
+    other = summary["total_rounds_s"] - summary["total_compute_s"] - sum(blocking.values())
+    return {
+        "rank": rank,
+        "round_utilization": summary["round_utilization"],
+        "compute_s": summary["total_compute_s"],
+        "rounds_s": summary["total_rounds_s"],
+        **blocking,
+        "other_s": other,
+        "per_round_s": summary["total_rounds_s"] / rounds,
+        "last_round": {k: last.get(k) for k in ("mix1_s", "mix1_wait_s", "mix2_s", "outer_s", "mix1_bytes", "mix2_bytes")},
+        "failures": {k: summary.get(k, 0) for k in ("mix1_failures", "mix2_failures", "grad_failures", "monitor_failures")},
+        "bytes_sent": summary.get("bytes_sent"),
+    }
+
+
+def link_busy(path: Path, rate_mbit: float) -> dict | None:
+    """From ``links.jsonl`` (switch port counters): how busy the links were while the run moved data.
+
+    The window runs from the first to the last sample interval in which any port carried more than
+    10% of the rate (start-up and the idle tail are left out). ``busy_pct``: bytes that crossed all
+    2M directions / (2M x rate x window); ``per_direction``: the same per port and direction."""
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return None
+    devs = sorted(k for k in rows[0] if k != "t") if rows else []
+    if len(rows) < 3 or not devs:
+        return None
+    bytes_per_s = rate_mbit * 1e6 / 8
+    active = [i for i in range(1, len(rows))
+              if any(rows[i][d][k] - rows[i - 1][d][k] > 0.1 * bytes_per_s * (rows[i]["t"] - rows[i - 1]["t"])
+                     for d in devs for k in (0, 1))]
+    if not active:
+        return None
+    first, last = rows[active[0] - 1], rows[active[-1]]
+    window = last["t"] - first["t"]
+    per = {f"{d}.{'up' if k == 0 else 'down'}": 100 * (last[d][k] - first[d][k]) / (bytes_per_s * window)
+           for d in devs for k in (0, 1)}
+    return {"window_s": window, "busy_pct": statistics.mean(per.values()), "per_direction": per}
+
+
+def run_plan(net: Network, plan: Plan, args: argparse.Namespace, out_dir: Path, port: int,
+             goodput_mbps: float | None = None) -> dict:
+    """M peers of ``plan`` on the shaped network; their measurements and the comparison."""
+    net.flush_tcp_metrics()
+    group = Group(out_dir)
+    timeout_s = args.startup_allowance_s + 3.0 * plan.prediction["wall_s"] * plan.cfg.rounds
+    start = time.monotonic()
+    sampler = Group(out_dir)
+    try:
+        if args.sample_links:
+            sampler.start([*net.exec_prefix_switch(), sys.executable, str(ROOT / "bench" / "netem_probe.py"), "sample",
+                           "--interval-s", str(args.sample_links), "--seconds", str(timeout_s + 30),
+                           "--out", str(out_dir / "links.jsonl")], "sampler.log", child_env())
+        for rank in range(net.peers):
+            heartbeat_ms = round(1000 * args.heartbeat_timeout_s) if args.heartbeat_timeout_s else 0
+            env = {**child_env(), **({"GOSSIPLOCO_NETEM_HEARTBEAT_MS": str(heartbeat_ms)} if heartbeat_ms else {})}
+            group.start(peer_command(net, plan, rank, port, out_dir, heartbeat_ms), f"peer-{rank}.log", env)
+        codes = group.wait(timeout_s)
+    finally:
+        group.stop()
+        sampler.stop(grace_s=2)
+    wall = time.monotonic() - start
+    result: dict[str, Any] = {"preset": plan.preset, "bandwidth_mbps": plan.bandwidth_mbps, "exit_codes": codes,
+                              "wall_s": wall, "overrides": plan.overrides, "out": str(out_dir)}
+    if any(c != 0 for c in codes):
+        bad = [r for r, c in enumerate(codes) if c != 0]
+        result["error"] = (f"peers {bad} " + ("timed out" if None in codes else "failed") + f" (exit codes {codes}); "
+                           f"log of peer {bad[0]}:\n{tail(out_dir / f'peer-{bad[0]}.log')}")
+        return result
+    peers = [read_peer(out_dir, r) for r in range(net.peers)]
+    steps = plan.cfg.inner_steps * plan.cfg.rounds
+    step_time = statistics.median(p["compute_s"] / steps for p in peers) if args.real_compute else args.step_time
+    prediction = predict(plan.cfg, plan.bandwidth_mbps, step_time) if args.real_compute else plan.prediction
+    utils = [100 * p["round_utilization"] for p in peers]
+    predicted = 100 * prediction["compute_utilization"]
+    measured = statistics.median(utils)
+    result.update({
+        "step_time_s": step_time,
+        "predicted_pct": predicted,
+        "measured_median_pct": measured,
+        "measured_min_pct": min(utils),
+        "measured_max_pct": max(utils),
+        "diff_pts": measured - predicted,
+        "pass": abs(measured - predicted) <= args.tolerance,
+        "prediction": prediction,
+        # Not the prediction: the simulator fed with what one TCP flow measurably gets out of the link
+        # (payload rate, Ethernet/IP/TCP headers excluded), to separate framing from everything else.
+        "predicted_at_goodput_pct": (100 * predict(plan.cfg, goodput_mbps, step_time)["compute_utilization"]
+                                     if goodput_mbps else None),
+        # Measured, with the seconds the peers spent in consensus monitors taken out of the rounds.
+        "measured_without_monitor_pct": statistics.median(
+            100 * p["compute_s"] / (p["rounds_s"] - p["monitor_s"]) for p in peers),
+        "peers": peers,
+        "failures": sum(sum(p["failures"].values()) for p in peers),
+        "links": link_busy(out_dir / "links.jsonl", plan.bandwidth_mbps) if args.sample_links else None,
+    })
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Reports
+
+
+def last_round_pct(r: dict) -> float | None:
+    """Median over peers of the last round's utilization: compute per round / (compute per round + the
+    last round's Mix1 wait, Mix2 and outer step). Leaves out round 0, whose start the peers reach at
+    different moments (whoever connects last starts last, and round 0's first exchange waits for it)."""
+    if r["prediction"]["mode"] != "factored":
+        return None
+    rounds, values = r["overrides"]["rounds"], []
+    for p in r["peers"]:
+        last, compute = p["last_round"], p["compute_s"] / rounds
+        blocked = sum(last.get(k) or 0.0 for k in ("mix1_wait_s", "mix2_s", "outer_s"))
+        values.append(100 * compute / (compute + blocked))
+    return statistics.median(values)
+
+
+def fmt_row(r: dict) -> str:
+    if "error" in r:
+        return f"| {r['preset']} | {r['bandwidth_mbps']:g} | | | | | error | | | | {r['error'].splitlines()[0]} |"
+    pred = r["prediction"]
+    mix1_ratio = pred["mix1_attempt_s"] / pred["compute_s"] if pred["mix1_attempt_s"] else 0.0
+    notes = []
+    mon = statistics.median(p["monitor_s"] for p in r["peers"])
+    if mon > 0.01:
+        notes.append(f"monitor all-reduce {100 * mon / statistics.median(p['rounds_s'] for p in r['peers']):.0f}% of "
+                     f"round time; without it {r['measured_without_monitor_pct']:.1f}%")
+    goodput, last = r.get("predicted_at_goodput_pct"), last_round_pct(r)
+    return (f"| {r['preset']} | {r['bandwidth_mbps']:g} | {mix1_ratio:.2f} | {r['predicted_pct']:.1f} | "
+            f"{r['measured_median_pct']:.1f} ({r['measured_min_pct']:.1f}-{r['measured_max_pct']:.1f}) | "
+            f"{r['diff_pts']:+.1f} | {'pass' if r['pass'] else 'MISS'} | {r['failures']} | "
+            f"{f'{goodput:.1f}' if goodput is not None else '-'} | {f'{last:.1f}' if last is not None else '-'} | "
+            f"{'; '.join(notes)} |")
+
+
+def breakdown_row(r: dict) -> str:
+    """Per-round seconds, median over peers: measured against predicted."""
+    if "error" in r:
+        return ""
+    pred, rounds = r["prediction"], r["overrides"]["rounds"]
+
+    def med(key: str) -> float:
+        return statistics.median(p[key] for p in r["peers"]) / rounds
+
+    sync = pred["mode"] == "sync-dp"
+    blocking = med("grad_s") if sync else med("mix1_wait_s") + med("mix2_s")
+    return (f"| {r['preset']} | {r['bandwidth_mbps']:g} | {pred['compute_s']:.2f} / {med('compute_s'):.2f} | "
+            f"{pred['blocking_comm_s']:.2f} / {blocking:.2f} | {med('monitor_s'):.2f} | {med('other_s'):.2f} | "
+            f"{pred['wall_s']:.2f} / {med('rounds_s'):.2f} |")
+
+
+def markdown(results: dict) -> str:
+    lines = ["| preset | B (Mbit/s) | Mix1 / compute | predicted % | measured % median (min-max) | diff (pts) | within 5 | "
+             "failed exchanges | simulator at TCP goodput % | measured, last round % | notes |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+    lines += [fmt_row(r) for r in results["runs"]]
+    lines += ["", "Per round, median over peers, predicted / measured seconds (blocking = Mix1 wait + Mix2, or the "
+              "gradient all-reduces of sync-dp; other = outer step, packing, thread hand-offs):", "",
+              "| preset | B | compute | blocking comm | monitor | other | round |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [breakdown_row(r) for r in results["runs"] if "error" not in r]
+    lines += ["", "| B (Mbit/s) | raw TCP goodput | ring all-reduce of the model (median of repeats) | % of B | "
+              "globalm1 Mix1 (last round, median peer) | diloco Mix2 (last round, median peer) |",
+              "|---:|---:|---:|---:|---:|---:|"]
+    for link in results["links"]:
+        b = link["bandwidth_mbps"]
+        tcp = link.get("tcp", {}).get("mbps")
+        ring = link.get("ring_mbps")
+        cells = [f"{b:g}", f"{tcp:.2f} ({100 * tcp / b:.1f}%)" if tcp else "-",
+                 f"{ring:.2f} Mbit/s ({statistics.median(link['ring']['durations_s']):.2f} s)" if ring else "-",
+                 f"{100 * ring / b:.1f}%" if ring else "-"]
+        for preset, key in (("globalm1", "mix1"), ("diloco", "mix2")):
+            rate = mix_rate(results, preset, b, key)
+            cells.append(f"{rate:.2f} Mbit/s ({100 * rate / b:.1f}%)" if rate else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def mix_rate(results: dict, preset: str, bandwidth: float, mix: str) -> float | None:
+    """Effective ring rate of the last round's all-reduce ``mix`` of ``preset`` (median over peers)."""
+    for r in results["runs"]:
+        if r["preset"] == preset and r["bandwidth_mbps"] == bandwidth and "error" not in r:
+            rates = []
+            for p in r["peers"]:
+                seconds, nbytes = p["last_round"].get(f"{mix}_s"), p["last_round"].get(f"{mix}_bytes")
+                if seconds and nbytes:
+                    rates.append(ring_rate_mbps(nbytes, len(r["peers"]), seconds))
+            return statistics.median(rates) if rates else None
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Real gossiploco peers on tc-shaped links in network namespaces: "
+                                     "measured compute utilization against the simulator.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--presets", default="all", help="Comma-separated preset names, or 'all' (every file in peers/).")
+    parser.add_argument("--bandwidths", default="16,60", help="Link rates in Mbit/s (each direction, per peer), comma-separated.")
+    parser.add_argument("--workers", type=int, default=4, help="Peers M (one namespace each).")
+    parser.add_argument("--model", default="small", help="Model size (payload: its real parameter count, fp32).")
+    parser.add_argument("--step-time", type=float, default=0.3, help="Seconds of one synthetic inner step T.")
+    parser.add_argument("--inner-steps", type=int, default=10, help="Inner steps H per round.")
+    parser.add_argument("--rounds", type=int, default=4, help="Rounds R per run.")
+    parser.add_argument("--sync-dp-inner-steps", type=int, default=5, help="sync-dp: steps per 'round' (its utilization does not depend on H).")
+    parser.add_argument("--sync-dp-rounds", type=int, default=2, help="sync-dp: rounds.")
+    parser.add_argument("--real-compute", action="store_true", help="Real inner steps of the model instead of sleeps; T is then measured.")
+    parser.add_argument("--seq-len", type=int, default=64, help="Tokens per sequence (real compute).")
+    parser.add_argument("--batch-size", type=int, default=4, help="Sequences per inner step (real compute).")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on each direction of each link.")
+    parser.add_argument("--loss-pct", type=float, default=0.0, help="netem loss on each direction of each link.")
+    parser.add_argument("--mtu", type=int, default=1500)
+    parser.add_argument("--queue-packets", type=int, default=1000,
+                        help="FIFO length of each shaped direction, in packets (1000: Linux's default txqueuelen). "
+                             "Short queues drop more and make TCP (Reno) flows stall and share unevenly.")
+    parser.add_argument("--congestion-control", default="auto",
+                        help="TCP congestion control in the peer namespaces: auto (cubic if the host allows it, else reno), "
+                             "inherit (the host's default), or a name (reno, cubic, bbr).")
+    parser.add_argument("--sample-links", type=float, default=0.0, metavar="SECONDS",
+                        help="Record every switch port's byte counters at this interval during each run (links.jsonl; 0: off).")
+    parser.add_argument("--tolerance", type=float, default=5.0, help="Points of utilization a median may differ from the prediction.")
+    parser.add_argument("--ring-repeats", type=int, default=3, help="Ring all-reduce probes per bandwidth (0: skip).")
+    parser.add_argument("--tcp-seconds", type=float, default=3.0, help="Raw TCP probe length per bandwidth (0: skip).")
+    parser.add_argument("--chunk-mb", type=float, default=4.0,
+                        help="transport.chunk_mb of the peers and the ring probe (the runtime's default). With the "
+                             "runtime's 5 s heartbeat, a chunk that takes longer than 5 s on the wire drops the connection "
+                             "(4 MiB: below 6.7 Mbit/s per flow).")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=0.0,
+                        help="Run the peers with this ZeroMQ heartbeat timeout instead of the runtime's 5 s "
+                             "(bench/netem_peer.py; 0: unchanged). libzmq counts only whole messages, so on a slow, "
+                             "congested link the 5 s timeout can drop healthy connections.")
+    parser.add_argument("--exchange-timeout-s", type=float, default=120.0, help="timeouts.exchange_s of the peers.")
+    parser.add_argument("--startup-allowance-s", type=float, default=240.0, help="Added to 3x the predicted run time for a run's deadline.")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="Name prefix of the namespaces this run makes (and cleans).")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "netem", help="Output directory (results.json, table.md, per-run logs).")
+    parser.add_argument("--predict-only", action="store_true", help="Print the plans and predictions; run nothing (no root needed).")
+    parser.add_argument("--cleanup", action="store_true", help="Only remove leftovers of an earlier run with --prefix.")
+    parser.add_argument("--report", type=Path, metavar="RESULTS_JSON", help="Only rewrite the tables of an earlier run's results.json (no root needed).")
+    parser.add_argument("--strict", action="store_true", help="Exit 1 when a row misses the tolerance or the ring rate is under 90%% of B.")
+    return parser.parse_args(argv)
+
+
+def presets_of(text: str) -> list[str]:
+    from gossiploco.config import preset_names
+
+    names = preset_names()
+    if text == "all":
+        return names
+    chosen = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in names]
+    if unknown:
+        raise SystemExit(f"error: unknown presets {unknown}; choose from {names}")
+    return chosen
+
+
+def machine_info() -> dict:
+    import platform
+
+    info = {"kernel": platform.release(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        info["loadavg_start"] = Path("/proc/loadavg").read_text().split()[:3]
+    info["ip"] = sh(["ip", "-V"], check=False).stdout.strip() if shutil.which("ip") else None
+    return info
+
+
+class _Stop(KeyboardInterrupt):
+    """A signal asked us to stop (SIGINT, SIGTERM, SIGHUP)."""
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not PREFIX_RE.match(args.prefix):
+        print(f"error: --prefix must match {PREFIX_RE.pattern}, got {args.prefix!r}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    bandwidths = [float(b) for b in args.bandwidths.split(",") if b.strip()]
+    presets = presets_of(args.presets)
+
+    if args.report:
+        table = markdown(json.loads(args.report.read_text()))
+        (args.report.parent / "table.md").write_text(table + "\n")
+        print(table)
+        return 0
+
+    if args.predict_only:
+        for b in bandwidths:
+            for preset in presets:
+                plan = make_plan(preset, b, args)
+                p = plan.prediction
+                print(f"{preset:24s} {b:6g} Mbit/s  predicted {100 * p['compute_utilization']:5.1f}%  "
+                      f"round {p['wall_s']:.2f} s (compute {p['compute_s']:.2f}, mix1 {p['mix1_attempt_s']:.2f}, "
+                      f"mix2 {p['mix2_attempt_s']:.2f}, x{plan.cfg.rounds} rounds)")
+        return 0
+
+    problem = preflight()
+    if problem:
+        print(f"bench/netem.py cannot run here: {problem}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:
+        signal.signal(s, _on_signal)
+    net: Network | None = None
+    try:
+        with prefix_lock(args.prefix):
+            leftovers = remove_namespaces(args.prefix)
+            if leftovers:
+                print(f"removed leftovers of an earlier run: {', '.join(leftovers)}")
+            if args.cleanup:
+                return 0
+            net = Network(args.prefix, args.workers, args.mtu)
+            try:
+                return run_all(net, args, presets, bandwidths)
+            finally:
+                # No second Ctrl+C may interrupt the clean-up.
+                for s in previous:
+                    signal.signal(s, signal.SIG_IGN)
+                removed = net.destroy()
+                print(f"removed namespaces: {', '.join(removed) if removed else 'none left'}")
+    except Unavailable as exc:
+        print(f"bench/netem.py cannot run here: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except RuntimeError as exc:  # a command of the set-up failed: already cleaned up
+        print(f"bench/netem.py: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        print(f"interrupted ({exc or 'SIGINT'}); peers stopped, namespaces removed", file=sys.stderr)
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_all(net: Network, args: argparse.Namespace, presets: list[str], bandwidths: list[float]) -> int:
+    from gossiploco.utilization import block_sizes, default_vocab_size
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    net.build()
+    results: dict[str, Any] = {"machine": machine_info(), "argv": sys.argv, "args": {k: str(v) for k, v in vars(args).items()},
+                               "links": [], "runs": []}
+    results["machine"]["tcp_congestion_control"] = net.set_congestion_control(args.congestion_control)
+    print(f"{net.peers} peer namespaces {net.ns(0)}..{net.ns(net.peers - 1)} on bridge {net.switch}/br0, "
+          f"TCP congestion control {results['machine']['tcp_congestion_control']}", flush=True)
+    path = args.out / "results.json"
+    broken = False
+    port = PEER_PORT
+    for b in bandwidths:
+        net.shape(b, args.delay_ms, args.loss_pct, args.queue_packets)
+        link: dict[str, Any] = {"bandwidth_mbps": b, "tc": net.qdisc_text(0)}
+        results["links"].append(link)
+        link_dir = args.out / f"link-{b:g}mbit"
+        if args.tcp_seconds > 0:
+            link["tcp"] = probe_tcp(net, link_dir, args.tcp_seconds)
+            print(f"[{b:g} Mbit/s] raw TCP p0->p1: {link['tcp']['mbps']:.2f} Mbit/s ({100 * link['tcp']['mbps'] / b:.1f}% of B)", flush=True)
+        if args.ring_repeats > 0:
+            from gossiploco.config import load_config
+
+            cfg = load_config("globalm1", {"model.size": args.model})
+            numel = sum(block_sizes(cfg.model.size, default_vocab_size(cfg)).values())
+            link["ring"] = probe_ring(net, link_dir, numel, args.ring_repeats, args.exchange_timeout_s, chunk_mb=args.chunk_mb)
+            seconds = statistics.median(link["ring"]["durations_s"])
+            link["ring_mbps"] = ring_rate_mbps(4 * numel, net.peers, seconds)
+            print(f"[{b:g} Mbit/s] ring all-reduce of {4 * numel / 1e6:.2f} MB among {net.peers}: {seconds:.2f} s = "
+                  f"{link['ring_mbps']:.2f} Mbit/s ({100 * link['ring_mbps'] / b:.1f}% of B)", flush=True)
+        for preset in presets:
+            plan = make_plan(preset, b, args)
+            port += 1
+            run = run_plan(net, plan, args, args.out / f"{preset}-{b:g}mbit", port, link.get("tcp", {}).get("mbps"))
+            results["runs"].append(run)
+            if "error" in run:
+                broken = True
+                print(f"[{b:g} Mbit/s] {preset}: ERROR {run['error']}", flush=True)
+            else:
+                print(f"[{b:g} Mbit/s] {preset:24s} predicted {run['predicted_pct']:5.1f}%  measured {run['measured_median_pct']:5.1f}% "
+                      f"({run['measured_min_pct']:.1f}-{run['measured_max_pct']:.1f})  diff {run['diff_pts']:+.1f}  "
+                      f"{'pass' if run['pass'] else 'MISS'}  ({run['wall_s']:.0f} s)", flush=True)
+            path.write_text(json.dumps(results, indent=1, default=str))
+    results["machine"]["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    path.write_text(json.dumps(results, indent=1, default=str))
+    table = markdown(results)
+    (args.out / "table.md").write_text(table + "\n")
+    print(table)
+    print(f"results: {path}  table: {args.out / 'table.md'}")
+    if broken:
+        return 1
+    missed = [r for r in results["runs"] if not r.get("pass")]
+    slow = [link for link in results["links"] if link.get("ring_mbps") and link["ring_mbps"] < 0.9 * link["bandwidth_mbps"]]
+    return 1 if args.strict and (missed or slow) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

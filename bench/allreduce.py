@@ -450,6 +450,7 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
                  total_s: float) -> None:
     mb = 4 * args.values / 1e6
     side = [k for k in results if k != "hivemind"]
+    together = ", ".join(side[:-1]) + " and " + side[-1] if len(side) > 1 else "".join(side)
     lines = [
         "# All-reduce benchmark (loopback)",
         "",
@@ -465,8 +466,8 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
         "",
         f"Payload: {args.values:,} float32 values ({mb:.0f} MB) per peer, {args.peers} peer processes on 127.0.0.1, "
         f"{args.threads} torch thread(s) per peer, {args.warmup} untimed warm-up + {args.reps} timed repetitions. "
-        f"{' and '.join(side)} run side by side in the same peer processes, alternating per repetition (same inputs, "
-        "same load); hivemind runs in its own processes afterwards. Each repetition: fresh random input, barrier, "
+        f"{together} run side by side in the same peer processes, alternating per repetition (same inputs, same "
+        "load); hivemind runs in its own processes afterwards. Each repetition: fresh random input, barrier, "
         "every peer times its own all-reduce mean; the repetition's time is the maximum over peers. Then the result "
         "is checked against the exact mean (float64 sum of all ranks' regenerated inputs / peers), every element "
         "by one peer (the peers split the check), and every peer's whole result is compared with that through "
@@ -548,8 +549,9 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
         rows.append(f"| peak RSS per peer: at most {TARGET_EXTRA_BUFFERS:.0f} parameter-sized fp32 buffers beyond "
                     f"model and inner optimizer | {how}; + z and outer momentum = **{whole:.1f}**. The zmq all-reduce "
                     f"alone: {zmq['extra_rss_max']:.2f} beyond its input"
-                    f"{' (gloo: %.2f)' % gloo['extra_rss_max'] if gloo else ''} | "
-                    f"{verdict(whole <= TARGET_EXTRA_BUFFERS)} |")
+                    f"{' (zmq-inplace: %.2f)' % zin['extra_rss_max'] if zin else ''}"
+                    f"{' (gloo: %.2f)' % gloo['extra_rss_max'] if gloo else ''}"
+                    f"{inplace_note(zmq, zin, mix_extra)} | {verdict(whole <= TARGET_EXTRA_BUFFERS)} |")
     lines += rows
     lines += [
         "",
@@ -568,6 +570,14 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
     path.write_text("\n".join(lines) + "\n")
 
 
+def inplace_note(zmq: dict, zin: dict | None, mix_extra: float) -> str:
+    """With Mix1 calling all_reduce_mean(inplace=True), the all-reduce's own extra is zmq-inplace's."""
+    if not zin:
+        return ""
+    est = mix_extra - zmq["extra_rss_max"] + zin["extra_rss_max"] + 2
+    return f". If Mix1 passed inplace=True: about **{est:.1f}**"
+
+
 def no_runq_overhead(o: dict) -> float:
     """In-flight step over quiet step, both without their run-queue wait, minus 1, in percent."""
     q, f = o["quiet_split"], o["inflight_split"]
@@ -579,12 +589,12 @@ def overlap_section(overlap: list[dict], args) -> list[str]:
         "Two exchange peers (`ZmqExchange`) on loopback. A training process runs a LocalTrainer (fp32 AdamW, "
         "synthetic random byte tokens, 1 torch thread) and times each inner step in alternating phases (cycles x "
         "steps per phase: " + ", ".join(sorted({f"{o['model']} {o['cycles']} x {o['steps']}" for o in overlap}))
-        + "): *quiet* (no communication anywhere) and *Mix1* (Mix1 runs back to back: pack the parameters into one "
-        "flat fp32 vector like Mix1's `pack`, `all_reduce_mean` it over both peers, again; a step counts as in "
-        "flight if an all-reduce was still running when it ended, and the phase ends after as many counted steps "
-        "as a quiet phase has). Overhead = median in-flight step / median quiet step - 1. The training thread's "
-        "CPU time per step is shown too: when it stays flat while the wall time grows, the step was waiting "
-        "(for the GIL or for a core), not computing more.",
+        + "): *quiet* (no communication anywhere) and *Mix1* (Mix1 runs back to back: `GlobalMix.mix([z], r, "
+        "exchange)`, the operator FactoredDiLoCo's Mix1 calls: pack, all-reduce over both peers, check, unpack; "
+        "a step counts as in flight if an all-reduce was still running when it ended, and the phase ends after "
+        "as many counted steps as a quiet phase has). Overhead = median in-flight step / median quiet step - 1. "
+        "The training thread's CPU time per step is shown too: when it stays flat while the wall time grows, the "
+        "step was waiting (for the GIL or for a core), not computing more.",
         "",
         "This VM has 2 cores, so training and communication contend however they are placed; three placements "
         "bound the effect:",
@@ -646,7 +656,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--backends", default="zmq,gloo,hivemind", help="any of zmq, zmq-inplace, gloo, hivemind")
+    p.add_argument("--backends", default="zmq,zmq-inplace,gloo,hivemind",
+                   help="any of zmq, zmq-inplace, gloo, hivemind")
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer (the peers share the cores)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of one exchange, barrier or setup step (s)")
     p.add_argument("--zmq-impl", default=DEFAULT_ZMQ_IMPL, help="module:Class or /path/file.py:Class")
@@ -668,6 +679,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.reps < 1 or args.peers < 2 or args.values < args.peers:
+        raise SystemExit("need --reps >= 1, --peers >= 2 and --values >= --peers")
     command = " ".join(["python bench/allreduce.py", *(sys.argv[1:] if argv is None else argv)])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks that kill the peers
     start = time.monotonic()

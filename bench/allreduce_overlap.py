@@ -5,11 +5,12 @@ model, fp32 AdamW, a synthetic byte-token stream: random tokens, so no corpus is
 torch thread and times every inner step, in alternating phases:
 
 * quiet: ``steps`` inner steps, no communication anywhere;
-* Mix1: Mix1 runs back to back (pack the parameters into one flat fp32 vector as
-  ``operators.pack`` does, ``all_reduce_mean`` it over both peers, again) while training goes
-  on. A step counts as *in flight* if an all-reduce was still running when it ended. When a
-  training process has ``steps`` such steps, the peers agree on a last all-reduce index (the
-  highest index any peer has started, under a shared lock) so every peer runs the same number of
+* Mix1: Mix1 runs back to back (``GlobalMix("mix1", ...).mix([z], r, exchange)``, the operator
+  FactoredDiLoCo's Mix1 uses: pack the parameters into one flat fp32 vector, all-reduce it over
+  both peers, check and unpack; then again with the next r) while training goes on. A step
+  counts as *in flight* if an all-reduce was still running when it ended. When a training
+  process has ``steps`` such steps, the peers agree on a last all-reduce index (the highest
+  index any peer has started, under a shared lock) so every peer runs the same number of
   all-reduces, and the phase ends.
 
 Placements (``roles``): ``pinned`` (peer 0 trains with its exchange on a background thread,
@@ -119,11 +120,18 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
                 info_q.put(numel)
     else:
         numel = info_q.get(timeout=t_wait)
-    if communicates and trains:
-        pack = lambda: torch.cat([v.reshape(-1) for v in z.values()])  # noqa: E731 - Mix1's pack
-    elif communicates:
-        src = torch.randn(numel)
-        pack = lambda: src.clone()  # noqa: E731 - same allocation and copy as pack()
+    if communicates:
+        from gossiploco.mixing.operators import GlobalMix
+
+        if not trains:  # a parameter-sized stand-in for z
+            z = {"flat": torch.randn(numel)}
+        mixer = GlobalMix("mix1", list(z), cfg["seed"])
+
+        def mix1(round_index: int) -> None:
+            """One Mix1 of z, as FactoredDiLoCo runs it; a failure (identity fallback) is an error here."""
+            result = mixer.mix([z], round_index, ex)
+            if not result.ok:
+                raise RuntimeError(f"Mix1 round {round_index} failed: {result.cause}")
     if pin and trains and communicates:
         os.sched_setaffinity(0, train_cpus)  # this (the training) thread only
 
@@ -147,7 +155,7 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
             i = 0
             while claim(i):
                 start = time.perf_counter()
-                ex.all_reduce_mean(f"mix1/{base + i}", pack(), members)
+                mix1(base + i)
                 mix_seconds.append(time.perf_counter() - start)
                 i += 1
         except BaseException as exc:  # noqa: BLE001
@@ -178,7 +186,7 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
         barrier.wait(t_wait)
         start = time.perf_counter()
         if communicates:
-            ex.all_reduce_mean(f"mix1/{i}", pack(), members)
+            mix1(i)
             alone_s = time.perf_counter() - start
     steps = cfg["steps"]
     for cycle in range(cfg["cycles"]):
@@ -240,7 +248,7 @@ def run_overlap(model: str, mode: str, args) -> dict:
         "model": model, "mode": mode, "batch": args.overlap_batch, "seq": args.overlap_seq,
         "steps": args.overlap_steps or DEFAULT_STEPS.get(model, 10),
         "cycles": args.overlap_cycles or DEFAULT_CYCLES.get(model, 2),
-        "warmup_steps": 2, "timeout_s": args.timeout, "zmq_impl": args.zmq_impl, "close_timeout_s": 15.0,
+        "warmup_steps": 2, "seed": 0, "timeout_s": args.timeout, "zmq_impl": args.zmq_impl, "close_timeout_s": 15.0,
         "endpoints": [f"tcp://127.0.0.1:{p}" for p in ports], "run_id": f"overlap-{os.getpid()}-{model}-{mode}",
     }
     began = time.monotonic()

@@ -170,9 +170,13 @@ def build_model(size: str, vocab_size: int, seq_len: int, seed: int, device: tor
     return model.to(device)
 
 
-def count_parameters(size: str, vocab_size: int = 256) -> int:
-    """Parameter count of a named size, computed on the meta device (nothing allocated)."""
+def meta_model(size: str, vocab_size: int = 256) -> Transformer:
+    """The model of a named size on the meta device: parameter names and shapes, nothing allocated."""
     base = MODEL_SIZES[size]
     with torch.device("meta"):
-        model = Transformer(ModelArgs(**{**base.__dict__, "vocab_size": vocab_size, "max_seq_len": 8}))
-    return sum(p.numel() for p in model.parameters())
+        return Transformer(ModelArgs(**{**base.__dict__, "vocab_size": vocab_size, "max_seq_len": 8}))
+
+
+def count_parameters(size: str, vocab_size: int = 256) -> int:
+    """Parameter count of a named size, computed on the meta device (nothing allocated)."""
+    return sum(p.numel() for p in meta_model(size, vocab_size).parameters())

@@ -335,16 +335,12 @@ def parse_bytes_per_value(text: str) -> float:
 @functools.lru_cache(maxsize=16)
 def block_sizes(model_size: str, vocab_size: int) -> dict[str, int]:
     """Parameters per block (``gossiploco.blocks`` names) of a named model size, counted on the meta device."""
-    import torch
-
     from gossiploco.blocks import block_of
-    from gossiploco.model import MODEL_SIZES, ModelArgs, Transformer
+    from gossiploco.model import meta_model
 
     _positive_int("--vocab-size", vocab_size)
-    with torch.device("meta"):
-        model = Transformer(ModelArgs(**{**MODEL_SIZES[model_size].__dict__, "vocab_size": vocab_size, "max_seq_len": 8}))
     sizes: dict[str, int] = {}
-    for name, param in model.named_parameters():
+    for name, param in meta_model(model_size, vocab_size).named_parameters():
         sizes[block_of(name)] = sizes.get(block_of(name), 0) + param.numel()
     return sizes
 

@@ -6,6 +6,7 @@ its own name prefix, so it never touches a benchmark run in progress (prefix ``g
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -71,6 +72,7 @@ def test_leftovers_of_a_crashed_run_are_removed():
     prefix = f"{PREFIX}b"
     ns = f"{prefix}-p0"
     subprocess.run(["ip", "netns", "add", ns], check=True, timeout=10)
+    # A process that just stays alive inside the namespace, for remove_namespaces to kill.
     proc = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"], start_new_session=True)
     try:
         assert _wait_for(lambda: str(proc.pid) in netem.sh(["ip", "netns", "pids", ns], check=False).stdout.split(), 5)
@@ -83,23 +85,31 @@ def test_leftovers_of_a_crashed_run_are_removed():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
-def _bench(prefix: str, out: Path, *extra: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def _bench(prefix: str, out: Path, *extra: str):
+    """The benchmark as a subprocess in its own process group; stopped on exit if still running:
+    Ctrl+C first (it removes its namespaces), SIGKILL to the group if that does not end it in 20 s."""
     cmd = [sys.executable, str(ROOT / "bench" / "netem.py"), "--prefix", prefix, "--workers", "2", "--model", "tiny",
            "--presets", "globalm1", "--bandwidths", "50", "--tcp-seconds", "0", "--out", str(out), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    bench = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        yield bench
+    finally:
+        if bench.poll() is None:
+            os.killpg(bench.pid, signal.SIGINT)
+            try:
+                bench.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(bench.pid, signal.SIGKILL)
+                bench.wait(timeout=10)
 
 
 @needs_netns
 @pytest.mark.timeout(60)
 def test_short_run_measures_and_cleans_up(tmp_path):
     prefix = f"{PREFIX}c"
-    bench = _bench(prefix, tmp_path, "--step-time", "0.05", "--inner-steps", "4", "--rounds", "2", "--ring-repeats", "0")
-    try:
+    with _bench(prefix, tmp_path, "--step-time", "0.05", "--inner-steps", "4", "--rounds", "2", "--ring-repeats", "0") as bench:
         out, _ = bench.communicate(timeout=55)
-    finally:
-        if bench.poll() is None:
-            os.killpg(bench.pid, signal.SIGINT)
-            bench.wait(timeout=20)
     assert bench.returncode == 0, out
     assert netem.list_namespaces(prefix) == []
     results = json.loads((tmp_path / "results.json").read_text())
@@ -113,19 +123,17 @@ def test_short_run_measures_and_cleans_up(tmp_path):
 @pytest.mark.timeout(60)
 def test_interrupt_stops_peers_and_removes_namespaces(tmp_path):
     prefix = f"{PREFIX}d"
-    bench = _bench(prefix, tmp_path, "--step-time", "0.2", "--inner-steps", "10", "--rounds", "100", "--ring-repeats", "0")
-    try:
-        def peers_running() -> bool:
-            return all(netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"], check=False).stdout.split() for r in range(2))
 
-        assert _wait_for(peers_running, 30), "the peers never started"
-        pids = [int(p) for r in range(2) for p in netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"]).stdout.split()]
-        os.killpg(bench.pid, signal.SIGINT)  # Ctrl+C in the benchmark's terminal
-        out, _ = bench.communicate(timeout=30)
+    def peers_running() -> bool:
+        return all(netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"], check=False).stdout.split() for r in range(2))
+
+    try:
+        with _bench(prefix, tmp_path, "--step-time", "0.2", "--inner-steps", "10", "--rounds", "100", "--ring-repeats", "0") as bench:
+            assert _wait_for(peers_running, 30), "the peers never started"
+            pids = [int(p) for r in range(2) for p in netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"]).stdout.split()]
+            os.killpg(bench.pid, signal.SIGINT)  # Ctrl+C in the benchmark's terminal
+            out, _ = bench.communicate(timeout=30)
     finally:
-        if bench.poll() is None:
-            bench.kill()
-            bench.wait(timeout=10)
         netem.remove_namespaces(prefix)
     assert bench.returncode == 130, out
     assert "namespaces removed" in out

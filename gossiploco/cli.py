@@ -30,6 +30,15 @@ DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (defau
 SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
 
 
+def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None, model=None, device=None,
+                       data=None, sets=None) -> dict:
+    """The dotted config overrides of the shared training options (None: keep the preset's)."""
+    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
+                 "model.size": model, "device": device, "data.paths": data}
+    overrides.update(parse_sets(sets or []))
+    return overrides
+
+
 def _fail(exc: Exception) -> None:
     console.print(f"[bold red]error:[/] {exc}")
     raise typer.Exit(code=2)
@@ -55,11 +64,9 @@ def simulate(
     from gossiploco.runtime.virtual import VirtualSwarm
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
-                 "model.size": model, "device": device, "data.paths": data}
     try:
-        overrides.update(parse_sets(set_ or []))
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
+                                                     model=model, device=device, data=data, sets=set_))
         swarm = VirtualSwarm(cfg)
     except GossiplocoError as exc:
         _fail(exc)
@@ -97,8 +104,13 @@ def simulate(
 @app.command()
 def peer(
     config: str = CONFIG,
-    rank: int = typer.Option(..., "--rank", help="This peer's index in --peers."),
-    peers: str = typer.Option(..., "--peers", help="Every peer's address, comma-separated, in rank order: tcp://HOST:PORT,..."),
+    join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`); repeat for several."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="Peer id: with --peers its index there (required); with --join any int below 2**31, also choosing its data stream (default: random)."),
+    peers: Optional[str] = typer.Option(None, "--peers", help="Instead of --join: every peer's address, comma-separated, in rank order: tcp://HOST:PORT,..."),
+    host: str = typer.Option("0.0.0.0", "--host", help="With --join: address to listen on."),
+    port: int = typer.Option(0, "--port", help="With --join: data-plane TCP port (0: any free port)."),
+    announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: peers to wait for before the first round (default: the preset's)."),
     inner_steps: Optional[int] = INNER_STEPS,
     rounds: Optional[int] = ROUNDS,
     seed: Optional[int] = SEED,
@@ -110,33 +122,44 @@ def peer(
     set_: Optional[list[str]] = SETS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the final table."),
 ) -> None:
-    """Run one peer of a swarm given by a static peer list; mixes over ZeroMQ."""
+    """Run one peer: it joins a run through a DHT bootstrap address (--join) or a static list (--peers) and mixes over ZeroMQ."""
     import faulthandler
+    import secrets
     import signal
 
     from gossiploco.config import load_config
     from gossiploco.metrics import MetricsSink
-    from gossiploco.runtime.peer import NetworkPeer
+    from gossiploco.runtime.peer import NetworkPeer, run_id_for
 
+    if rank is None and join:
+        rank = secrets.randbelow(2**31)
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    endpoints = [e.strip() for e in peers.split(",") if e.strip()]
-    overrides = {"workers": len(endpoints), "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
-                 "model.size": model, "device": device, "data.paths": data}
-    out = out or Path(f"runs/peer-{rank}")
+    node = None
     try:
-        bad = [e for e in endpoints if not e.startswith("tcp://") or ":" not in e.removeprefix("tcp://")]
-        if bad:
-            raise ConfigError("--peers", f"expected tcp://HOST:PORT entries, got {bad}")
-        overrides.update(parse_sets(set_ or []))
-        cfg = load_config(config, overrides)
-        node = NetworkPeer(cfg, rank, endpoints, run_id=run_id)
+        if bool(join) == bool(peers):
+            raise ConfigError("--join", "give either --join BOOTSTRAP_MULTIADDR (the DHT) or --peers LIST (a static list)")
+        if rank is None:
+            raise ConfigError("--rank", "required with --peers: this peer's index in the list")
+        endpoints = [e.strip() for e in peers.split(",") if e.strip()] if peers else None
+        if endpoints is not None:
+            workers = len(endpoints)
+            bad = [e for e in endpoints if not e.startswith("tcp://") or ":" not in e.removeprefix("tcp://")]
+            if bad:
+                raise ConfigError("--peers", f"expected tcp://HOST:PORT entries, got {bad}")
+        cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
+                                                     model=model, device=device, data=data, sets=set_))
+        if join:
+            node = _joined_peer(cfg, rank, join, host, port, announce, run_id or run_id_for(cfg))
+        else:
+            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id)
     except GossiplocoError as exc:
         _fail(exc)
+    out = out or Path(f"runs/peer-{rank}")
     # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
-    console.print(f"[bold]{cfg.name}[/] peer {rank}/{cfg.workers} at {endpoints[rank]}: {cfg.rounds} rounds x "
+    console.print(f"[bold]{cfg.name}[/] peer {rank} at {node.endpoint}: {cfg.rounds} rounds x "
                   f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
     sink = MetricsSink(out)
 
@@ -169,6 +192,139 @@ def peer(
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce: str | None, run_id: str):
+    """A ``NetworkPeer`` that finds its run through the DHT at ``join``."""
+    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.runtime.peer import NetworkPeer
+
+    if announce:
+        advertise = f"tcp://{announce}" if ":" in announce else f"tcp://{announce}:{port}"
+    elif host in ("0.0.0.0", "::"):
+        advertise = f"tcp://127.0.0.1:{port}"
+        console.print("[yellow]warning:[/] no --announce: telling the others 127.0.0.1, so only peers on this machine "
+                      "can reach this one (pass --announce with your LAN or public address)")
+    else:
+        advertise = f"tcp://{host}:{port}"
+    if advertise.endswith(":0") and port != 0:
+        raise ConfigError("--announce", f"{announce!r} gives port 0")
+    t = cfg.timeouts
+    directory = DhtDirectory(run_id, initial_peers=[a for item in join for a in item.split(",") if a.strip()],
+                             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host,
+                             ttl_s=t.announce_ttl_s, heartbeat_s=t.discovery_s, timeout_s=t.hello_s + 5)
+    try:
+        return NetworkPeer(cfg, rank, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise, run_id=run_id)
+    except BaseException:
+        directory.close()
+        raise
+
+
+@app.command()
+def dht(
+    host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on."),
+    port: int = typer.Option(0, "--port", help="TCP port (0: any free one; give a fixed one for an address that survives restarts)."),
+    announce: Optional[list[str]] = typer.Option(None, "--announce", help="Multiaddr to advertise instead, e.g. /ip4/PUBLIC_IP/tcp/PORT (behind NAT or a forwarded port); repeatable."),
+    identity: Optional[Path] = typer.Option(None, "--identity", help="Private key file: keeps the same peer id (and so the same multiaddrs) across restarts; created if missing."),
+) -> None:
+    """Run a bootstrap DHT node for peers to --join; prints its multiaddrs; Ctrl+C stops it."""
+    import signal
+
+    from gossiploco.membership.bootstrap import serve_bootstrap
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+    def ready(addresses: list[str]) -> None:
+        console.print("[bold]bootstrap DHT node ready.[/] Peers join with:")
+        for address in addresses:
+            print(f"  gossiploco peer --config PRESET --join {address}", flush=True)
+
+    try:
+        serve_bootstrap(host, port, announce, identity, on_ready=ready)
+    except GossiplocoError as exc:
+        _fail(exc)
+    console.print("bootstrap node stopped")
+
+
+@app.command()
+def swarm(
+    config: str = CONFIG,
+    peers: int = typer.Option(4, "--peers", "-n", help="Number of peer processes."),
+    inner_steps: Optional[int] = INNER_STEPS,
+    rounds: Optional[int] = ROUNDS,
+    seed: Optional[int] = SEED,
+    model: Optional[str] = MODEL,
+    device: Optional[str] = DEVICE,
+    data: Optional[list[str]] = DATA,
+    out: Path = typer.Option(Path("runs/swarm"), "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model) and peer-I.log."),
+    set_: Optional[list[str]] = SETS,
+) -> None:
+    """The main job: a bootstrap DHT node and N peer processes on this machine, training together with live progress."""
+    import shlex
+
+    from rich.live import Live
+
+    from gossiploco.config import load_config
+    from gossiploco.runtime.peer import run_id_for
+    from gossiploco.runtime.swarm import LocalSwarm
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if peers < 1:
+            raise ConfigError("--peers", f"must be at least 1, got {peers}")
+        cfg = load_config(config, training_overrides(workers=peers, inner_steps=inner_steps, rounds=rounds, seed=seed,
+                                                     model=model, device=device, data=data, sets=set_))
+    except GossiplocoError as exc:
+        _fail(exc)
+    args = ["--config", config, "--run-id", run_id_for(cfg), "--quiet"]
+    for flag, value in (("--inner-steps", inner_steps), ("--rounds", rounds), ("--seed", seed), ("--model", model),
+                        ("--device", device)):
+        if value is not None:
+            args += [flag, str(value)]
+    for path in data or []:
+        args += ["--data", path]
+    for item in set_ or []:
+        args += ["--set", item]
+    console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
+                  f"{cfg.model.size}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
+    import signal
+
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the swarm like Ctrl+C: peers leave, summary kept
+    local = LocalSwarm(peers, out, args)
+    with Live(_progress_table(local.progress, cfg.rounds), console=console, refresh_per_second=2,
+              transient=False, redirect_stdout=False) as live:
+        try:
+            summary = local.run(lambda progress: live.update(_progress_table(progress, cfg.rounds)))
+        except KeyboardInterrupt:
+            live.stop()
+            console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
+            raise typer.Exit(code=130)
+    finished = [p["summary"] for p in summary["per_peer"] if p["summary"] is not None]
+    if finished:
+        print_summary(finished)
+    failed = {p["rank"]: p["exit_code"] for p in summary["per_peer"] if p["exit_code"] != 0}
+    console.print(f"swarm summary: {out / 'summary.json'}; per peer: {out}/peer-I/")
+    if failed:
+        console.print(f"[bold red]peers that did not finish:[/] {failed} (exit codes); see {out}/peer-I.log")
+        raise typer.Exit(code=1)
+
+
+def _progress_table(progress: dict, rounds: int) -> Table:
+    table = Table(title="gossiploco swarm", caption="Ctrl+C stops every peer")
+    for column in ("peer", "round", "loss", "val loss", "CD_L2", "CD_JS", "members", "state"):
+        table.add_column(column, justify="right")
+
+    def fmt(record: dict, key: str, spec: str) -> str:
+        value = record.get(key)
+        return "" if value is None else format(value, spec)
+
+    for rank, p in sorted(progress.items()):
+        r = p.record
+        state = "running" if p.exit_code is None else ("done" if p.exit_code == 0 else f"exit {p.exit_code}")
+        table.add_row(str(rank), f"{r.get('round', '-')}/{rounds}", fmt(r, "loss", ".3f"), fmt(r, "val_loss", ".3f"),
+                      fmt(r, "cd_l2", ".3g"), fmt(r, "cd_js", ".3g"), str(r.get("members", "")), state)
+    return table
 
 
 def save_model(params: dict, out: Path) -> None:
@@ -285,16 +441,15 @@ def sensitivity(
     from gossiploco.config import load_config
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
-                 "model.size": model, "device": device, "data.paths": data}
     try:
+        overrides = training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed, model=model,
+                                       device=device, data=data, sets=set_)
         sizes = None
         if sweep_sizes is not None:
             try:
                 sizes = [int(k) for k in sweep_sizes.split(",") if k.strip()]
             except ValueError:
                 raise ConfigError("--sweep-sizes", f"expected comma-separated integers, got {sweep_sizes!r}") from None
-        overrides.update(parse_sets(set_ or []))
         cfg = load_config(config, overrides)
         report = sens.analyze(cfg, out, sizes=sizes, sweep_subsets=not no_sweep, tolerance=tolerance, rank_by=rank_by,
                               preset_name=preset_out.stem if preset_out else None, runs_dir=runs_dir,

@@ -202,11 +202,24 @@ class TimeoutConfig:
     """How long a starting network peer waits for the other peers to connect before it starts without them."""
     hello_s: float = 5.0
     """How long a starting (or catching-up) peer waits for the others' replies saying which round they are in."""
+    grace_s: float = 10.0
+    """Grace window of group agreement: an exchange goes on with the peers ready within it; a straggler does identity for that exchange."""
+    min_exchange_s: float = 10.0
+    """Adaptive deadlines: once a few exchanges of a kind were seen, the next gets adaptive_factor times the slowest recent one, at least this and at most exchange_s."""
+    adaptive_factor: float = 4.0
+    """Adaptive deadlines: multiple of the slowest recent exchange of the same kind (1 or more)."""
+    discovery_s: float = 2.0
+    """How often a DHT-joined peer looks up the run's peers and refreshes its own announcement."""
+    announce_ttl_s: float = 20.0
+    """Lifetime of a peer's DHT announcement; a peer that stops refreshing it (crashed) disappears after this."""
 
     def check(self, p: str) -> None:
-        _positive(f"{p}.exchange_s", self.exchange_s)
-        _positive(f"{p}.startup_s", self.startup_s)
-        _positive(f"{p}.hello_s", self.hello_s)
+        for name in ("exchange_s", "startup_s", "hello_s", "grace_s", "min_exchange_s", "discovery_s", "announce_ttl_s"):
+            _positive(f"{p}.{name}", getattr(self, name))
+        if self.adaptive_factor < 1:
+            raise ConfigError(f"{p}.adaptive_factor", f"must be at least 1, got {self.adaptive_factor}")
+        if self.announce_ttl_s <= 2 * self.discovery_s:
+            raise ConfigError(f"{p}.announce_ttl_s", f"must exceed twice discovery_s = {2 * self.discovery_s}, got {self.announce_ttl_s}")
 
 
 @dataclass

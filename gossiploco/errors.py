@@ -3,6 +3,8 @@
     GossiplocoError                 base of everything raised on purpose
     ├── ConfigError                 a config field or CLI flag is wrong (the message names the field)
     ├── DataError                   the corpus is missing, empty, unreadable or too short
+    ├── DirectoryError              the peer directory (hivemind DHT) cannot start or be joined
+    │   └── DirectoryClosed         this side's directory was closed
     └── ExchangeError               a collective with other peers did not complete
         ├── ExchangeTimeout         a peer did not answer within its deadline (remote fault: "broken")
         ├── PeerFailed              a peer is known to be gone or sent something invalid (remote fault)
@@ -32,6 +34,14 @@ class ConfigError(GossiplocoError, ValueError):
 
 class DataError(GossiplocoError):
     """The training data is missing, empty or unusable."""
+
+
+class DirectoryError(GossiplocoError):
+    """The peer directory could not be started or joined (the message says what to check)."""
+
+
+class DirectoryClosed(DirectoryError):
+    """The directory was closed; the call cannot proceed."""
 
 
 class ExchangeError(GossiplocoError):

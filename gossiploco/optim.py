@@ -7,6 +7,8 @@ checked without touching the model on the accelerator.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -39,9 +41,44 @@ class InnerOptimizer:
             eps=cfg.eps,
         )
         self.step_index = 0
+        self.lock = threading.Lock()
+
+    def export_moments(self) -> torch.Tensor:
+        """AdamW's first and second moments of every parameter, as one flat fp32 CPU vector
+        (zeros before the first step). Safe to call from another thread while training: it takes
+        ``lock``, which ``step`` holds, so the moments are those after one whole step."""
+        with self.lock:
+            parts = []
+            for key in ("exp_avg", "exp_avg_sq"):
+                for p in self.params:
+                    value = self.opt.state.get(p, {}).get(key)
+                    parts.append(torch.zeros(p.numel()) if value is None else value.detach().reshape(-1).to("cpu", torch.float32))
+            return torch.cat(parts) if parts else torch.empty(0)
+
+    def moments_size(self) -> int:
+        return 2 * sum(p.numel() for p in self.params)
+
+    def import_moments(self, flat: torch.Tensor, step_index: int) -> None:
+        """Adopt moments from ``export_moments`` (another worker's: a joining peer's warm start) and
+        continue the schedule at inner step ``step_index``."""
+        if flat.numel() != self.moments_size():
+            raise ValueError(f"optimizer state of {flat.numel()} values, expected {self.moments_size()}")
+        with self.lock:
+            offset = 0
+            for key in ("exp_avg", "exp_avg_sq"):
+                for p in self.params:
+                    state = self.opt.state[p]
+                    state[key] = flat[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+                    state["step"] = torch.tensor(float(step_index))
+                    offset += p.numel()
+            self.step_index = step_index
 
     def step(self) -> float:
         """Clip, apply one AdamW step at the scheduled rate, zero the gradients. Returns the pre-clip grad norm."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> float:
         lr = self.cfg.lr * lr_factor(self.step_index, self.cfg.warmup_steps, self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr

@@ -58,3 +58,15 @@ def corpus():
     from gossiploco.data import load_corpus
 
     return load_corpus(tiny_config("diloco").data)
+
+
+@pytest.fixture
+def bootstrap():
+    """A real hivemind bootstrap DHT node on loopback; yields its multiaddr (shut down after the test)."""
+    from gossiploco.membership.bootstrap import start_bootstrap
+
+    dht, addresses = start_bootstrap("127.0.0.1", 0)
+    try:
+        yield addresses[0]
+    finally:
+        dht.shutdown()

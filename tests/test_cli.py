@@ -100,3 +100,40 @@ def test_ctrl_c_stops_a_simulation_cleanly(tmp_path):
         assert "interrupted" in proc.stderr.read()
     finally:
         proc.kill()
+
+
+def test_peer_needs_exactly_one_way_to_find_the_others(tmp_path):
+    both = run(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmNope", "--peers", "tcp://127.0.0.1:1", "--rank", "0",
+                "--out", str(tmp_path)])
+    assert both.exit_code == 2 and "either --join" in both.output
+    neither = run(["peer", "--rank", "0", "--out", str(tmp_path)])
+    assert neither.exit_code == 2 and "either --join" in neither.output
+
+
+@pytest.mark.timeout(60)
+def test_peer_with_an_unreachable_bootstrap_address_says_what_to_check(tmp_path):
+    from gossiploco.runtime.launch import free_ports
+
+    port = free_ports(1)[0]
+    proc = subprocess.run([sys.executable, "-m", "gossiploco", "peer", "--join",
+                           f"/ip4/127.0.0.1/tcp/{port}/p2p/QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupGHp",
+                           "--host", "127.0.0.1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error:" in proc.stderr and str(port) in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_dht_command_prints_join_lines_and_stops_on_ctrl_c(tmp_path):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "gossiploco", "dht", "--host", "127.0.0.1", "--identity",
+                             str(tmp_path / "id.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # blocks until the node is up (the test's timeout bounds it)
+        assert "--join /ip4/127.0.0.1/tcp/" in line and "/p2p/" in line, line
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (tmp_path / "id.key").exists()

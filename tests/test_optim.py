@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from gossiploco.config import InnerOptConfig, OuterOptConfig
@@ -52,3 +53,24 @@ def test_inner_optimizer_clips_decays_matrices_only_and_follows_schedule():
     assert norm > 0.5  # reported pre-clip norm
     assert groups[0]["lr"] == 1e-2 * 0.25
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_adamw_moments_move_to_another_worker_exactly():
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    opt_a, opt_b = InnerOptimizer(a, InnerOptConfig(), 100), InnerOptimizer(b, InnerOptConfig(), 100)
+    assert torch.count_nonzero(opt_a.export_moments()) == 0  # before the first step
+    for _ in range(3):
+        a(torch.randn(8, 5)).pow(2).sum().backward()
+        opt_a.step()
+    opt_b.import_moments(opt_a.export_moments(), opt_a.step_index)
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(opt_b.export_moments(), opt_a.export_moments()) and opt_b.step_index == 3
+    x = torch.randn(8, 5)
+    for model, opt in ((a, opt_a), (b, opt_b)):  # the next step is the same on both: the warm start is exact
+        model(x).pow(2).sum().backward()
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    with pytest.raises(ValueError, match="expected"):
+        opt_b.import_moments(torch.zeros(3), 0)

@@ -1,5 +1,6 @@
-"""Real peer processes on loopback: every preset matches the virtual swarm, and remote faults
-(SIGKILL mid-all-reduce, SIGSTOP mid-gossip, a restart) never stall or crash the survivors."""
+"""Real peer processes on loopback: every preset, with peers found through a real hivemind DHT
+bootstrap node (and one with a static list), matches the virtual swarm; remote faults (SIGKILL
+mid-all-reduce, SIGSTOP mid-gossip, a restart) never stall or crash the survivors."""
 
 from __future__ import annotations
 
@@ -40,15 +41,30 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return (num / den) ** 0.5
 
 
+def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def wait_stopped(pid: int, timeout_s: float) -> bool:
     """Wait until process ``pid`` is stopped (state T in /proc)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def stopped() -> bool:
         with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return True
-        time.sleep(0.05)
-    return False
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+    return wait_for(stopped, timeout_s, 0.05)
+
+
+def reached_round(peers: LocalPeers, rank: int, r: int) -> bool:
+    """Whether peer ``rank`` has written a metrics record of round ``r`` or later."""
+    path = peers.peer_dir(rank) / "metrics.jsonl"
+    return path.exists() and any(json.loads(line)["round"] >= r for line in path.read_text().splitlines())
 
 
 def assert_exit(peers: LocalPeers, codes: dict[int, int | None], ranks) -> None:
@@ -58,12 +74,24 @@ def assert_exit(peers: LocalPeers, codes: dict[int, int | None], ranks) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("preset", preset_names())
-def test_peer_swarm_trains_every_preset_and_matches_the_virtual_swarm(preset, tmp_path):
+def test_peers_found_through_one_bootstrap_address_train_every_preset_like_the_virtual_swarm(preset, tmp_path, bootstrap):
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV, join=bootstrap) as peers:
+        peers.start()
+        codes = peers.wait(180)
+    assert_matches_virtual_swarm(peers, codes, preset)
+
+
+@pytest.mark.timeout(240)
+def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
+    preset = "globalm1-localm2"
     with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV) as peers:
         peers.start()
         codes = peers.wait(180)
-    assert_exit(peers, codes, range(4))
+    assert_matches_virtual_swarm(peers, codes, preset)
 
+
+def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str) -> None:
+    assert_exit(peers, codes, range(4))
     reference = VirtualSwarm(tiny_config(preset)).run()
     for rank in range(4):
         assert relative_error(model(peers, rank), reference.final_params) <= 1e-4
@@ -152,11 +180,13 @@ def test_peer_rejects_bad_arguments_clearly(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_frozen_peer_that_resumes_catches_up_instead_of_dragging_the_others(tmp_path):
-    args = tiny_peer_args("globalm1-localm2", rounds=60, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    # Rounds long enough (16 real inner steps) that the others are still training when it resumes.
+    args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=16, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:
         peers.start(env={1: {FAULT_ENV: "STOP:mix2/1:0"}})
         assert wait_stopped(peers.procs[1].pid, 120), "the fault did not freeze the peer"
-        time.sleep(8)  # past the heartbeat timeout: the others have dropped it and gone on
+        # Resume it only once the others have dropped it (heartbeat timeout) and gone on for rounds.
+        assert wait_for(lambda: reached_round(peers, 0, 6), 90), peers.log(0)[-2000:]
         peers.signal(1, signal.SIGCONT)
         codes = peers.wait(200)
     assert_exit(peers, codes, range(4))

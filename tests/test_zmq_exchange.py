@@ -256,3 +256,141 @@ def test_peers_that_disagree_on_the_member_list_fail_at_once(groups):
     assert time.monotonic() - start < 5.0, "a member-list mismatch must not wait out the deadline"
     assert all(isinstance(res, PeerFailed) for res in results), results
     assert any("another member list" in str(res) for res in results)
+
+
+# -- group agreement, discovery ----------------------------------------------------------------------
+
+
+def test_group_agreement_gives_every_member_the_same_list_without_waiting(groups):
+    g = groups(3, grace_s=5.0)
+    start = time.monotonic()
+    got = run_all([lambda r=r: g.exchanges[r].group("mix1/0", 0) for r in range(3)])
+    assert got == [[0, 1, 2]] * 3
+    assert time.monotonic() - start < 2.0, "all ready: nobody waits for the grace window"
+
+
+def test_a_straggler_is_left_out_after_the_grace_window_and_told_so(groups):
+    g = groups(3, grace_s=0.5)
+    ex = g.exchanges
+
+    def late():
+        threading.Event().wait(1.5)  # the straggler's compute: it is ready after the others decided
+        return _outcome(lambda: ex[2].group("mix2/4", 4))
+
+    start = time.monotonic()
+    got = run_all([lambda: ex[0].group("mix2/4", 4), lambda: ex[1].group("mix2/4", 4), late])
+    assert got[0] == got[1] == [0, 1]
+    assert isinstance(got[2], ExchangeTimeout) and "grace window" in str(got[2]), got[2]
+    assert time.monotonic() - start < 3.0, "the straggler is told at once, not after its own deadline"
+    # The two that agreed mix over exactly their list.
+    out = run_all([lambda r=r: ex[r].all_reduce_mean("mix2/4", torch.full((8,), float(r)), got[r]) for r in (0, 1)])
+    assert all(torch.equal(o, torch.full((8,), 0.5)) for o in out)
+
+
+def test_peers_whose_views_name_different_leaders_never_mix_up(groups):
+    g = groups(3, grace_s=0.5)
+    ex = g.exchanges
+    with ex[2]._cond:
+        del ex[2]._joined[0]  # rank 2 missed that rank 0 is back: it thinks rank 1 leads
+    got = run_all([lambda r=r: _outcome(lambda: ex[r].group("mix1/2", 2)) for r in range(3)])
+    assert got[0] == got[1] == [0, 1], got
+    assert isinstance(got[2], PeerFailed) and "does not lead" in str(got[2]), got[2]
+
+
+def test_a_leader_that_never_comes_costs_a_bounded_wait_and_then_fails_fast(groups):
+    g = groups(3, grace_s=0.3)
+    ex = g.exchanges
+    start = time.monotonic()
+    got = run_all([lambda r=r: _outcome(lambda: ex[r].group("mix1/5", 5)) for r in (1, 2)])
+    assert all(isinstance(res, ExchangeTimeout) for res in got), got
+    assert time.monotonic() - start < 4.0  # 2 * grace + the control-send allowance
+    # The late leader still sees their ``ready``s, but they abandoned the key: its exchange fails at once.
+    members = ex[0].group("mix1/5", 5)
+    start = time.monotonic()
+    with pytest.raises(PeerFailed, match="abandoned"):
+        ex[0].all_reduce_mean("mix1/5", torch.ones(10), members)
+    assert time.monotonic() - start < 2.0
+
+
+def test_a_discovered_peer_is_probed_and_joins_the_group():
+    run_id = "test-discovery"
+    ports = free_ports(2)
+    endpoints = {r: f"tcp://127.0.0.1:{p}" for r, p in zip((3, 11), ports)}
+    a = ZmqExchange(3, {3: endpoints[3]}, run_id, 10.0, grace_s=2.0)
+    b = ZmqExchange(11, {11: endpoints[11]}, run_id, 10.0, grace_s=2.0)
+    try:
+        assert a.members(0) == [3] and a.known() == [3]
+        assert a.add_peer(11, endpoints[11]) and not a.add_peer(11, endpoints[11])
+        assert b.add_peer(3, endpoints[3])
+        assert wait_until(lambda: a.members(0) == [3, 11] and b.members(0) == [3, 11], 10.0)
+        got = run_all([lambda: a.group("mix1/0", 0), lambda: b.group("mix1/0", 0)])
+        assert got == [[3, 11], [3, 11]]
+        out = run_all([lambda: a.all_reduce_mean("mix1/0", torch.zeros(5), got[0]),
+                       lambda: b.all_reduce_mean("mix1/0", torch.full((5,), 2.0), got[1])])
+        assert all(torch.equal(o, torch.ones(5)) for o in out)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_adaptive_deadlines_follow_observed_durations():
+    from gossiploco.transport.deadlines import AdaptiveDeadlines
+
+    d = AdaptiveDeadlines(100.0, min_s=2.0, factor=4.0, window=3, warmup=2)
+    assert d.deadline_s("mix1/0") == 100.0  # nothing seen yet: the configured maximum
+    d.observe("mix1/0", 1.0)
+    assert d.deadline_s("mix1/1") == 100.0
+    d.observe("mix1/1", 3.0)
+    assert d.deadline_s("mix1/2") == 12.0 and d.deadline_s("mix2/2") == 100.0  # kinds are separate
+    for _ in range(3):
+        d.observe("mix1/x", 0.1)
+    assert d.deadline_s("mix1/9") == 2.0  # the slow one left the window; never below min_s
+    for _ in range(3):
+        d.observe("mix1/x", 60.0)
+    assert d.deadline_s("mix1/9") == 100.0  # never above the maximum
+
+
+def test_state_chunks_carry_a_hash_and_a_corrupted_chunk_is_refused(groups, monkeypatch):
+    from gossiploco.transport import zmq_exchange
+
+    g = groups(2, chunk_bytes=1024, max_message_bytes=1 << 20)
+    donor, newcomer = g.exchanges
+    state = torch.randn(3000)
+    donor.serve_state(lambda: (4, state))
+    round_index, got = newcomer.fetch_state(0)
+    assert round_index == 4 and torch.equal(got, state)
+    real = zmq_exchange._chunk_hash
+    calls = []
+
+    def lying_hash(chunk):  # the donor labels its third chunk with a wrong hash
+        calls.append(1)
+        return real(chunk) + (1 if len(calls) == 3 else 0)
+
+    monkeypatch.setattr(zmq_exchange, "_chunk_hash", lying_hash)
+    with pytest.raises(PeerFailed, match="hash check"):
+        newcomer.fetch_state(0)
+
+
+def test_a_leaving_peer_is_dropped_at_once_not_after_a_deadline(groups):
+    g = groups(3, timeout_s=30.0)
+    ex = g.exchanges
+    assert ex[0].members(0) == [0, 1, 2]
+    ex[2].leave(linger_s=0.2)
+    assert wait_until(lambda: ex[0].members(1) == [0, 1] and ex[1].members(1) == [0, 1], 3.0)
+    start = time.monotonic()
+    with pytest.raises(PeerFailed):
+        ex[0].all_reduce_mean("mix1/1", torch.ones(4), [0, 1, 2])  # a stale list fails fast
+    assert time.monotonic() - start < 3.0
+
+
+def test_reachability_check_tells_a_listening_endpoint_from_a_dead_one():
+    good = ZmqExchange(0, {0: "tcp://127.0.0.1:0"}, "reach", 5.0)
+    port = free_ports(1)[0]
+    bad = ZmqExchange(0, {0: f"tcp://127.0.0.1:{port}"}, "reach", 5.0, bind="tcp://127.0.0.1:0")
+    try:
+        assert not good.endpoints[0].endswith(":0")  # the OS-picked port is what peers are told
+        assert good.check_reachable(3.0)
+        assert not bad.check_reachable(0.5)  # advertised somewhere nothing listens
+    finally:
+        good.close()
+        bad.close()

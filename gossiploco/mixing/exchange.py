@@ -48,6 +48,13 @@ class Exchange(ABC):
         """The ranks taking part in round ``round_index``'s exchanges (sorted, including this peer
         when it takes part). ``None``: the ranks taking part now. Non-blocking."""
 
+    def group(self, key: str, round_index: int) -> list[int]:
+        """The members that take part in exchange ``key`` of round ``round_index``, agreed with the
+        others (every member of the returned list gets the same list). Blocks for at most the
+        grace window; raises ``ExchangeError`` when this peer is left out. Default: ``members``,
+        right for transports where every view is the same (the in-memory hub)."""
+        return self.members(round_index)
+
     @abstractmethod
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
         """Mean of ``flat`` over ``members``; blocks until every member contributed or the deadline."""

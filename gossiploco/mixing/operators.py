@@ -137,20 +137,22 @@ class GlobalMix(Mixer):
     kind = "global"
 
     def _combine(self, flat, round_index, exchange):
-        members = exchange.members(round_index)
+        key = f"{self.label}/{round_index}"
+        members = exchange.group(key, round_index)
         if len(members) <= 1:
             return flat, None
-        return exchange.all_reduce_mean(f"{self.label}/{round_index}", flat, members), None
+        return exchange.all_reduce_mean(key, flat, members), None
 
 
 class GossipMix(Mixer):
     kind = "gossip"
 
     def _combine(self, flat, round_index, exchange):
-        partner = pair_matching(self.seed, round_index, self.label, exchange.members(round_index)).get(exchange.rank)
+        key = f"{self.label}/{round_index}"
+        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None
-        theirs = exchange.swap(f"{self.label}/{round_index}", partner, flat)
+        theirs = exchange.swap(key, partner, flat)
         if theirs.shape != flat.shape:
             raise PeerFailed(f"partner {partner} sent shape {tuple(theirs.shape)}, expected {tuple(flat.shape)}")
         # (a + b) / 2 is computed identically on both sides, so the pair's sum is preserved.

@@ -1,7 +1,8 @@
 """Start peer processes on this machine (tests, benchmarks, local swarms) and always stop them.
 
-``LocalPeers`` runs ``python -m gossiploco peer`` once per rank on loopback ports, each with its
-own output directory and log file. ``stop()`` asks every process still running to leave
+``LocalPeers`` runs ``python -m gossiploco peer`` once per rank, each with its own output
+directory and log file: with a static peer list on loopback ports, or (``join``) through a DHT
+bootstrap address, each peer binding a free port of its own. ``stop()`` asks every process still running to leave
 (SIGINT, like Ctrl+C), waits a bounded time, then kills what is left, so no process outlives
 its owner; it is also what the context manager runs on exit.
 """
@@ -36,13 +37,17 @@ class LocalPeers:
     """``count`` peer processes on ``host``; extra CLI arguments go to every peer (``args``) or one (``per_rank``)."""
 
     def __init__(self, count: int, out_dir: str | Path, args: Sequence[str] = (), *, host: str = "127.0.0.1",
-                 per_rank: dict[int, Sequence[str]] | None = None, env: dict[str, str] | None = None):
-        """``env``: extra environment for every peer (``start`` adds per-rank extras)."""
+                 per_rank: dict[int, Sequence[str]] | None = None, env: dict[str, str] | None = None,
+                 join: str | None = None):
+        """``env``: extra environment for every peer (``start`` adds per-rank extras). ``join``: a
+        bootstrap multiaddr; the peers find each other through the DHT instead of a static list."""
         self.count = count
         self.out_dir = Path(out_dir)
         self.args = list(args)
         self.per_rank = per_rank or {}
-        self.endpoints = [f"tcp://{host}:{p}" for p in free_ports(count, host)]
+        self.join = join
+        self.host = host
+        self.endpoints = [] if join else [f"tcp://{host}:{p}" for p in free_ports(count, host)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[int, subprocess.Popen] = {}
         self._logs: dict[int, object] = {}
@@ -54,11 +59,15 @@ class LocalPeers:
         return self.out_dir / f"peer-{rank}.log"
 
     def command(self, rank: int) -> list[str]:
-        return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), "--peers", ",".join(self.endpoints),
+        if self.join:  # found through the DHT; the first round waits for ``count`` peers
+            where = ["--join", self.join, "--host", self.host, "--workers", str(self.count)]
+        else:
+            where = ["--peers", ",".join(self.endpoints)]
+        return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), *where,
                 "--out", str(self.peer_dir(rank)), *self.args, *self.per_rank.get(rank, ())]
 
     def start(self, ranks: Sequence[int] | None = None, env: dict[int, dict[str, str]] | None = None) -> LocalPeers:
-        """Start ``ranks`` (default: all), with extra environment ``env[rank]``. A rank started again
+        """Start ``ranks`` (default: ``range(count)``; with ``join`` any peer id), with extra environment ``env[rank]``. A rank started again
         (a restart) appends to its log."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.count) if ranks is None else ranks:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,16 +45,25 @@ from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
+from gossiploco.membership.directory import Directory, DirectoryClosed, PeerRecord
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import pack, unpack
 from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
 from gossiploco.trainer import resolve_device
-from gossiploco.transport.zmq_exchange import ZmqExchange
+from gossiploco.transport.deadlines import AdaptiveDeadlines
+from gossiploco.transport.zmq_exchange import MAX_PEER_ID, ZmqExchange
 
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
 
+CATCH_UP_LAG = 1
+"""A peer this many rounds behind another at the start of a round downloads the state instead of
+trailing the swarm. While it takes part, no peer can start a later round before it (each round's
+Mix2 includes it), so any lag at a round start means the swarm went on without it."""
+RECENT_LOSS_S = 10.0
+"""A peer alone at a round start that lost connections this recently first waits (``hello_s``)
+for them to come back, then asks where the others are."""
 LEAVE_LINGER_S = 2.0
 """After its last exchange a finishing peer keeps its sockets this long so its final chunks arrive."""
 
@@ -79,17 +89,30 @@ class PeerResult:
 
 
 class NetworkPeer:
-    """Rank ``rank`` of a static peer list ``endpoints`` (``tcp://HOST:PORT``, one per rank).
+    """Peer ``rank`` of a run, found either through a static list ``endpoints`` (``tcp://HOST:PORT``,
+    one per rank) or through a ``directory`` (the hivemind DHT): then this peer binds ``bind``
+    (``tcp://HOST:PORT``, port 0 for any), tells the others ``advertise`` (default: the bound
+    address), and ``rank`` is its peer id (any int below 2**31; it also picks its data stream).
 
-    Build, then ``run()``. ``close()`` (idempotent) releases the sockets and threads.
+    Build, then ``run()``. ``close()`` (idempotent) leaves the run and releases sockets and threads.
     """
 
-    def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str], *, run_id: str | None = None,
-                 corpus: Corpus | None = None, device: str | None = None):
-        if len(endpoints) != cfg.workers:
-            raise ConfigError("peers", f"{len(endpoints)} endpoints given but workers = {cfg.workers}")
-        if not 0 <= rank < len(endpoints):
-            raise ConfigError("rank", f"must be in 0..{len(endpoints) - 1}, got {rank}")
+    def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str] | None = None, *,
+                 directory: Directory | None = None, bind: str | None = None, advertise: str | None = None,
+                 run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None):
+        if (endpoints is None) == (directory is None):
+            raise ConfigError("peers", "give either a static peer list or a directory to join, not both or neither")
+        if endpoints is not None:
+            if len(endpoints) != cfg.workers:
+                raise ConfigError("peers", f"{len(endpoints)} endpoints given but workers = {cfg.workers}")
+            if not 0 <= rank < len(endpoints):
+                raise ConfigError("rank", f"must be in 0..{len(endpoints) - 1}, got {rank}")
+            known: Sequence[str] | dict[int, str] = endpoints
+        else:
+            if not 0 <= rank < MAX_PEER_ID:
+                raise ConfigError("rank", f"peer id must be in 0..{MAX_PEER_ID - 1}, got {rank}")
+            bind = bind or "tcp://127.0.0.1:0"
+            known = {rank: advertise or bind}
         self.cfg = cfg
         self.rank = rank
         self.device = resolve_device(device or cfg.device)
@@ -102,8 +125,17 @@ class NetworkPeer:
         self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.run_id = run_id or run_id_for(cfg)
         chunk = int(cfg.transport.chunk_mb * (1 << 20)) // 4 * 4
-        self.exchange = ZmqExchange(rank, endpoints, self.run_id, cfg.timeouts.exchange_s,
-                                    max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk)
+        t = cfg.timeouts
+        deadlines = AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor)
+        self.directory = directory
+        self.exchange = ZmqExchange(rank, known, self.run_id, t.exchange_s, grace_s=t.grace_s, deadlines=deadlines,
+                                    max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
+                                    bind=bind, join_round=0 if directory is None else None)
+        self.endpoint = self.exchange.endpoints[rank]
+        """The address other peers reach this one at."""
+        self._stop_discovery = threading.Event()
+        self._discovery: threading.Thread | None = None
+        self._tokens = 0
         self.algo: FactoredDiLoCo | SyncDP
         if cfg.mode == "sync-dp":
             self.algo = SyncDP(self.trainer, cfg, self.exchange)
@@ -162,7 +194,12 @@ class NetworkPeer:
         if self._closed:
             return
         self._closed = True
-        self.exchange.close(linger_s=linger_s)
+        self._stop_discovery.set()
+        if self.directory is not None:
+            self.directory.close()  # withdraws this peer's announcement
+        if self._discovery is not None:
+            self._discovery.join(timeout=self.cfg.timeouts.discovery_s + 10)
+        self.exchange.leave(linger_s=linger_s)  # the others drop this peer at once, no deadline to wait out
         self.algo.close()
 
     # -- joining and catching up -------------------------------------------------------------------
@@ -170,14 +207,74 @@ class NetworkPeer:
     def _join(self) -> int:
         """Wait for the others, ask where they are; returns the round this peer starts with."""
         ex, t = self.exchange, self.cfg.timeouts
-        if not ex.wait_connected(t.startup_s):
+        if self.directory is not None:
+            self._discover_at_start()
+        if not ex.wait_connected(t.startup_s if self.directory is None else t.hello_s):
             log.warning("rank %d: peers %s not connected after %.0fs; starting without them until they say hello",
                         self.rank, ex.drop_unconnected(), t.startup_s)
         rounds = self._ask_rounds()
         ahead = {p: r for p, r in rounds.items() if r >= 1}
         if not ahead:
+            if self.directory is not None:  # a fresh swarm: start together once `workers` peers are in
+                ex.announce(0)
+                members = ex.wait_members(0, self.cfg.workers, t.startup_s)
+                if len(members) < self.cfg.workers:
+                    log.warning("rank %d: starting round 0 with %s (%d of %d peers); others join when they come",
+                                self.rank, members, len(members), self.cfg.workers)
             return 0
         return self._catch_up(ahead, fresh=True)
+
+    def _discover_at_start(self) -> None:
+        """Check this peer is reachable, announce it, and wait (up to ``timeouts.startup_s``) until
+        ``workers`` peers of the run are known or the run is found already going."""
+        ex, t, directory = self.exchange, self.cfg.timeouts, self.directory
+        assert directory is not None
+        if not ex.check_reachable(t.hello_s):
+            host_port = self.endpoint.removeprefix("tcp://")
+            raise ExchangeError(
+                f"peer {self.rank}: its advertised endpoint {self.endpoint} does not answer a ZeroMQ handshake "
+                f"within {t.hello_s:.0f}s. Other peers connect to it: make sure {host_port} is this machine's "
+                "address as others see it (pass --announce HOST with your public or LAN address), and that the "
+                "TCP port is open in the firewall (or forwarded by the NAT router); see README, 'Peers behind NAT'.")
+        taken = directory.peers().get(self.rank)
+        if taken is not None and taken.endpoint != self.endpoint:
+            log.warning("rank %d: peer id %d was announced by %s (a previous run of this peer?); taking it over. "
+                        "If another live peer uses this id, restart with another --rank", self.rank, self.rank, taken.endpoint)
+        directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0))
+        deadline = time.monotonic() + t.startup_s
+        while True:
+            records = self._sync_peers()
+            if len(records) >= self.cfg.workers or any(r.round >= 1 for r in records.values()):
+                break
+            if time.monotonic() > deadline:
+                log.warning("rank %d: %d of %d peers found after %.0fs; starting with them (others join when they come)",
+                            self.rank, len(records), self.cfg.workers, t.startup_s)
+                break
+            if self._stop_discovery.wait(0.25):
+                break
+        self._discovery = threading.Thread(target=self._discovery_loop, name=f"discovery-{self.rank}", daemon=True)
+        self._discovery.start()
+
+    def _sync_peers(self) -> dict[int, PeerRecord]:
+        """The run's announced peers; connects to new ones (or ones that moved)."""
+        assert self.directory is not None
+        records = self.directory.peers()
+        for peer, record in records.items():
+            if peer != self.rank:
+                self.exchange.add_peer(peer, record.endpoint)
+        return records
+
+    def _discovery_loop(self) -> None:
+        """Every ``timeouts.discovery_s``: find new peers, publish this one's round and tokens."""
+        assert self.directory is not None
+        while not self._stop_discovery.wait(self.cfg.timeouts.discovery_s):
+            try:
+                self._sync_peers()
+                self.directory.update(round=max(self.exchange.current_round, -1), tokens=self._tokens)
+            except DirectoryClosed:
+                return
+            except Exception:  # noqa: BLE001 - discovery must outlive surprises; they are logged
+                log.exception("rank %d: peer discovery failed; retrying", self.rank)
 
     def _ask_rounds(self) -> dict[int, int]:
         ex = self.exchange
@@ -185,15 +282,25 @@ class NetworkPeer:
         return ex.peer_rounds(self.cfg.timeouts.hello_s)
 
     def _maybe_catch_up(self, r: int) -> int:
-        """At a round start: alone while others are connected means the swarm went on without us."""
-        ex = self.exchange
-        if self.cfg.workers == 1 or ex.members(r) != [self.rank] or not ex.pending():
+        """At a round start: the swarm went on without us when we are alone while others are
+        connected or were lost just now (all at once: we were frozen, they dropped us), or when a
+        group leader that left us out is already in a later round."""
+        ex, t = self.exchange, self.cfg.timeouts
+        if self.cfg.workers == 1 and self.directory is None:
             return r
+        lost = ex.recently_lost(RECENT_LOSS_S)
+        alone = ex.members(r) == [self.rank] and bool(ex.pending() or lost)
+        left_behind = any(k >= r + CATCH_UP_LAG for k in ex.leader_rounds().values())
+        if not (alone or left_behind):
+            return r
+        if lost:
+            ex.wait_connected(t.hello_s)  # they reconnect within moments if they are alive
         rounds = self._ask_rounds()
-        ahead = {p: k for p, k in rounds.items() if k > r}
+        ahead = {p: k for p, k in rounds.items() if k >= r + CATCH_UP_LAG}
         if ahead:
             return self._catch_up(ahead, fresh=False)
-        ex.announce(r)  # they are not ahead: just take part again from this round
+        if alone:
+            ex.announce(r)  # they are not ahead: just take part again from this round
         return r
 
     def _catch_up(self, ahead: dict[int, int], fresh: bool) -> int:
@@ -214,14 +321,17 @@ class NetworkPeer:
             except ExchangeError as exc:
                 log.warning("rank %d: state download from %d failed: %s", self.rank, donor, exc)
                 continue
-            if flat.numel() != 2 * sum(algo.z[n].numel() for n in self.names) or not torch.isfinite(flat).all():
+            outer = 2 * sum(algo.z[n].numel() for n in self.names)
+            opt = self.trainer.inner_opt
+            if flat.numel() != outer + opt.moments_size() or not torch.isfinite(flat).all():
                 log.warning("rank %d: peer %d sent an unusable state (%d values); trying another", self.rank, donor, flat.numel())
                 continue
-            z, momentum = unpack(flat, [algo.z, algo.momentum], self.names)
+            z, momentum = unpack(flat[:outer], [algo.z, algo.momentum], self.names)
             algo.z = {n: v.clone() for n, v in z.items()}
             algo.momentum = {n: v.clone() for n, v in momentum.items()}
             self.trainer.load_params(algo.z)
-            self.trainer.inner_opt.step_index = k * self.cfg.inner_steps
+            # The donor's AdamW moments: a warm start instead of fresh ones (its step count is the schedule's).
+            opt.import_moments(flat[outer:], k * self.cfg.inner_steps)
             # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
             self.exchange.announce(k + 1)
             self._counts["catchups"] += 1
@@ -234,12 +344,13 @@ class NetworkPeer:
         raise ExchangeError(f"rank {self.rank}: the swarm is ahead (rounds {ahead}) and no peer gave its state")
 
     def _provide_state(self) -> tuple[int, torch.Tensor] | None:
-        """State for a catching-up peer: (k, [z_k, momentum_k]) of the round this peer last started."""
+        """State for a catching-up peer: (k, [z_k, momentum_k, AdamW moments]): the outer state of the
+        round this peer last started, and its inner optimizer's moments after its latest inner step."""
         snapshot = self._snapshot
         if snapshot is None:
             return None
         k, z, momentum = snapshot
-        return k, pack([z, momentum], self.names)
+        return k, torch.cat([pack([z, momentum], self.names), self.trainer.inner_opt.export_moments()])
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -271,6 +382,7 @@ class NetworkPeer:
             self._round_done(self.algo.end_round(r))
 
     def _inner_step(self) -> float:
+        self._tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
         if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: compute replaced by a fixed sleep
             time.sleep(self.cfg.inner.synthetic_step_s)
             return float("nan")
@@ -341,9 +453,9 @@ class NetworkPeer:
         """Swarm-wide consensus from per-peer terms (module docstring); own values if the group fails."""
         ex = self.exchange
         params = self._own_params()
-        members = ex.members(r)
         out: dict = {}
         try:
+            members = ex.group(f"monitor/{r}/{h}", r)
             flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members)
             if not torch.isfinite(flat).all():
                 raise ExchangeError("non-finite average")

@@ -16,7 +16,8 @@ Header fields, all required, no others allowed (``int`` never accepts a msgpack 
     op       str        one of OPS: mix1 (Mix1 outer parameters), mix2 (Mix2 pseudo-gradient),
                         grad (sync-DP gradient), state (outer state transfer), monitor
                         (consensus monitors), hello (membership: "I take part from round
-                        r on"), abort (the sender abandoned the exchange ``key``)
+                        r on"), abort (the sender abandoned the exchange ``key``), group
+                        (agreeing on who takes part in exchange ``key``)
     chunk    int >= 0   index of this chunk when a payload is split over several messages
     sender   int >= 0   rank of the sending peer
     key      str        the exchange key, e.g. "mix1/12"
@@ -47,7 +48,7 @@ import torch
 from gossiploco.errors import MalformedMessage
 
 PROTOCOL_VERSION = 1
-OPS = frozenset({"mix1", "mix2", "grad", "state", "monitor", "hello", "abort"})
+OPS = frozenset({"mix1", "mix2", "grad", "state", "monitor", "hello", "abort", "group"})
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
     "int64": torch.int64, "uint8": torch.uint8,

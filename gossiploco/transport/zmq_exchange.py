@@ -1,7 +1,9 @@
-"""``Exchange`` over ZeroMQ for a static peer list (the only module that imports zmq).
+"""``Exchange`` over ZeroMQ (the only module that imports zmq).
 
 Topology: peer ``i`` binds one ROUTER socket at ``endpoints[i]`` and connects one DEALER to every
-other peer's ROUTER (routing id ``str(i)``). Sending goes out on the DEALER to the destination;
+other known peer's ROUTER (routing id ``str(i)``). Peers are known from the list given at
+construction (a static ``--peers`` list) or added later by discovery (``add_peer``, fed by the
+hivemind DHT); peer ids are ints below ``MAX_PEER_ID``. Sending goes out on the DEALER to the destination;
 everything addressed to a peer arrives on its ROUTER. Messages are ``codec`` frames: a msgpack
 header plus raw tensor frames.
 
@@ -26,13 +28,21 @@ Messages of one call:
   neighbour. ``cps`` (chunks per segment) follows from the payload size, the group size and
   ``chunk_bytes``, so every peer of a group must use the same ``chunk_bytes``.
 
+Group agreement (``group``): before an exchange, the peers taking part agree on its member list
+through the lowest-id peer of their view as leader, with a grace window for stragglers; see
+``group`` for the protocol. Every ring chunk also carries a digest of the member list, so a
+disagreement that slips through fails at once instead of mis-mixing.
+
+Deadlines: each swap or all-reduce gets ``deadlines.deadline_s(key)`` (``AdaptiveDeadlines``:
+a multiple of recent durations of the same kind of exchange, at most ``timeout_s``).
+
 Every message carries two tensors: an int64 ``meta`` vector (1 to 4 entries; for data chunks
 ``[total elements, tag]``, so a size mismatch is detected and raised as ``PeerFailed``) and a
 float32 chunk. ``bytes_sent``/``bytes_received`` count the float32 chunk bytes only.
 
-Membership (a static peer list, made dynamic by ``hello`` messages): ``members(r)`` is the set
-of peers taking part in round r's exchanges. At construction every peer of the list takes part
-from round 0. A peer whose connection drops leaves the group and, when it comes back, stays
+Membership (made dynamic by ``hello`` messages): ``members(r)`` is this peer's view of the
+peers taking part in round r's exchanges. At construction every peer of the given list takes
+part from round 0; a peer added later is pending until it says hello (``add_peer`` asks it to). A peer whose connection drops leaves the group and, when it comes back, stays
 *pending* until it says ``hello``: "I take part from round J on" (``announce``). A hello may ask
 for a reply; the reply carries the replier's own join round and ``current_round`` (the round it
 is in, -1 before the first), so a starting peer learns whether the swarm is already past round 0
@@ -49,7 +59,7 @@ frozen process or a silent machine within ``HEARTBEAT_TIMEOUT_MS``) is marked fa
 ``members()``, and a call waiting for data from it raises ``PeerFailed`` after
 ``FAILED_GRACE_S`` (data it sent before dying may still be arriving). When it comes back it is
 pending until it says hello. A peer that never connected, or that stays connected but silent,
-makes calls raise ``ExchangeTimeout`` at their deadline (``timeout_s`` for the whole call).
+makes calls raise ``ExchangeTimeout`` at their deadline.
 
 Known limits: a message rejected by the codec (including a payload holding NaN or Inf) is
 dropped, so the waiting call times out (it cannot know which call the message belonged to); its
@@ -61,6 +71,7 @@ waiting on are evicted oldest first, then incoming messages are dropped (logged,
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -71,7 +82,7 @@ import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import zmq
@@ -80,6 +91,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, MalformedMessage, PeerFailed
 from gossiploco.mixing.exchange import Exchange
 from gossiploco.transport import codec
+from gossiploco.transport.deadlines import AdaptiveDeadlines
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +104,13 @@ HEARTBEAT_TIMEOUT_MS = 5000
 CONTROL_SEND_S = 1.0
 """Deadline for sending one control message (hello, abort, state request)."""
 MAX_ABORTED_KEYS = 4096
+"""How many exchange keys the abort and group-agreement records remember (oldest forgotten first)."""
+MAX_PEER_ID = 2**31
+MAX_GROUP = 1000
+"""Most members one group-agreement message may list."""
+_READY, _DECISION, _NOT_LEADING = 0, 1, 2
+_LEAVING = -2
+"""Join round of the hello a peer sends when it leaves gracefully."""
 FAILED_GRACE_S = 0.5
 """A call waiting on a peer whose connection dropped waits this much longer for data already on its way."""
 FAULT_ENV = "GOSSIPLOCO_FAULT"
@@ -113,6 +132,20 @@ def _op_and_round(key: str) -> tuple[str, int]:
 def _digest(members: Sequence[int]) -> int:
     """A short fingerprint of a member list (fits the int64 meta entry)."""
     return zlib.crc32(",".join(map(str, sorted(members))).encode())
+
+
+def _chunk_hash(chunk: torch.Tensor) -> int:
+    """A 64-bit BLAKE2b digest of a float32 chunk's bytes, as a signed int64 (state transfers verify every chunk)."""
+    digest = hashlib.blake2b(chunk.contiguous().numpy().tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
+def _remember(records: OrderedDict, key: str, value) -> None:
+    """Set ``records[key]``, forgetting the oldest keys past ``MAX_ABORTED_KEYS``."""
+    records[key] = value
+    records.move_to_end(key)
+    while len(records) > MAX_ABORTED_KEYS:
+        records.popitem(last=False)
 
 
 def _parse_fault(spec: str | None) -> tuple[int, str, int] | None:
@@ -155,19 +188,25 @@ class ZmqExchange(Exchange):
     ``ValueError`` for bad arguments. Every public method is thread-safe.
     """
 
-    def __init__(self, rank: int, endpoints: Sequence[str], run_id: str, timeout_s: float,
-                 max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30):
-        if not 0 <= rank < len(endpoints):
-            raise ValueError(f"rank {rank} outside the {len(endpoints)} endpoints")
+    def __init__(self, rank: int, endpoints: Sequence[str] | Mapping[int, str], run_id: str, timeout_s: float,
+                 max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
+                 grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
+                 join_round: int | None = 0):
+        endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
+        if rank not in endpoints:
+            raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
+        if any(not 0 <= p < MAX_PEER_ID for p in endpoints):
+            raise ValueError(f"peer ids must be in 0..{MAX_PEER_ID - 1}, got {sorted(endpoints)}")
         if chunk_bytes < _FLOAT_BYTES:
             raise ValueError(f"chunk_bytes={chunk_bytes} must hold at least one float32")
         if chunk_bytes + codec.MAX_HEADER_BYTES + 64 > max_message_bytes:
             raise ValueError(f"chunk_bytes={chunk_bytes} plus a header does not fit max_message_bytes={max_message_bytes}")
         self.rank = rank
-        self.endpoints = list(endpoints)
-        self.world = len(endpoints)
+        self.endpoints = endpoints
         self.run_id = run_id
         self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
         self.mailbox_bytes = mailbox_bytes
@@ -180,12 +219,21 @@ class ZmqExchange(Exchange):
         self._mail: dict[str, dict[tuple[int, int], _Mail]] = {}  # key -> (sender, chunk) -> message
         self._mail_bytes = 0
         self._active: dict[str, int] = {}  # keys with a call in progress -> number of calls
+        self._began: dict[str, float] = {}  # keys with a call in progress -> when the first began
         self._failed: dict[int, float] = {}  # rank -> when its connection dropped (cleared on reconnect)
         self._lost_at: dict[int, float] = {}  # rank -> when its connection last dropped (kept)
         self._connected: set[int] = set()
-        self._joined: dict[int, int] = {p: 0 for p in range(self.world)}  # rank -> first round; absent: pending
+        self._joined: dict[int, int] = dict.fromkeys(endpoints, 0)  # rank -> first round; absent: pending
+        if join_round is None:  # this peer decides later (``announce``) when it takes part
+            del self._joined[rank]
+        else:
+            self._joined[rank] = join_round
         self._reported: dict[int, int] = {}  # rank -> current round it reported in a hello reply
+        self._leader_rounds: dict[int, int] = {}  # rank -> its round when it last answered our ready
         self._aborted: OrderedDict[str, set[int]] = OrderedDict()  # key -> peers that abandoned it
+        self._ready: OrderedDict[str, set[int]] = OrderedDict()  # key -> followers ready (this peer leads)
+        self._decided: OrderedDict[str, list[int]] = OrderedDict()  # key -> group this peer formed as leader
+        self._told: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()  # key -> (leader, group) received
         self._closed = False
         self._close_lock = threading.Lock()
         self.current_round = -1
@@ -195,7 +243,7 @@ class ZmqExchange(Exchange):
         self._fault = _parse_fault(os.environ.get(FAULT_ENV))
 
         self._ctx = zmq.Context(io_threads=1)
-        sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes))
+        self._sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes))
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.RCVHWM, 1000)
@@ -206,31 +254,22 @@ class ZmqExchange(Exchange):
         self._router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # drops a dead machine's stale connection
         self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
+        bind = bind or self.endpoints[rank]
         try:
-            self._router.bind(self.endpoints[rank])
+            self._router.bind(bind)
         except zmq.ZMQError as exc:
             self._router.close(linger=0)
             self._ctx.term()
-            raise ExchangeError(f"rank {rank}: cannot bind {self.endpoints[rank]}: {exc}") from exc
+            raise ExchangeError(f"rank {rank}: cannot bind {bind}: {exc}") from exc
+        if self.endpoints[rank] == bind and bind.rsplit(":", 1)[-1] in ("0", "*"):  # a port picked by the OS
+            self.endpoints[rank] = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
 
         self._dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self._monitors: dict[zmq.Socket, int] = {}
-        for peer in range(self.world):
-            if peer == rank:
-                continue
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.SNDHWM, sndhwm)
-            dealer.setsockopt(zmq.ROUTING_ID, str(rank).encode())
-            dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
-            # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
-            # TCP connections, but only a live peer completes the handshake.
-            monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-            monitor.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.endpoints[peer])
-            self._dealers[peer] = (dealer, threading.Lock())
-            self._monitors[monitor] = peer
+        self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()  # handed to the receiver thread
+        for peer, endpoint in endpoints.items():
+            if peer != rank:
+                self._connect(peer, endpoint)
 
         self._receiver = threading.Thread(target=self._receive_loop, name=f"zmq-exchange-{rank}-recv", daemon=True)
         self._receiver.start()
@@ -249,15 +288,16 @@ class ZmqExchange(Exchange):
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         if partner == self.rank:
             raise ValueError("cannot swap with oneself")
-        if not 0 <= partner < self.world:
-            raise ValueError(f"partner {partner} outside world of {self.world}")
-        deadline = time.monotonic() + self.timeout_s
+        if partner not in self._dealers:
+            raise ValueError(f"partner {partner} is not a known peer")
+        began = time.monotonic()
+        deadline = began + self.deadlines.deadline_s(key)
         mine = flat.detach().reshape(-1).to(torch.float32)
         total = mine.numel()
         per_chunk = self._chunk_elems()
         n_chunks = max(1, math.ceil(total / per_chunk))
         what = f"swap {key!r} with {partner}"
-        self._begin(key)
+        self._begin(key, began)
         try:
             for c in range(n_chunks):
                 self._send(partner, key, c, [total, 0], mine[c * per_chunk:(c + 1) * per_chunk], deadline, what)
@@ -265,6 +305,7 @@ class ZmqExchange(Exchange):
             for c in range(n_chunks):
                 part = result[c * per_chunk:(c + 1) * per_chunk]
                 part.copy_(self._take_data(key, partner, c, total, part.numel(), [partner], deadline, what))
+            self.deadlines.observe(key, time.monotonic() - began)
             return result.reshape(flat.shape)
         except (ExchangeTimeout, PeerFailed):
             self._abort(key, [partner])
@@ -280,8 +321,8 @@ class ZmqExchange(Exchange):
         members = sorted(set(members))
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
-        if not all(0 <= m < self.world for m in members):
-            raise ValueError(f"members {members} outside world of {self.world}")
+        if any(m != self.rank and m not in self._dealers for m in members):
+            raise ValueError(f"members {members} include unknown peers (known: {self.known()})")
         if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
             acc = flat.detach().view(-1)
         else:
@@ -290,7 +331,8 @@ class ZmqExchange(Exchange):
         n = len(members)
         if n == 1:
             return acc.view(flat.shape)
-        deadline = time.monotonic() + self.timeout_s
+        began = time.monotonic()
+        deadline = began + self.deadlines.deadline_s(key)
         me = members.index(self.rank)
         right, left = members[(me + 1) % n], members[(me - 1) % n]
         others = [m for m in members if m != self.rank]
@@ -325,7 +367,7 @@ class ZmqExchange(Exchange):
                 else:
                     part.copy_(got)
 
-        self._begin(key)
+        self._begin(key, began)
         try:
             # Reduce-scatter: after n - 1 steps this peer holds the full sum of segment me + 1.
             for s in range(n - 1):
@@ -336,12 +378,90 @@ class ZmqExchange(Exchange):
                 step(n - 1 + s, me + 1 - s, me - s, reduce=False)
             for trackers in in_flight.values():
                 self._wait_sent(trackers, deadline, what)
+            self.deadlines.observe(key, time.monotonic() - began)
         except (ExchangeTimeout, PeerFailed):
             self._abort(key, others)
             raise
         finally:
             self._end(key)
         return acc.div_(n).view(flat.shape)
+
+    def group(self, key: str, round_index: int) -> list[int]:
+        """Agree with the others on who takes part in exchange ``key`` of round ``round_index``.
+
+        The leader is the lowest id of this peer's view (``members(round_index)``). Followers
+        send it ``ready``; it waits until every member of its view is ready or has failed, or
+        until ``grace_s`` has passed, then sends the group (itself plus the ready followers) to
+        each of them. Everyone in the group then runs the exchange over exactly that list; a
+        straggler whose ``ready`` comes after the decision is told it was left out and does
+        identity. A follower that hears nothing within ``2 * grace_s`` (the leader is the
+        straggler, or died) abandons the key (``abort``), so a late leader fails fast instead of
+        mixing with peers that are gone. Peers whose views name different leaders form disjoint
+        groups (each consistent) or do identity: never a mixed-up exchange. Raises
+        ``ExchangeError`` when this peer takes no part (identity for it)."""
+        view = self.members(round_index)
+        if view == [self.rank] and self._joined.get(self.rank, math.inf) > round_index:
+            return view  # not taking part in this round yet
+        if view[0] == self.rank:
+            return self._lead(key, view)
+        return self._follow(key, view[0], round_index)
+
+    def _lead(self, key: str, view: list[int]) -> list[int]:
+        deadline = time.monotonic() + self.grace_s
+        with self._cond:
+            while not self._closed:
+                waiting = [p for p in view if p != self.rank and p not in self._failed
+                           and p not in self._ready.get(key, ())]
+                remaining = deadline - time.monotonic()
+                if not waiting or remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self._closed:
+                raise ExchangeClosed(f"rank {self.rank}: exchange closed while forming group {key!r}")
+            ready = self._ready.pop(key, set())
+            group = sorted({self.rank} | {p for p in ready if p not in self._failed})
+            _remember(self._decided, key, group)
+        left_out = sorted(set(view) - set(group))
+        if left_out:
+            log.info("rank %d: %s goes on without %s (not ready within %.1fs)", self.rank, key, left_out, self.grace_s)
+        meta = [_DECISION, self.current_round, _digest(group), *group]
+        for peer in group:
+            if peer != self.rank:
+                self._submit(("group", peer, key, meta))
+        return group
+
+    def _follow(self, key: str, leader: int, round_index: int) -> list[int]:
+        what = f"group {key!r} led by {leader}"
+        began = time.monotonic()
+        deadline = began + 2 * self.grace_s + CONTROL_SEND_S
+        # No _begin/_end here: those would drop data chunks of ``key`` that fast members send
+        # before this peer starts the exchange itself.
+        try:
+            self._send(leader, key, 0, [_READY, round_index], _EMPTY, began + CONTROL_SEND_S, what, op="group")
+            with self._cond:
+                while True:
+                    if self._closed:
+                        raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
+                    told = self._told.pop(key, None)
+                    if told is not None and told[0] == leader:
+                        break
+                    if leader in self._failed:
+                        raise PeerFailed(f"{what}: the leader disconnected")
+                    if leader in self._aborted.get(key, ()):
+                        raise PeerFailed(f"{what}: the leader abandoned the exchange")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise ExchangeTimeout(f"{what}: no decision within {deadline - began:.1f}s")
+                    self._cond.wait(remaining)
+        except (ExchangeTimeout, PeerFailed):
+            self._abort(key, [leader])
+            raise
+        group = told[1]
+        if not group:
+            raise PeerFailed(f"{what}: peer {leader} does not lead it (our member views differ)")
+        if self.rank not in group:
+            raise ExchangeTimeout(f"{what}: this peer was not ready within the grace window; {group} went on without it")
+        return group
 
     def close(self, linger_s: float = 0.0) -> None:
         """Stop: calls in progress and later raise ``ExchangeClosed``. ``linger_s > 0`` (a graceful
@@ -372,16 +492,106 @@ class ZmqExchange(Exchange):
 
     # -- extras ------------------------------------------------------------------------------------
 
+    def add_peer(self, peer: int, endpoint: str) -> bool:
+        """Connect to ``peer`` at ``endpoint`` (a peer found by discovery). It stays pending until it
+        says hello; this peer asks it to (a probe), so its join round arrives without waiting for its
+        own announcement. A known peer at a new endpoint (it restarted elsewhere) is reconnected.
+        Returns True if anything changed."""
+        if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
+            return False
+        with self._cond:
+            if self._closed:
+                return False
+            old = self.endpoints.get(peer)
+            if old == endpoint:
+                return False
+            self.endpoints[peer] = endpoint
+            if old is None:
+                self._connect(peer, endpoint)
+        if old is not None:
+            dealer, lock = self._dealers[peer]
+            with lock:
+                try:
+                    dealer.disconnect(old)
+                except zmq.ZMQError:
+                    pass
+                dealer.connect(endpoint)
+            log.info("rank %d: peer %d moved from %s to %s", self.rank, peer, old, endpoint)
+        self._submit(("hello", peer, -1, 1))
+        return True
+
+    def leave(self, linger_s: float = 0.5) -> None:
+        """Leave gracefully: tell every peer (they drop this one at once instead of waiting for a
+        deadline or a heartbeat), then ``close``. Best effort, bounded by ``CONTROL_SEND_S`` per peer."""
+        with self._cond:
+            peers = [] if self._closed else list(self._dealers)
+        for peer in peers:
+            try:
+                self._send(peer, "hello/leave", 0, [_LEAVING, self.current_round, 0], _EMPTY,
+                           time.monotonic() + CONTROL_SEND_S, "leave")
+            except ExchangeError:
+                pass
+        self.close(linger_s=linger_s)
+
+    def check_reachable(self, timeout_s: float) -> bool:
+        """True if a ZeroMQ handshake with this peer's own advertised endpoint succeeds within
+        ``timeout_s`` (what another peer does first). A failure means the address or port is wrong
+        or closed here; success does not prove that peers behind other networks can reach it."""
+        probe = self._ctx.socket(zmq.DEALER)
+        monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.setsockopt(zmq.ROUTING_ID, f"probe-{uuid.uuid4().hex[:8]}".encode())
+            probe.connect(self.endpoints[self.rank])
+            return bool(monitor.poll(int(1000 * timeout_s)))
+        finally:
+            probe.disable_monitor()
+            monitor.close(linger=0)
+            probe.close(linger=0)
+
+    def known(self) -> list[int]:
+        """Every peer this exchange has an endpoint for (including itself)."""
+        with self._cond:
+            return sorted(self.endpoints)
+
+    def _connect(self, peer: int, endpoint: str) -> None:
+        """A DEALER to ``peer`` plus its monitor (handed to the receiver thread). Holds ``_cond`` or runs in __init__."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.SNDHWM, self._sndhwm)
+        dealer.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
+        # TCP connections, but only a live peer completes the handshake.
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        self._dealers[peer] = (dealer, threading.Lock())
+        self._monitors[monitor] = peer
+        self._new_monitors.put(monitor)
+
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until a connection to every other peer is up (or ``timeout_s``); True if all are."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while len(self._connected) < self.world - 1 and not self._closed:
+            while len(self._connected) < len(self._dealers) and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            return len(self._connected) == self.world - 1
+            return len(self._connected) == len(self._dealers)
+
+    def wait_members(self, round_index: int, count: int, timeout_s: float) -> list[int]:
+        """Block until ``members(round_index)`` has ``count`` peers (or ``timeout_s``); returns it."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self.members(round_index)) < count and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            return self.members(round_index)
 
     def connected(self) -> list[int]:
         """Other peers with a live connection right now."""
@@ -396,7 +606,7 @@ class ZmqExchange(Exchange):
     def drop_unconnected(self) -> list[int]:
         """Move peers that never connected to pending (they join with a hello when they come). Returns them."""
         with self._cond:
-            gone = [p for p in range(self.world) if p != self.rank and p not in self._connected and p in self._joined]
+            gone = [p for p in self._dealers if p not in self._connected and p in self._joined]
             for p in gone:
                 del self._joined[p]
             return gone
@@ -409,9 +619,9 @@ class ZmqExchange(Exchange):
             if join_round >= 0:
                 self._joined[self.rank] = join_round
             self._reported.clear()
-        for peer in range(self.world):
-            if peer != self.rank:
-                self._submit(("hello", peer, join_round, int(ask_reply)))
+            peers = list(self._dealers)
+        for peer in peers:
+            self._submit(("hello", peer, join_round, int(ask_reply)))
 
     def peer_rounds(self, wait_s: float, peers: Sequence[int] | None = None) -> dict[int, int]:
         """Current rounds other peers reported in replies to this peer's last ``announce``; waits
@@ -425,6 +635,17 @@ class ZmqExchange(Exchange):
                     break
                 self._cond.wait(remaining)
             return dict(self._reported)
+
+    def leader_rounds(self) -> dict[int, int]:
+        """The round each group leader was in when it last answered this peer's ``ready`` (not waited for)."""
+        with self._cond:
+            return dict(self._leader_rounds)
+
+    def recently_lost(self, within_s: float) -> list[int]:
+        """Peers whose connection dropped within the last ``within_s`` seconds."""
+        with self._cond:
+            now = time.monotonic()
+            return sorted(p for p, t in self._lost_at.items() if now - t <= within_s)
 
     def serve_state(self, provider: StateProvider) -> None:
         """Answer other peers' ``fetch_state`` with ``provider()`` (called on the service thread)."""
@@ -456,6 +677,8 @@ class ZmqExchange(Exchange):
                 part = result[c * per_chunk:(c + 1) * per_chunk]
                 if got.total != total or got.data.numel() != part.numel():
                     raise PeerFailed(f"{what}: chunk {c} has {got.data.numel()} elements, expected {part.numel()}")
+                if len(got.meta) < 3 or got.meta[2] != _chunk_hash(got.data):
+                    raise PeerFailed(f"{what}: chunk {c} failed its hash check")
                 part.copy_(got.data)
             return round_index, result
         finally:
@@ -471,7 +694,7 @@ class ZmqExchange(Exchange):
         """Queue one message for ``peer``. By default zmq copies ``data``; with ``zero_copy`` it reads
         ``data`` in place until the returned tracker is done, so the caller must not change
         ``data`` before then (``_wait_sent``)."""
-        if self._fault is not None and self._fault[1:] == (key, chunk):
+        if self._fault is not None and op is None and self._fault[1:] == (key, chunk):
             log.warning("rank %d: %s: raising signal %d before chunk %d of %r", self.rank, FAULT_ENV, self._fault[0], chunk, key)
             os.kill(os.getpid(), self._fault[0])
         derived, round_index = _op_and_round(key)
@@ -494,7 +717,7 @@ class ZmqExchange(Exchange):
                     raise PeerFailed(f"{what}: sending to {peer} failed: {exc}") from exc
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise ExchangeTimeout(f"{what}: peer {peer} did not take data within {self.timeout_s:.1f}s")
+                    raise ExchangeTimeout(f"{what}: peer {peer} did not take data by the deadline")
                 dealer.poll(max(1, int(1000 * min(remaining, SEND_RETRY_S))), zmq.POLLOUT)
         finally:
             lock.release()
@@ -510,7 +733,7 @@ class ZmqExchange(Exchange):
             try:
                 tracker.wait(max(0.001, deadline - time.monotonic()))
             except zmq.NotDone:
-                raise ExchangeTimeout(f"{what}: sent data still queued after {self.timeout_s:.1f}s") from None
+                raise ExchangeTimeout(f"{what}: sent data still queued at the deadline") from None
         trackers.clear()
 
     def _abort(self, key: str, peers: Sequence[int]) -> None:
@@ -538,6 +761,8 @@ class ZmqExchange(Exchange):
                     self._send(peer, f"hello/{arg}", 0, [arg, self.current_round, flag], _EMPTY, deadline, "hello")
                 elif kind == "abort":
                     self._send(peer, arg, 0, [0, 0], _EMPTY, deadline, "abort", op="abort")
+                elif kind == "group":
+                    self._send(peer, arg, 0, flag, _EMPTY, deadline, f"group {arg!r}", op="group")
                 elif kind == "state":
                     self._serve_state(peer, arg)
             except ExchangeClosed:
@@ -560,16 +785,19 @@ class ZmqExchange(Exchange):
         flat = flat.detach().reshape(-1).to(torch.float32)
         total, per_chunk = flat.numel(), self._chunk_elems()
         for c in range(max(1, math.ceil(total / per_chunk))):
-            self._send(peer, key, c, [total, round_index], flat[c * per_chunk:(c + 1) * per_chunk], deadline, what)
+            part = flat[c * per_chunk:(c + 1) * per_chunk]
+            self._send(peer, key, c, [total, round_index, _chunk_hash(part)], part, deadline, what)
         log.info("rank %d: gave round %d state (%d values) to peer %d", self.rank, round_index, total, peer)
 
     # -- receiving ---------------------------------------------------------------------------------
 
-    def _begin(self, key: str) -> None:
+    def _begin(self, key: str, began: float | None = None) -> None:
+        """Register a call of ``key`` that started at ``began`` (now by default)."""
         with self._cond:
             if self._closed:
                 raise ExchangeClosed(f"rank {self.rank}: exchange is closed")
             self._active[key] = self._active.get(key, 0) + 1
+            self._began.setdefault(key, time.monotonic() if began is None else began)
 
     def _end(self, key: str) -> None:
         """Forget the call: drop its leftovers (a failed call's late chunks are useless)."""
@@ -577,6 +805,7 @@ class ZmqExchange(Exchange):
             self._active[key] -= 1
             if self._active[key] == 0:
                 del self._active[key]
+                self._began.pop(key, None)
                 for mail in self._mail.pop(key, {}).values():
                     self._mail_bytes -= mail.nbytes
 
@@ -598,8 +827,8 @@ class ZmqExchange(Exchange):
         arriving; a reconnection does not help, data in flight was lost) and no peer of ``watch``
         abandoned ``key``. A peer that crashes is seen by the peer waiting on it, whose abort then
         releases everyone else."""
-        began = deadline - self.timeout_s
         with self._cond:
+            began = self._began.get(key, deadline - self.timeout_s)
             while True:
                 if self._closed:
                     raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
@@ -610,8 +839,8 @@ class ZmqExchange(Exchange):
                     break
                 now = time.monotonic()
                 lost = self._lost_at.get(sender)
-                if lost is not None and lost < began:
-                    lost = None
+                if lost is not None and lost < began:  # lost before this call: counts only if still gone
+                    lost = began if sender in self._failed else None
                 if lost is not None and now >= lost + FAILED_GRACE_S:
                     raise PeerFailed(f"{what}: peer {sender} disconnected")
                 quit_ = sorted(p for p in watch if p in self._aborted.get(key, ()))
@@ -619,7 +848,7 @@ class ZmqExchange(Exchange):
                     raise PeerFailed(f"{what}: peer(s) {quit_} abandoned the exchange")
                 remaining = deadline - now
                 if remaining <= 0:
-                    raise ExchangeTimeout(f"{what}: no chunk {chunk} from {sender} within {self.timeout_s:.1f}s")
+                    raise ExchangeTimeout(f"{what}: no chunk {chunk} from {sender} within {deadline - began:.1f}s")
                 self._cond.wait(min(remaining, lost + FAILED_GRACE_S - now) if lost is not None else remaining)
             self.bytes_received += mail.nbytes
         return mail
@@ -627,10 +856,10 @@ class ZmqExchange(Exchange):
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        for monitor in self._monitors:
-            poller.register(monitor, zmq.POLLIN)
         try:
             while not self._closed:
+                while not self._new_monitors.empty():  # peers added since the last poll
+                    poller.register(self._new_monitors.get(), zmq.POLLIN)
                 for sock, _ in poller.poll(POLL_MS):
                     if sock is self._router:
                         self._drain_router()
@@ -663,13 +892,17 @@ class ZmqExchange(Exchange):
         header, tensors = codec.decode(frames[1:], expect_run=self.run_id, max_bytes=self.max_message_bytes, copy=False)
         if identity != str(header.sender).encode():
             raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
-        if not 0 <= header.sender < self.world or header.sender == self.rank:
-            raise MalformedMessage(f"sender {header.sender} is not another peer of this group of {self.world}")
+        if header.sender not in self._dealers:
+            if header.op == "hello":  # a peer of this run that discovery has not found yet; it is probed once found
+                log.debug("rank %d: hello from peer %d, not discovered yet; ignored", self.rank, header.sender)
+                return
+            raise MalformedMessage(f"sender {header.sender} is not a known peer (not discovered yet, or not of this run)")
+        max_meta = 3 + MAX_GROUP if header.op == "group" else 4
         if (len(tensors) != 2 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1
-                or not 1 <= tensors[0].numel() <= 4 or tensors[1].dtype != torch.float32 or tensors[1].dim() != 1):
-            raise MalformedMessage("expected an int64 meta vector (1 to 4 entries) and a 1-d float32 chunk")
+                or not 1 <= tensors[0].numel() <= max_meta or tensors[1].dtype != torch.float32 or tensors[1].dim() != 1):
+            raise MalformedMessage(f"expected an int64 meta vector (1 to {max_meta} entries) and a 1-d float32 chunk")
         meta = [int(v) for v in tensors[0].tolist()]
-        if header.op in ("hello", "abort") or header.key.startswith("state/req/"):
+        if header.op in ("hello", "abort", "group") or header.key.startswith("state/req/"):
             self._control(header, meta)
             return
         mail = _Mail(meta, tensors[1], tensors[1].numel() * _FLOAT_BYTES)
@@ -692,21 +925,24 @@ class ZmqExchange(Exchange):
     def _control(self, header: codec.Header, meta: list[int]) -> None:
         """A hello, abort or state request (validated by the caller). Runs on the receiver thread."""
         sender = header.sender
-        if header.op == "abort":
+        if header.op == "group":
+            self._group_message(header, meta)
+        elif header.op == "abort":
             with self._cond:
-                self._aborted.setdefault(header.key, set()).add(sender)
-                self._aborted.move_to_end(header.key)
-                while len(self._aborted) > MAX_ABORTED_KEYS:
-                    self._aborted.popitem(last=False)
+                _remember(self._aborted, header.key, self._aborted.get(header.key, set()) | {sender})
                 self._cond.notify_all()
         elif header.op == "hello":
-            if len(meta) != 3 or meta[0] < -1:
-                raise MalformedMessage(f"hello needs [join round >= -1, current round, ask reply], got {meta}")
+            if len(meta) != 3 or meta[0] < _LEAVING:
+                raise MalformedMessage(f"hello needs [join round >= {_LEAVING}, current round, ask reply], got {meta}")
             join_round, current, ask_reply = meta
             with self._cond:
-                if join_round >= 0:
+                if join_round == _LEAVING:  # a graceful leave: gone now, as if its connection dropped
+                    self._joined.pop(sender, None)
+                    self._failed[sender] = self._lost_at[sender] = time.monotonic()
+                    log.warning("rank %d: peer %d left", self.rank, sender)
+                elif join_round >= 0:
                     self._joined[sender] = join_round
-                if not ask_reply:
+                if join_round != _LEAVING:  # a probe tells the sender's round as well as a reply does
                     self._reported[sender] = current
                 self._cond.notify_all()
             if join_round >= 0:
@@ -715,6 +951,44 @@ class ZmqExchange(Exchange):
                 self._submit(("hello", sender, self._joined.get(self.rank, -1), 0))
         else:
             self._submit(("state", sender, header.key.removeprefix("state/req/"), 0))
+
+    def _group_message(self, header: codec.Header, meta: list[int]) -> None:
+        """A follower's ``ready`` (this peer leads, or answers that it does not) or a leader's decision."""
+        sender, key, phase = header.sender, header.key, meta[0]
+        if phase == _READY:
+            if len(meta) != 2:
+                raise MalformedMessage(f"group ready needs [0, round], got {meta}")
+            with self._cond:
+                if sender not in self._joined and sender in self._connected:
+                    # It believes it takes part but its hello never reached us (it froze, came back
+                    # and kept its view): adopt it from the next round rather than leave it out forever.
+                    self._joined[sender] = meta[1] + 1
+                    log.warning("rank %d: peer %d is back (ready for %r); it takes part from round %d",
+                                self.rank, sender, key, meta[1] + 1)
+                decided = self._decided.get(key)
+                if decided is None:
+                    view = self.members(meta[1])
+                    if view[0] != self.rank or self._joined.get(self.rank, math.inf) > meta[1]:
+                        reply = [_NOT_LEADING, self.current_round]
+                    else:
+                        _remember(self._ready, key, self._ready.get(key, set()) | {sender})
+                        self._cond.notify_all()
+                        return
+                else:  # a straggler: the group went on without it
+                    reply = [_DECISION, self.current_round, _digest(decided), *decided]
+            self._submit(("group", sender, key, reply))
+        elif phase in (_DECISION, _NOT_LEADING):
+            group = meta[3:] if phase == _DECISION else []
+            if phase == _DECISION and (len(meta) < 4 or meta[2] != _digest(group) or len(set(group)) != len(group)):
+                raise MalformedMessage(f"group decision with a bad member list or digest: {meta[:8]}")
+            if len(meta) < 2:
+                raise MalformedMessage(f"group reply without the leader's round: {meta}")
+            with self._cond:
+                self._leader_rounds[sender] = meta[1]  # how far the leader is: a peer left behind learns it here
+                _remember(self._told, key, (sender, sorted(group)))
+                self._cond.notify_all()
+        else:
+            raise MalformedMessage(f"unknown group phase {phase}")
 
     def _evict(self, needed: int) -> None:
         """Drop whole keys nobody waits for, oldest first, until ``needed`` bytes fit. Holds ``_cond``."""

@@ -1,0 +1,775 @@
+"""Peer discovery for one training run: who takes part, where to reach them, how far along they are.
+
+A ``Directory`` is one peer's handle on the run's list of peers. Each peer announces one
+``PeerRecord`` (its peer id, the ``tcp://HOST:PORT`` of its ZeroMQ data-plane socket, the round
+it is in, the tokens it has processed) and reads everybody's records with ``peers()``. The
+directory only *finds* peers; every tensor moves over the ZeroMQ data plane
+(``gossiploco.transport.zmq_exchange``), never through the DHT.
+
+Two implementations share the contract below (``tests/test_directory.py`` runs the same
+conformance tests against both):
+
+* ``MemoryDirectory``: instances sharing one ``MemoryDirectoryHub`` see each other; for unit tests
+  of the runtime, no network and no threads.
+* ``DhtDirectory``: a hivemind DHT node (a background process running the ``p2pd`` daemon) that
+  joins the swarm through one or more bootstrap multiaddrs (``gossiploco.membership.bootstrap``).
+
+Records in the DHT
+------------------
+
+All records of run ``R`` live under one DHT key, ``f"gossiploco/{R}/peers"``, as a hivemind
+*dictionary value*: subkey = the peer id (an int), value = ``PeerRecord.to_wire()`` (a plain
+msgpack-able dict; hivemind serializes with msgpack, never pickle). Every subkey carries its own
+expiration time (hivemind's ``get_dht_time()`` is wall-clock time, so peers' clocks must agree to
+within a few seconds). Runs with different ids use different keys, so they never see each
+other's records even on a shared DHT.
+
+* ``announce()`` stores the record at once (bounded by ``timeout_s``), expiring ``ttl_s`` later;
+  a daemon heartbeat thread re-stores the current record every ``heartbeat_s`` with a fresh
+  expiration. ``update()`` only changes the local copy; the next heartbeat publishes it.
+* hivemind has no delete. A DHT node keeps, per subkey, the value with the *latest* expiration
+  and rejects stores whose expiration is already past. So ``withdraw()`` stores a tombstone
+  (value ``None``) whose expiration is later than that of any record this directory stored;
+  it replaces the record on every replica it reaches, readers skip it, and it expires itself
+  after about ``ttl_s``. Expirations this directory uses only grow, so a later ``announce()``
+  wins over its own tombstone again.
+* A peer that crashes stores no tombstone: its record vanishes when its last expiration passes,
+  at most ``ttl_s`` after its last heartbeat. ``ttl_s`` should be a few heartbeats long so one
+  slow store does not make a live peer disappear.
+* ``peers()`` asks the DHT for the latest value of the key (``latest=True``: the search visits
+  the nodes nearest to the key and merges their subkeys, newest expiration winning), waiting at
+  most ``timeout_s``. Every subkey is validated like any data from the network
+  (``PeerRecord.from_wire``): malformed records and records of another ``PROTOCOL_VERSION`` are
+  dropped with one logged warning each (counted in ``malformed_records`` and
+  ``incompatible_records``), and so are expired ones. When the DHT does not answer in time,
+  ``peers()`` logs why and returns the last records it knew that have not expired.
+
+Bootstrap restarts: a node that fails to answer is dropped from hivemind's routing tables, and a
+restarted bootstrap node starts with an empty table, so after a restart the swarm and the
+bootstrap node would not know each other, and a peer joining through it would find nobody. Two
+things reconnect them. The restarted bootstrap node pings the peers it saved before
+(``gossiploco.membership.bootstrap``), which is immediate. And every ``REJOIN_HEARTBEATS``
+heartbeats a directory checks whether each initial peer is in its routing table and if not dials
+and pings it (``reconnect``, in the DHT process, bounded by ``timeout_s``, never two at once);
+this one is slowed by libp2p's dial backoff, which after failed dials refuses to dial the same
+address again for 5 s + 1 s x (failed dials)^2, up to 5 minutes. Either way the two nodes then
+know each other again and hand each other the records the other should keep (hivemind does
+that when two nodes meet).
+
+Errors: ``DirectoryError`` (a ``GossiplocoError``) when a DHT node cannot be started or cannot
+join through any of its initial peers within ``timeout_s``; ``DirectoryClosed`` (a
+``DirectoryError``) for calls after ``close()``; ``ConfigError`` for bad arguments (the message
+names the argument). Network trouble after joining never raises: it is logged, the heartbeat
+retries, ``peers()`` returns what it knows.
+
+    GossiplocoError
+    └── DirectoryError          the DHT could not be started or joined (remote or environment fault)
+        └── DirectoryClosed     the directory was closed; the call cannot proceed (local)
+
+hivemind is imported on first use of the DHT (about 1.3 s), so code that only uses
+``MemoryDirectory`` does not pay for it. Known limits: hivemind's DHT has no authentication, so
+any node of the swarm can overwrite or tombstone any record (the validation here only keeps
+malformed data out of the runtime). A ``DHT`` node runs in a process forked from this one; if
+it has to be killed (it did not shut down within 3 s), its ``p2pd`` child notices and exits
+within about a second.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import ipaddress
+import logging
+import math
+import re
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gossiploco.errors import ConfigError, DirectoryClosed, DirectoryError
+
+if TYPE_CHECKING:
+    import hivemind
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+"""Version of ``PeerRecord``'s wire format; records of another version are ignored."""
+MAX_PEER_ID = 2**31
+"""Peer ids are in ``0 .. MAX_PEER_ID - 1`` (the data plane's limit, ``zmq_exchange.MAX_PEER_ID``)."""
+MAX_COUNT = 2**63
+"""``round`` and ``tokens`` fit a signed 64-bit integer."""
+MAX_ENDPOINT_CHARS = 256
+MAX_RUN_ID_CHARS = 256
+ENDPOINT_PATTERN = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})")
+"""A data-plane endpoint, matched whole: ``tcp://HOST:PORT`` (no path, no whitespace, ASCII port digits)."""
+WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version"})
+MAX_REPORTED = 4096
+"""How many distinct bad records a ``DhtDirectory`` remembers having warned about."""
+REJOIN_HEARTBEATS = 3
+"""The heartbeat re-dials initial peers missing from the routing table at most every this many heartbeats."""
+_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # the same class from Python 3.11 on
+
+
+class IncompatibleRecord(ValueError):
+    """A record of another ``PROTOCOL_VERSION`` (a peer running another gossiploco release)."""
+
+    def __init__(self, version: Any):
+        self.version = version
+        super().__init__(f"record has protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}")
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    """Raise ``ValueError`` unless ``value`` is an int (not a bool) with ``low <= value < high``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value < high:
+        raise ValueError(f"{name} must be in {low}..{high - 1}, got {value}")
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """What a peer tells the run about itself. Construction validates every field (``ValueError``)."""
+
+    peer: int
+    """Peer id, unique within a run: ``0 <= peer < 2**31``."""
+    endpoint: str
+    """``tcp://HOST:PORT`` of the peer's ZeroMQ data-plane socket."""
+    round: int
+    """The round the peer is in; -1 before its first round."""
+    tokens: int
+    """Tokens the peer has processed so far."""
+    version: int = PROTOCOL_VERSION
+    """Wire-format version of the record."""
+
+    def __post_init__(self) -> None:
+        _check_int("peer", self.peer, 0, MAX_PEER_ID)
+        if not isinstance(self.endpoint, str):
+            raise ValueError(f"endpoint must be a str, got {type(self.endpoint).__name__}")
+        if len(self.endpoint) > MAX_ENDPOINT_CHARS:
+            raise ValueError(f"endpoint is {len(self.endpoint)} characters long, at most {MAX_ENDPOINT_CHARS} allowed")
+        match = ENDPOINT_PATTERN.fullmatch(self.endpoint)
+        if match is None:
+            raise ValueError(f"endpoint must look like tcp://HOST:PORT, got {self.endpoint!r}")
+        if not 1 <= int(match.group(1)) <= 65535:
+            raise ValueError(f"endpoint port must be in 1..65535, got {self.endpoint!r}")
+        _check_int("round", self.round, -1, MAX_COUNT)
+        _check_int("tokens", self.tokens, 0, MAX_COUNT)
+        _check_int("version", self.version, 1, MAX_PEER_ID)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The record as a plain dict of str and int (msgpack-able)."""
+        return {"version": self.version, "peer": self.peer, "endpoint": self.endpoint,
+                "round": self.round, "tokens": self.tokens}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> PeerRecord:
+        """Validate data from the network and build the record.
+
+        Raises ``IncompatibleRecord`` (a ``ValueError``) when ``obj`` is a record of another
+        ``PROTOCOL_VERSION``, and ``ValueError`` naming the first problem for anything else that is
+        not exactly a valid record of this version (wrong type, missing or unknown field, out of range).
+        """
+        if not isinstance(obj, dict):
+            raise ValueError(f"record must be a dict, got {type(obj).__name__}")
+        version = obj.get("version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise ValueError(f"record version must be an int, got {type(version).__name__}")
+        if version != PROTOCOL_VERSION:
+            raise IncompatibleRecord(version)
+        keys = set(obj)
+        if keys != WIRE_FIELDS:
+            problems = []
+            if WIRE_FIELDS - keys:
+                problems.append("missing " + ", ".join(sorted(WIRE_FIELDS - keys)))
+            if keys - WIRE_FIELDS:
+                unknown = sorted(repr(key)[:40] for key in keys - WIRE_FIELDS)
+                problems.append("unknown " + ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else ""))
+            raise ValueError(f"record has wrong fields ({'; '.join(problems)}); version {PROTOCOL_VERSION} "
+                             f"records have exactly {', '.join(sorted(WIRE_FIELDS))}")
+        return cls(peer=obj["peer"], endpoint=obj["endpoint"], round=obj["round"], tokens=obj["tokens"],
+                   version=version)
+
+
+class Directory(ABC):
+    """One peer's handle on the run's peer list; see the module docstring for the design.
+
+    Contract for implementations:
+
+    * Every method is thread-safe.
+    * ``announce`` and ``withdraw`` may block for a bounded time (at most the directory's
+      deadline); ``update`` never blocks on the network; ``peers`` blocks at most the deadline.
+    * Network trouble never raises from these methods: it is logged, and ``peers`` returns the
+      last records it knew. After ``close()`` every method but ``close`` raises ``DirectoryClosed``.
+    """
+
+    @abstractmethod
+    def announce(self, record: PeerRecord) -> None:
+        """Publish this peer's record, replacing the one announced before (if its peer id differs,
+        the old one is withdrawn). The record stays visible until ``withdraw()`` or ``close()``."""
+
+    @abstractmethod
+    def update(self, **fields: int) -> None:
+        """Change ``round`` and/or ``tokens`` of the announced record. Others see the change after
+        the next heartbeat. Raises ``TypeError`` for other fields, ``ValueError`` for invalid values,
+        ``DirectoryError`` when nothing is announced."""
+
+    @abstractmethod
+    def peers(self) -> dict[int, PeerRecord]:
+        """The live records of this run by peer id, this peer's own included."""
+
+    @abstractmethod
+    def withdraw(self) -> None:
+        """Remove this peer's record now (best effort). A no-op when nothing is announced."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Withdraw and release every resource. Idempotent."""
+
+    def __enter__(self) -> Directory:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _updated(record: PeerRecord, fields: dict[str, int]) -> PeerRecord:
+    """``record`` with ``round``/``tokens`` replaced (``TypeError`` for any other field)."""
+    unknown = sorted(set(fields) - {"round", "tokens"})
+    if unknown:
+        raise TypeError(f"update() can change round and tokens only, got {unknown}")
+    return dataclasses.replace(record, **fields)
+
+
+def _check_run_id(run_id: Any) -> str:
+    if not isinstance(run_id, str) or not run_id or len(run_id) > MAX_RUN_ID_CHARS or not run_id.isprintable():
+        raise ConfigError("run_id", f"must be a non-empty printable string of at most {MAX_RUN_ID_CHARS} "
+                                    f"characters, got {run_id!r}")
+    return run_id
+
+
+def _check_ttl(ttl_s: float, heartbeat_s: float | None = None) -> None:
+    if not (isinstance(ttl_s, (int, float)) and math.isfinite(ttl_s) and ttl_s > 0):
+        raise ConfigError("ttl_s", f"must be a positive number of seconds, got {ttl_s!r}")
+    if heartbeat_s is not None:
+        if not (isinstance(heartbeat_s, (int, float)) and math.isfinite(heartbeat_s) and heartbeat_s > 0):
+            raise ConfigError("heartbeat_s", f"must be a positive number of seconds, got {heartbeat_s!r}")
+        if heartbeat_s >= ttl_s:
+            raise ConfigError("heartbeat_s", f"must be shorter than ttl_s={ttl_s} (a few heartbeats per ttl), "
+                                             f"got {heartbeat_s}")
+
+
+# -- in memory -----------------------------------------------------------------------------------
+
+
+class MemoryDirectoryHub:
+    """The shared board of ``MemoryDirectory`` instances (one per test swarm); thread-safe.
+
+    ``clock`` (seconds, monotonic) decides expiry; tests pass a fake clock to expire records
+    without sleeping.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, int], tuple[PeerRecord, float]] = {}
+        """(run id, peer id) -> (record, expiry time on ``clock``; ``inf`` while its owner is alive)."""
+
+    def _put(self, run_id: str, record: PeerRecord, expires_at: float = math.inf) -> None:
+        with self._lock:
+            self._entries[run_id, record.peer] = (record, expires_at)
+
+    def _remove(self, run_id: str, peer: int) -> None:
+        with self._lock:
+            self._entries.pop((run_id, peer), None)
+
+    def _live(self, run_id: str) -> dict[int, PeerRecord]:
+        now = self.clock()
+        with self._lock:
+            for key in [k for k, (_, expires_at) in self._entries.items() if expires_at <= now]:
+                del self._entries[key]
+            return dict(sorted((peer, record) for (run, peer), (record, _) in self._entries.items() if run == run_id))
+
+
+class MemoryDirectory(Directory):
+    """A ``Directory`` in process memory: instances on one ``hub`` with the same ``run_id`` see each other.
+
+    A record stays until ``withdraw()``/``close()``; ``simulate_crash()`` stops it from being
+    refreshed without withdrawing it, so it expires ``ttl_s`` later on the hub's clock, as a
+    crashed ``DhtDirectory``'s record does. Nothing blocks.
+    """
+
+    def __init__(self, hub: MemoryDirectoryHub, run_id: str = "run", *, ttl_s: float = 15.0):
+        _check_ttl(ttl_s)
+        self.hub = hub
+        self.run_id = _check_run_id(run_id)
+        self.ttl_s = float(ttl_s)
+        self._lock = threading.Lock()
+        self._record: PeerRecord | None = None
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DirectoryClosed(f"directory of run {self.run_id!r} is closed")
+
+    def announce(self, record: PeerRecord) -> None:
+        if not isinstance(record, PeerRecord):
+            raise TypeError(f"announce() takes a PeerRecord, got {type(record).__name__}")
+        with self._lock:
+            self._check_open()
+            old, self._record = self._record, record
+            if old is not None and old.peer != record.peer:
+                self.hub._remove(self.run_id, old.peer)
+            self.hub._put(self.run_id, record)
+
+    def update(self, **fields: int) -> None:
+        with self._lock:
+            self._check_open()
+            if self._record is None:
+                raise DirectoryError("update() before announce(): there is no record to change")
+            self._record = _updated(self._record, fields)
+            self.hub._put(self.run_id, self._record)
+
+    def peers(self) -> dict[int, PeerRecord]:
+        with self._lock:
+            self._check_open()
+        return self.hub._live(self.run_id)
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self._check_open()
+            self._withdraw_locked()
+
+    def _withdraw_locked(self) -> None:
+        if self._record is not None:
+            self.hub._remove(self.run_id, self._record.peer)
+            self._record = None
+
+    def simulate_crash(self) -> None:
+        """Stop refreshing the record without withdrawing it (it expires ``ttl_s`` from now); closes this directory."""
+        with self._lock:
+            self._check_open()
+            self._closed = True
+            if self._record is not None:
+                self.hub._put(self.run_id, self._record, self.hub.clock() + self.ttl_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._withdraw_locked()
+                self._closed = True
+
+
+# -- hivemind DHT --------------------------------------------------------------------------------
+
+
+def _dht_time() -> float:
+    """hivemind's clock for expirations (wall-clock seconds; peers' clocks must roughly agree)."""
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
+def dht_key(run_id: str) -> str:
+    """The DHT key under which run ``run_id`` keeps its peer records."""
+    return f"gossiploco/{_check_run_id(run_id)}/peers"
+
+
+def host_maddr(host: str, port: int) -> str:
+    """``/ip4/HOST/tcp/PORT`` (or ``/ip6/...``) for a numeric ``host`` (``ConfigError`` otherwise)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError("host", f"must be a numeric IPv4 or IPv6 address such as 127.0.0.1 or 0.0.0.0, "
+                                  f"got {host!r}") from None
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError("port", f"must be in 0..65535 (0: any free port), got {port!r}")
+    return f"/ip{address.version}/{address}/tcp/{port}"
+
+
+def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
+    """Validate bootstrap multiaddrs (``/ip4/HOST/tcp/PORT/p2p/PEER_ID``); ``ConfigError`` names a bad one."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    if isinstance(initial_peers, str):
+        raise ConfigError("initial_peers", f"must be a list of multiaddrs, got the single string {initial_peers!r}")
+    checked = []
+    for item in initial_peers:
+        hint = "expected a multiaddr printed by `gossiploco bootstrap`, like /ip4/203.0.113.7/tcp/31337/p2p/QmXyz..."
+        if not isinstance(item, str):
+            raise ConfigError("initial_peers", f"{hint}; got {item!r}")
+        try:
+            address = Multiaddr(item)
+            PeerID.from_base58(address["p2p"])
+        except Exception:  # multiaddr raises a zoo of exception types on bad input
+            raise ConfigError("initial_peers", f"{hint}; got {item!r} (is the /p2p/<peer id> part complete?)") \
+                from None
+        checked.append(item)
+    return checked
+
+
+def check_announce_maddrs(announce_maddrs: Sequence[str] | None) -> list[str] | None:
+    """Validate multiaddrs to advertise (``/ip4/PUBLIC_IP/tcp/PORT``); ``ConfigError`` names a bad one."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    if announce_maddrs is None:
+        return None
+    if isinstance(announce_maddrs, str):
+        raise ConfigError("announce_maddrs", f"must be a list of multiaddrs, got the single string {announce_maddrs!r}")
+    checked = []
+    for item in announce_maddrs:
+        try:
+            port = Multiaddr(item)["tcp"]
+        except Exception:  # multiaddr raises a zoo of exception types on bad input
+            port = None
+        if not isinstance(item, str) or port in (None, "0"):
+            raise ConfigError("announce_maddrs", f"expected /ip4/PUBLIC_IP/tcp/PORT with an explicit port, "
+                                                 f"got {item!r}")
+        checked.append(item)
+    return checked
+
+
+def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
+              timeout_s: float, identity_path: str | None = None, node_id: Any = None) -> hivemind.DHT:
+    """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
+
+    Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
+    any of ``initial_peers``; the half-started node is shut down first.
+    """
+    import hivemind
+
+    options: dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=False, startup_timeout=timeout_s)
+    if announce_maddrs:
+        options["announce_maddrs"] = list(announce_maddrs)
+    if identity_path is not None:
+        options["identity_path"] = identity_path
+    if node_id is not None:
+        options["node_id"] = node_id
+    dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, await_ready=False,
+                       shutdown_timeout=min(3.0, timeout_s), **options)
+    try:
+        dht.wait_until_ready(timeout=timeout_s)
+    except BaseException as exc:
+        dht.shutdown()
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        cause = "timed out" if isinstance(exc, _TIMEOUTS) else f"{type(exc).__name__}: {exc}"
+        if initial_peers:
+            raise DirectoryError(
+                f"could not join the DHT through {', '.join(initial_peers)} within {timeout_s:g} s ({cause}). "
+                "Check that the bootstrap node is running (gossiploco bootstrap), that each address is copied "
+                "whole including /p2p/<peer id>, and that its host and TCP port are reachable from this "
+                "machine (firewall, NAT, wrong IP)") from exc
+        raise DirectoryError(f"could not start a DHT node listening on {', '.join(host_maddrs)} within "
+                             f"{timeout_s:g} s ({cause}); is the port free and the address one of this "
+                             "machine's?") from exc
+    return dht
+
+
+async def _visible_maddrs(_dht: hivemind.DHT, node: Any) -> list:
+    return await node.get_visible_maddrs()
+
+
+def visible_maddrs(dht: hivemind.DHT, timeout_s: float) -> list[str]:
+    """The node's multiaddrs as others should dial them, with its ``/p2p/<peer id>`` (bounded wait)."""
+    future = dht.run_coroutine(_visible_maddrs, return_future=True)
+    try:
+        return [str(address) for address in future.result(timeout=timeout_s)]
+    except _TIMEOUTS:
+        raise DirectoryError(f"the DHT node did not report its addresses within {timeout_s:g} s") from None
+
+
+async def reconnect(_dht: hivemind.DHT, node: Any, addresses: list[str], timeout_s: float) -> int:
+    """Runs in the DHT process (``dht.run_coroutine``): dial and ping, all at once, each of
+    ``addresses`` whose peer is not in this node's routing table; returns how many answered.
+
+    A ping that is answered puts the two nodes in each other's routing tables, and each hands the
+    other the records it should keep. hivemind has no public "connect" call, so the p2p daemon's
+    client dials the address itself (its address book may have forgotten it after an outage).
+    """
+    import asyncio
+
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    async def one(address: str) -> bool:
+        try:
+            maddr = Multiaddr(address)
+            peer_id = PeerID.from_base58(maddr["p2p"])
+            if peer_id == node.peer_id or node.protocol.routing_table.get(peer_id=peer_id) is not None:
+                return False
+            client = getattr(node.p2p, "_client", None)
+            if client is not None:
+                transport = maddr.decapsulate(Multiaddr(f"/p2p/{maddr['p2p']}"))
+                await asyncio.wait_for(client.connect(peer_id, [transport]), timeout_s)
+            return await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout_s) is not None
+        except Exception:  # unreachable for now (or a bad address): the caller tries again later
+            return False
+
+    return sum(await asyncio.gather(*(one(address) for address in addresses)))
+
+
+class DhtDirectory(Directory):
+    """A ``Directory`` over a hivemind DHT node of its own; see the module docstring for the design.
+
+    Construction starts the node (about 0.2 s on loopback) listening on ``host:port`` (0: any free
+    port) and joins the swarm through ``initial_peers`` (bootstrap multiaddrs; empty: start a new
+    swarm). ``announce_maddrs`` are the multiaddrs to advertise instead of the listening ones
+    (behind NAT or port forwarding). Raises ``ConfigError`` for bad arguments and
+    ``DirectoryError`` when the node cannot start or reach any initial peer within ``timeout_s``.
+
+    ``ttl_s``: a record of a crashed peer disappears at most this long after its last heartbeat.
+    ``heartbeat_s``: how often the current record is re-published (must be below ``ttl_s``).
+    ``timeout_s``: deadline of joining and of every DHT operation (``announce``, ``peers``,
+    ``withdraw``); ``close`` takes at most about ``timeout_s`` plus 3 s.
+    """
+
+    def __init__(self, run_id: str, *, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
+                 announce_maddrs: Sequence[str] | None = None, ttl_s: float = 15.0, heartbeat_s: float = 5.0,
+                 timeout_s: float = 10.0):
+        _check_ttl(ttl_s, heartbeat_s)
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
+        self.run_id = _check_run_id(run_id)
+        self.key = dht_key(run_id)
+        self.ttl_s, self.heartbeat_s, self.timeout_s = float(ttl_s), float(heartbeat_s), float(timeout_s)
+        self.initial_peers = check_initial_peers(initial_peers)
+        announce_maddrs = check_announce_maddrs(announce_maddrs)
+        listen = host_maddr(host, port)
+
+        self.malformed_records = 0
+        """Distinct malformed records seen in the DHT (each logged once)."""
+        self.incompatible_records = 0
+        """Distinct records of another ``PROTOCOL_VERSION`` seen in the DHT (each logged once)."""
+        self._lock = threading.Lock()  # guards the fields below
+        self._dht_lock = threading.Lock()  # serializes requests on the DHT's pipe (not thread-safe)
+        self._record: PeerRecord | None = None
+        self._last_expiration = -math.inf  # latest expiration this directory stored; only grows
+        self._known: dict[int, tuple[PeerRecord, float]] = {}  # last records read: peer -> (record, expiration)
+        self._reported: set[tuple[str, float]] = set()  # bad entries already warned about
+        self._publish_failing = False
+        self._dht_gone_reported = False
+        self._duplicates_reported: set[str] = set()  # endpoints seen announcing our peer id
+        self._rejoining: Any = None  # the pending reconnect future, if any
+        self._closed = False
+        self._stop = threading.Event()
+
+        started = time.monotonic()
+        self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
+                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s)
+        try:
+            self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
+        except BaseException:
+            self._dht.shutdown()
+            raise
+        log.info("run %s: DHT node up in %.2f s at %s", run_id, time.monotonic() - started,
+                 ", ".join(self._visible_maddrs))
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"directory-heartbeat-{run_id}",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        """This node's multiaddrs with ``/p2p/<peer id>``; other nodes may join through any of them."""
+        return list(self._visible_maddrs)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DirectoryClosed(f"directory of run {self.run_id!r} is closed")
+
+    def _next_expiration(self) -> float:
+        """A fresh expiration, later than any this directory stored before (called with ``_lock`` held)."""
+        self._last_expiration = max(_dht_time() + self.ttl_s, self._last_expiration + 1e-3)
+        return self._last_expiration
+
+    def _dht_alive(self) -> bool:
+        """Whether the DHT process runs; logs once when it has died (requests to it would only time out)."""
+        if self._dht.is_alive():
+            return True
+        if not self._dht_gone_reported:
+            self._dht_gone_reported = True
+            log.error("run %s: the DHT process exited (exit code %s); this peer can no longer publish its record "
+                      "or see changes, restart it", self.run_id, self._dht.exitcode)
+        return False
+
+    def _store(self, peer: int, value: dict | None, expiration: float) -> bool:
+        """Store one subkey; True when at least one DHT node accepted it. Logs, never raises."""
+        if not self._dht_alive():
+            return False
+        try:
+            with self._dht_lock:
+                future = self._dht.store(self.key, value, expiration_time=expiration, subkey=peer, return_future=True)
+            return bool(future.result(timeout=self.timeout_s))
+        except _TIMEOUTS:
+            log.debug("run %s: storing the record of peer %d timed out after %g s", self.run_id, peer, self.timeout_s)
+        except Exception as exc:  # a dead DHT process breaks its pipe; hivemind raises various types
+            log.debug("run %s: storing the record of peer %d failed: %r", self.run_id, peer, exc)
+        return False
+
+    def _publish(self) -> None:
+        """Store the current record with a fresh expiration (if one is announced)."""
+        with self._lock:
+            record = self._record
+            if record is None:
+                return
+            expiration = self._next_expiration()
+        ok = self._store(record.peer, record.to_wire(), expiration)
+        if not ok and not self._publish_failing:
+            log.warning("run %s: could not publish peer %d's record to the DHT; retrying every %g s",
+                        self.run_id, record.peer, self.heartbeat_s)
+        elif ok and self._publish_failing:
+            log.info("run %s: publishing peer %d's record works again", self.run_id, record.peer)
+        self._publish_failing = not ok
+
+    def _heartbeat_loop(self) -> None:
+        beats = 0
+        while not self._stop.wait(self.heartbeat_s):
+            beats += 1
+            try:
+                self._publish()
+                if self.initial_peers and beats % REJOIN_HEARTBEATS == 0:
+                    self._start_rejoin()
+            except Exception:  # the heartbeat must outlive any surprise; it is logged
+                log.exception("run %s: directory heartbeat failed", self.run_id)
+
+    def _start_rejoin(self) -> None:
+        """Start ``reconnect`` to the initial peers in the DHT process (does not wait; one at a time)."""
+        from functools import partial
+
+        previous = self._rejoining
+        if (previous is not None and not previous.done()) or not self._dht_alive():
+            return
+        if previous is not None and previous.exception() is None and previous.result():
+            log.info("run %s: reconnected to %d initial peer(s)", self.run_id, previous.result())
+        with self._dht_lock:
+            self._rejoining = self._dht.run_coroutine(
+                partial(reconnect, addresses=self.initial_peers, timeout_s=self.timeout_s), return_future=True)
+
+    def announce(self, record: PeerRecord) -> None:
+        if not isinstance(record, PeerRecord):
+            raise TypeError(f"announce() takes a PeerRecord, got {type(record).__name__}")
+        with self._lock:
+            self._check_open()
+            old, self._record = self._record, record
+            tombstone = self._next_expiration() if old is not None and old.peer != record.peer else None
+        if tombstone is not None:
+            self._store(old.peer, None, tombstone)
+        self._publish()
+
+    def update(self, **fields: int) -> None:
+        with self._lock:
+            self._check_open()
+            if self._record is None:
+                raise DirectoryError("update() before announce(): there is no record to change")
+            self._record = _updated(self._record, fields)
+
+    def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
+        """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
+        if not self._dht_alive():
+            return None
+        try:
+            with self._dht_lock:
+                future = self._dht.get(self.key, latest=True, return_future=True)
+            found = future.result(timeout=self.timeout_s)
+        except _TIMEOUTS:
+            log.warning("run %s: the DHT did not answer within %g s; using the last known peers",
+                        self.run_id, self.timeout_s)
+            return None
+        except Exception as exc:
+            log.warning("run %s: reading peers from the DHT failed (%r); using the last known peers", self.run_id, exc)
+            return None
+        if found is None:
+            return {}
+        if not isinstance(found.value, dict):
+            self._report(("<key>", found.expiration_time), "malformed",
+                         f"key {self.key!r} holds a {type(found.value).__name__}, not a dictionary of records")
+            return {}
+        now = _dht_time()
+        records: dict[int, tuple[PeerRecord, float]] = {}
+        for subkey, item in found.value.items():
+            value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
+            if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
+                continue  # expired, or a withdrawn record's tombstone
+            tag = (repr(subkey)[:64], float(expiration))
+            try:
+                record = PeerRecord.from_wire(value)
+            except IncompatibleRecord as exc:
+                self._report(tag, "incompatible", f"ignoring the record under subkey {tag[0]}: {exc} "
+                                                  "(peers of different gossiploco releases cannot train together)")
+                continue
+            except ValueError as exc:
+                self._report(tag, "malformed", f"ignoring a malformed record under subkey {tag[0]}: {exc}")
+                continue
+            if subkey != record.peer:
+                self._report(tag, "malformed", f"ignoring a record of peer {record.peer} stored under subkey {tag[0]}")
+                continue
+            records[record.peer] = (record, float(expiration))
+        return records
+
+    def _report(self, tag: tuple[str, float], kind: str, message: str) -> None:
+        """Count and log a bad entry once."""
+        with self._lock:
+            if tag in self._reported:
+                return
+            if len(self._reported) >= MAX_REPORTED:
+                self._reported.clear()
+            self._reported.add(tag)
+            if kind == "incompatible":
+                self.incompatible_records += 1
+            else:
+                self.malformed_records += 1
+        log.warning("run %s: %s", self.run_id, message)
+
+    def peers(self) -> dict[int, PeerRecord]:
+        with self._lock:
+            self._check_open()
+        fetched = self._fetch()
+        now = _dht_time()
+        with self._lock:
+            if fetched is not None:
+                self._known = fetched
+            live = {peer: record for peer, (record, expiration) in self._known.items() if expiration > now}
+            own = self._record
+        if own is not None:
+            other = live.get(own.peer)
+            if other is not None and other.endpoint != own.endpoint and other.endpoint not in self._duplicates_reported:
+                self._duplicates_reported.add(other.endpoint)
+                log.warning("run %s: peer id %d is also announced by %s (this peer is %s); peer ids must be unique",
+                            self.run_id, own.peer, other.endpoint, own.endpoint)
+            live[own.peer] = own  # the local copy is the freshest
+        return dict(sorted(live.items()))
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self._check_open()
+        self._withdraw()
+
+    def _withdraw(self) -> None:
+        with self._lock:
+            record, self._record = self._record, None
+            if record is None:
+                return
+            expiration = self._next_expiration()
+            self._known.pop(record.peer, None)
+        if not self._store(record.peer, None, expiration):
+            log.warning("run %s: could not withdraw peer %d's record; it expires within %g s",
+                        self.run_id, record.peer, self.ttl_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._withdraw()
+        finally:
+            self._stop.set()
+            self._heartbeat.join(timeout=self.timeout_s + 1.0)
+            if self._heartbeat.is_alive():
+                log.error("run %s: directory heartbeat thread did not stop", self.run_id)
+            with self._dht_lock:
+                self._dht.shutdown()

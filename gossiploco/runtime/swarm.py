@@ -1,0 +1,124 @@
+"""The main job: a whole swarm on this machine, found through a real DHT, with live progress.
+
+``LocalSwarm`` starts a bootstrap DHT node (``membership.bootstrap``) and ``count`` peer
+processes (``gossiploco peer --join BOOTSTRAP``), exactly what users on separate machines run,
+only on loopback. It follows each peer's ``metrics.jsonl`` as it grows and reports the latest
+record of every peer (round, loss, CD_L2, CD_JS) to a callback. When every peer has exited it
+writes ``OUT/summary.json``: the peers' own summaries side by side plus swarm-wide figures.
+Ctrl+C (KeyboardInterrupt) stops every peer (SIGINT: each leaves the run gracefully), shuts the
+DHT node down, writes the summary of what finished (``interrupted: true``) and re-raises.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gossiploco.membership.bootstrap import start_bootstrap
+from gossiploco.runtime.launch import LocalPeers
+
+POLL_S = 0.5
+"""How often the swarm reads the peers' metrics."""
+
+
+@dataclass
+class PeerProgress:
+    rank: int
+    record: dict = field(default_factory=dict)
+    """The peer's latest metrics record."""
+    exit_code: int | None = None
+    offset: int = 0
+    """Bytes of its metrics.jsonl read so far."""
+
+
+class LocalSwarm:
+    """``count`` peers of one run on this machine; ``peer_args`` go to every ``gossiploco peer``."""
+
+    def __init__(self, count: int, out_dir: str | Path, peer_args: Sequence[str] = (), *, env: dict[str, str] | None = None):
+        if count < 1:
+            raise ValueError(f"a swarm needs at least one peer, got {count}")
+        self.count = count
+        self.out_dir = Path(out_dir)
+        self.peer_args = list(peer_args)
+        self.env = env
+        self.progress = {rank: PeerProgress(rank) for rank in range(count)}
+        self.bootstrap: list[str] = []
+
+    def run(self, on_progress: Callable[[dict[int, PeerProgress]], None] | None = None,
+            timeout_s: float | None = None) -> dict:
+        """Run to completion (or ``timeout_s``, then stop the peers); returns the swarm summary."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        dht, self.bootstrap = start_bootstrap("127.0.0.1", 0)
+        interrupted = False
+        try:
+            with LocalPeers(self.count, self.out_dir, self.peer_args, join=self.bootstrap[0], env=self.env) as peers:
+                peers.start()
+                try:
+                    while True:
+                        self._poll(peers)
+                        if on_progress is not None:
+                            on_progress(self.progress)
+                        if all(p.exit_code is not None for p in self.progress.values()):
+                            break
+                        if timeout_s is not None and time.monotonic() - start > timeout_s:
+                            break
+                        time.sleep(POLL_S)
+                except KeyboardInterrupt:
+                    interrupted = True
+                    raise
+                finally:
+                    peers.stop()
+                    self._poll(peers)
+                    summary = self._summary(time.monotonic() - start, interrupted)
+                    (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        finally:
+            dht.shutdown()
+        return summary
+
+    def _poll(self, peers: LocalPeers) -> None:
+        for rank, progress in self.progress.items():
+            proc = peers.procs.get(rank)
+            if proc is not None and progress.exit_code is None:
+                progress.exit_code = proc.poll()
+            path = peers.peer_dir(rank) / "metrics.jsonl"
+            if not path.exists():
+                continue
+            with path.open("rb") as f:
+                f.seek(progress.offset)
+                chunk = f.read()
+            complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            progress.offset += len(complete)
+            for line in complete.splitlines():
+                try:
+                    progress.record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+
+    def _summary(self, wall_s: float, interrupted: bool) -> dict:
+        peers = []
+        for rank in range(self.count):
+            path = self.out_dir / f"peer-{rank}" / "summary.json"
+            summary = json.loads(path.read_text()) if path.exists() else None
+            peers.append({"rank": rank, "exit_code": self.progress[rank].exit_code, "summary": summary})
+        done = [p["summary"] for p in peers if p["summary"] is not None]
+        losses = [s["final_val_loss"] for s in done if s.get("final_val_loss") is not None]
+        first = done[0] if done else {}
+        return {
+            "config": first.get("config"),
+            "run_id": first.get("run_id"),
+            "peers": self.count,
+            "finished": len(done),
+            "interrupted": interrupted,
+            "bootstrap": self.bootstrap,
+            "wall_s": wall_s,
+            "final_val_loss": sum(losses) / len(losses) if losses else None,
+            "final_val_loss_spread": max(losses) - min(losses) if losses else None,
+            "max_cd_l2": max((s.get("max_cd_l2", 0.0) for s in done), default=None),
+            "max_cd_js": max((s.get("max_cd_js", 0.0) for s in done), default=None),
+            "compute_utilization": (sum(s.get("compute_utilization", 0.0) for s in done) / len(done)) if done else None,
+            "per_peer": peers,
+        }

@@ -1,0 +1,54 @@
+"""Deadlines that follow observed exchange times instead of one fixed guess.
+
+A fixed deadline is wrong twice: on a fast link a dead peer holds everyone for the whole
+deadline, on a slow link a healthy exchange is cut off. ``AdaptiveDeadlines`` keeps, per kind
+of exchange (the key's first part: ``mix1``, ``mix2``, ``monitor``, ``grad``), the durations of
+the last ``window`` successful calls, and gives the next call
+
+    deadline = clamp(factor * max(recent durations), min_s, max_s)
+
+once ``warmup`` calls have been seen (``max_s`` before that). Kinds are kept apart because their
+payloads differ by orders of magnitude (a Mix2 subset is a fraction of Mix1's payload). The
+maximum, not a mean, keeps one slow but healthy exchange in the window from being judged
+against fast ones. Settings live in ``[timeouts]`` (``exchange_s`` is ``max_s``,
+``min_exchange_s``, ``adaptive_factor``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+
+def exchange_kind(key: str) -> str:
+    """``"mix1/12"`` -> ``"mix1"``; ``"monitor/3/0/terms"`` -> ``"monitor"``."""
+    return key.split("/", 1)[0]
+
+
+class AdaptiveDeadlines:
+    """Thread-safe record of recent exchange durations, per kind; see the module docstring."""
+
+    def __init__(self, max_s: float, *, min_s: float | None = None, factor: float = 4.0, window: int = 8,
+                 warmup: int = 3):
+        if max_s <= 0 or factor < 1 or window < 1 or warmup < 1:
+            raise ValueError(f"bad adaptive deadline settings: max_s={max_s}, factor={factor}, window={window}, warmup={warmup}")
+        self.max_s = max_s
+        self.min_s = max_s if min_s is None else min(min_s, max_s)
+        self.factor = factor
+        self.window = window
+        self.warmup = warmup
+        self._seen: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def deadline_s(self, key: str) -> float:
+        """Seconds the next exchange ``key`` may take."""
+        with self._lock:
+            seen = self._seen.get(exchange_kind(key))
+            if seen is None or len(seen) < self.warmup:
+                return self.max_s
+            return min(self.max_s, max(self.min_s, self.factor * max(seen)))
+
+    def observe(self, key: str, seconds: float) -> None:
+        """Record a successful exchange that took ``seconds``."""
+        with self._lock:
+            self._seen.setdefault(exchange_kind(key), deque(maxlen=self.window)).append(seconds)

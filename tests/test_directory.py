@@ -1,0 +1,529 @@
+"""Peer directory: the record's wire format, a conformance suite run against the in-memory and the
+hivemind DHT directories, and the DHT's own behaviour (crashes, bootstrap restarts, identities).
+
+DHT tests run real hivemind nodes on 127.0.0.1 with random ports, short ttl and heartbeat, and a
+deadline on every wait (``wait_until`` polls a condition; nothing sleeps a fixed time). Every
+directory and bootstrap node is closed in teardown, and ``no_leaked_processes`` fails a test
+whose DHT processes (or their ``p2pd`` daemons) outlive it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gossiploco.errors import ConfigError, GossiplocoError
+from gossiploco.membership import (
+    PROTOCOL_VERSION,
+    DhtDirectory,
+    Directory,
+    DirectoryClosed,
+    DirectoryError,
+    IncompatibleRecord,
+    MemoryDirectory,
+    MemoryDirectoryHub,
+    PeerRecord,
+    load_or_create_identity,
+    serve_bootstrap,
+    start_bootstrap,
+)
+from gossiploco.membership.bootstrap import load_saved_peers, usable_maddrs
+
+TTL_S = 2.0
+HEARTBEAT_S = 0.3
+TIMEOUT_S = 5.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    """Poll ``predicate`` until true or the deadline (a condition wait, not a sleep)."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        tick.wait(0.05)
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record(peer: int, round_index: int = -1, tokens: int = 0) -> PeerRecord:
+    return PeerRecord(peer=peer, endpoint=f"tcp://127.0.0.1:{6000 + peer}", round=round_index, tokens=tokens)
+
+
+def descendants() -> set[int]:
+    """Pids of every live descendant of this process (read from /proc; zombies excluded).
+
+    torch's ``torch_shm_manager`` is left out: torch starts one per process the first time a tensor
+    goes to shared memory (hivemind's ``MPFuture`` does that) and keeps it for the process's life.
+    """
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state != "Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = set(), [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return {pid for pid in found if not _cmdline(pid).startswith(b"torch_shm_manager")}
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:200]
+    except OSError:
+        return b""
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes() -> Iterator[None]:
+    before = descendants()
+    yield
+    if not wait_until(lambda: not descendants() - before, 10.0):
+        leaked = {pid: _cmdline(pid) for pid in descendants() - before}
+        pytest.fail(f"leaked processes: {leaked}")
+
+
+@pytest.fixture
+def dht_dirs() -> Iterator[Callable[..., DhtDirectory]]:
+    """Factory of ``DhtDirectory`` with test timings; closes them all in teardown."""
+    made: list[DhtDirectory] = []
+
+    def make(run_id: str = "run", initial_peers: list[str] | None = None, **options) -> DhtDirectory:
+        options = {"ttl_s": TTL_S, "heartbeat_s": HEARTBEAT_S, "timeout_s": TIMEOUT_S, **options}
+        directory = DhtDirectory(run_id, initial_peers=initial_peers or [], **options)
+        made.append(directory)
+        return directory
+
+    try:
+        yield make
+    finally:
+        for directory in made:
+            directory.close()
+
+
+@pytest.fixture
+def bootstrap() -> Iterator[list[str]]:
+    """A bootstrap node on loopback; yields its multiaddrs."""
+    dht, addresses = start_bootstrap("127.0.0.1")
+    try:
+        yield addresses
+    finally:
+        dht.shutdown()
+
+
+# -- PeerRecord --------------------------------------------------------------------------------
+
+
+def test_record_round_trips_through_the_wire_format():
+    original = PeerRecord(peer=7, endpoint="tcp://node-3.example:5555", round=12, tokens=1 << 40)
+    wire = original.to_wire()
+    assert wire == {"version": PROTOCOL_VERSION, "peer": 7, "endpoint": "tcp://node-3.example:5555",
+                    "round": 12, "tokens": 1 << 40}
+    assert all(type(v) in (int, str) for v in wire.values())
+    assert PeerRecord.from_wire(wire) == original
+    assert PeerRecord.from_wire(record(0).to_wire()).round == -1
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"peer": -1}, "peer must be in"),
+    ({"peer": 2**31}, "peer must be in"),
+    ({"peer": "3"}, "peer must be an int"),
+    ({"peer": True}, "peer must be an int"),
+    ({"peer": 3.0}, "peer must be an int"),
+    ({"round": -2}, "round must be in"),
+    ({"round": 2**63}, "round must be in"),
+    ({"tokens": -1}, "tokens must be in"),
+    ({"tokens": None}, "tokens must be an int"),
+    ({"endpoint": "127.0.0.1:5555"}, "tcp://HOST:PORT"),
+    ({"endpoint": "tcp://127.0.0.1"}, "tcp://HOST:PORT"),
+    ({"endpoint": "tcp://127.0.0.1:55/x"}, "tcp://HOST:PORT"),
+    ({"endpoint": "tcp://bad host:5555"}, "tcp://HOST:PORT"),
+    ({"endpoint": "tcp://127.0.0.1:5555\n"}, "tcp://HOST:PORT"),
+    ({"endpoint": "tcp://127.0.0.1:\u0665\u0665\u0665\u0665"}, "tcp://HOST:PORT"),
+    ({"endpoint": "tcp://127.0.0.1:0"}, "port must be in"),
+    ({"endpoint": "tcp://127.0.0.1:70000"}, "port must be in"),
+    ({"endpoint": b"tcp://127.0.0.1:5555"}, "endpoint must be a str"),
+    ({"endpoint": "tcp://" + "a" * 100_000 + ":5555"}, "characters long"),
+    ({"extra": "x" * 1_000_000}, "unknown 'extra'"),
+    ({"version": "1"}, "version must be an int"),
+])
+def test_record_from_the_wire_rejects_invalid_data(change, reason):
+    wire = {**record(3).to_wire(), **change}
+    with pytest.raises(ValueError, match=reason.replace("(", r"\(").replace("[", r"\[")):
+        PeerRecord.from_wire(wire)
+
+
+@pytest.mark.parametrize("obj", [None, [], "peer", 5, [3, "tcp://127.0.0.1:5555", 0, 0, 1]])
+def test_record_from_the_wire_rejects_non_dicts(obj):
+    with pytest.raises(ValueError, match="record must be a dict"):
+        PeerRecord.from_wire(obj)
+
+
+def test_record_from_the_wire_rejects_missing_fields_and_names_them():
+    wire = record(3).to_wire()
+    del wire["tokens"]
+    with pytest.raises(ValueError, match=r"wrong fields \(missing tokens\)"):
+        PeerRecord.from_wire(wire)
+
+
+def test_record_of_another_protocol_version_is_told_apart():
+    wire = {**record(3).to_wire(), "version": PROTOCOL_VERSION + 1, "new_field": 1}
+    with pytest.raises(IncompatibleRecord, match="protocol version 2") as caught:
+        PeerRecord.from_wire(wire)
+    assert caught.value.version == PROTOCOL_VERSION + 1
+
+
+def test_records_are_validated_at_construction_too():
+    with pytest.raises(ValueError, match="endpoint"):
+        PeerRecord(peer=0, endpoint="localhost", round=0, tokens=0)
+
+
+# -- conformance suite: memory and DHT ---------------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "dht"])
+def swarm(request, dht_dirs) -> Callable[..., Directory]:
+    """``join(run_id)`` makes one more directory of a swarm; memory or DHT (through one bootstrap)."""
+    if request.param == "memory":
+        hub = MemoryDirectoryHub()
+        made: list[MemoryDirectory] = []
+        request.addfinalizer(lambda: [d.close() for d in made])
+
+        def join_memory(run_id: str = "run") -> Directory:
+            made.append(MemoryDirectory(hub, run_id, ttl_s=TTL_S))
+            return made[-1]
+
+        return join_memory
+    dht, addresses = start_bootstrap("127.0.0.1")
+    request.addfinalizer(dht.shutdown)
+    return lambda run_id="run": dht_dirs(run_id, addresses)
+
+
+def keys_of(directory: Directory) -> list[int]:
+    return sorted(directory.peers())
+
+
+@pytest.mark.timeout(60)
+def test_members_find_every_record_of_their_run_including_their_own(swarm):
+    members = [swarm() for _ in range(3)]
+    for i, member in enumerate(members):
+        member.announce(record(i))
+        assert i in member.peers() and member.peers()[i] == record(i)
+    for member in members:
+        assert wait_until(lambda: keys_of(member) == [0, 1, 2]), keys_of(member)
+    assert members[0].peers()[2] == record(2)
+
+
+@pytest.mark.timeout(60)
+def test_updates_reach_the_others_and_own_view_at_once(swarm):
+    a, b = swarm(), swarm()
+    a.announce(record(0))
+    b.announce(record(1))
+    a.update(round=5, tokens=1000)
+    assert a.peers()[0] == record(0, 5, 1000)
+    assert wait_until(lambda: b.peers().get(0) == record(0, 5, 1000)), b.peers()
+    a.update(tokens=2000)
+    assert wait_until(lambda: b.peers().get(0) == record(0, 5, 2000)), b.peers()
+
+
+@pytest.mark.timeout(60)
+def test_withdrawn_record_disappears_quickly_and_can_come_back(swarm):
+    a, b = swarm(), swarm()
+    a.announce(record(0))
+    b.announce(record(1))
+    assert wait_until(lambda: keys_of(b) == [0, 1])
+    a.withdraw()
+    assert 0 not in a.peers()
+    assert wait_until(lambda: keys_of(b) == [1], TTL_S / 2), "withdraw took longer than half a ttl"
+    a.withdraw()  # a no-op now
+    a.announce(record(0, 3))
+    assert wait_until(lambda: b.peers().get(0) == record(0, 3))
+
+
+@pytest.mark.timeout(60)
+def test_announcing_under_another_peer_id_replaces_the_old_record(swarm):
+    a, b = swarm(), swarm()
+    a.announce(record(0))
+    assert wait_until(lambda: keys_of(b) == [0])
+    a.announce(record(4))
+    assert wait_until(lambda: keys_of(b) == [4], TTL_S / 2), keys_of(b)
+
+
+@pytest.mark.timeout(60)
+def test_two_runs_on_one_swarm_never_see_each_other(swarm):
+    red = [swarm("red") for _ in range(2)]
+    blue = [swarm("blue") for _ in range(2)]
+    for i, member in enumerate(red + blue):
+        member.announce(record(i))
+    assert wait_until(lambda: keys_of(red[0]) == [0, 1] and keys_of(blue[0]) == [2, 3])
+    assert wait_until(lambda: keys_of(red[1]) == [0, 1] and keys_of(blue[1]) == [2, 3])
+    # several heartbeats later still apart
+    tick = threading.Event()
+    tick.wait(2 * HEARTBEAT_S)
+    assert keys_of(red[0]) == [0, 1] and keys_of(blue[1]) == [2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_misuse_and_closed_directories_raise_clear_errors(swarm):
+    a, b = swarm(), swarm()
+    with pytest.raises(DirectoryError, match="before announce"):
+        a.update(round=1)
+    a.announce(record(0))
+    with pytest.raises(TypeError, match="round and tokens only"):
+        a.update(endpoint="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="round must be in"):
+        a.update(round=-5)
+    with pytest.raises(TypeError, match="PeerRecord"):
+        a.announce(record(1).to_wire())
+    assert a.peers()[0] == record(0)  # the failed update changed nothing
+    assert wait_until(lambda: keys_of(b) == [0])
+    a.close()
+    a.close()  # idempotent
+    for call in (a.peers, a.withdraw, lambda: a.announce(record(0)), lambda: a.update(round=1)):
+        with pytest.raises(DirectoryClosed):
+            call()
+    assert wait_until(lambda: keys_of(b) == [], TTL_S / 2), "close() did not withdraw"
+
+
+# -- in memory ---------------------------------------------------------------------------------
+
+
+def test_memory_record_of_a_crashed_peer_expires_after_its_ttl():
+    now = [100.0]
+    hub = MemoryDirectoryHub(clock=lambda: now[0])
+    a, b = MemoryDirectory(hub, ttl_s=10.0), MemoryDirectory(hub, ttl_s=10.0)
+    a.announce(record(0))
+    b.announce(record(1))
+    now[0] += 1000.0  # live records never expire: their owners keep them fresh
+    assert keys_of(b) == [0, 1]
+    a.simulate_crash()
+    with pytest.raises(DirectoryClosed):
+        a.peers()
+    now[0] += 9.9
+    assert keys_of(b) == [0, 1]
+    now[0] += 0.2
+    assert keys_of(b) == [1]
+
+
+def test_memory_directory_rejects_bad_arguments():
+    with pytest.raises(ConfigError, match="ttl_s"):
+        MemoryDirectory(MemoryDirectoryHub(), ttl_s=0)
+    with pytest.raises(ConfigError, match="run_id"):
+        MemoryDirectory(MemoryDirectoryHub(), "")
+
+
+# -- hivemind DHT ------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_three_directories_find_each_other_through_one_bootstrap_address(bootstrap, dht_dirs):
+    assert len(bootstrap) == 1 and bootstrap[0].startswith("/ip4/127.0.0.1/tcp/") and "/p2p/" in bootstrap[0]
+    members = [dht_dirs("run", bootstrap) for _ in range(3)]
+    for i, member in enumerate(members):
+        assert member.visible_maddrs and all("/p2p/" in a for a in member.visible_maddrs)
+        member.announce(record(i))
+    for member in members:
+        assert wait_until(lambda: keys_of(member) == [0, 1, 2]), keys_of(member)
+    started = time.monotonic()
+    members[2].peers()
+    assert time.monotonic() - started < 1.0
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import sys
+    from gossiploco.membership import DhtDirectory, PeerRecord
+    ttl_s, heartbeat_s = float(sys.argv[2]), float(sys.argv[3])
+    directory = DhtDirectory("run", initial_peers=[sys.argv[1]], ttl_s=ttl_s, heartbeat_s=heartbeat_s)
+    directory.announce(PeerRecord(peer=9, endpoint="tcp://127.0.0.1:6009", round=-1, tokens=0))
+    print("announced", flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+@pytest.mark.timeout(60)
+def test_record_of_a_killed_peer_disappears_after_its_ttl(bootstrap, dht_dirs):
+    watcher = dht_dirs("run", bootstrap)
+    watcher.announce(record(0))
+    victim = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, bootstrap[0], str(TTL_S), str(HEARTBEAT_S)],
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert wait_until(lambda: 9 in watcher.peers(), 30.0), "the peer in a subprocess never showed up"
+        os.killpg(victim.pid, signal.SIGKILL)  # the peer, its DHT process and its p2pd: no withdraw
+        killed = time.monotonic()
+        assert wait_until(lambda: 9 not in watcher.peers(), TTL_S + 3.0), "crashed peer's record outlived its ttl"
+        assert time.monotonic() - killed > HEARTBEAT_S  # it was not withdrawn: it had to expire
+        assert keys_of(watcher) == [0]
+    finally:
+        if victim.poll() is None:
+            os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        victim.stdin.close()
+        victim.stdout.close()
+
+
+@pytest.mark.timeout(60)
+def test_malformed_and_incompatible_records_are_dropped_and_counted(bootstrap, dht_dirs, caplog):
+    reader, writer = dht_dirs("run", bootstrap), dht_dirs("run", bootstrap)
+    reader.announce(record(0))
+    expiration = time.time() + 30  # distinct per store: hivemind orders equal expirations by subkey
+    writer._dht.store(writer.key, {**record(1).to_wire(), "version": 99}, expiration, subkey=1)
+    writer._dht.store(writer.key, {**record(2).to_wire(), "peer": -2}, expiration + 0.1, subkey=2)
+    writer._dht.store(writer.key, record(3).to_wire(), expiration + 0.2, subkey=4)  # under another peer's subkey
+    writer._dht.store(writer.key, "x" * 10_000, expiration + 0.3, subkey="junk")
+
+    def all_seen() -> bool:
+        reader.peers()
+        return (reader.malformed_records, reader.incompatible_records) == (3, 1)
+
+    assert wait_until(all_seen), (reader.malformed_records, reader.incompatible_records)
+    assert keys_of(reader) == [0]
+    assert (reader.malformed_records, reader.incompatible_records) == (3, 1)  # each counted once
+    assert "protocol version 99" in caplog.text and "peer must be in" in caplog.text
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_initial_peer_raises_a_clear_error_within_the_timeout(dht_dirs):
+    dht, addresses = start_bootstrap("127.0.0.1")
+    dht.shutdown()  # a valid address of a node that is gone
+    started = time.monotonic()
+    with pytest.raises(DirectoryError, match="could not join the DHT through /ip4/127.0.0.1") as caught:
+        dht_dirs("run", addresses, timeout_s=3.0)
+    assert time.monotonic() - started < 3.0 + 4.0
+    assert "bootstrap node is running" in str(caught.value) and isinstance(caught.value, GossiplocoError)
+
+
+@pytest.mark.parametrize("address", ["/ip4/127.0.0.1/tcp/1", "tcp://127.0.0.1:5555", "garbage"])
+def test_malformed_initial_peer_is_a_config_error(dht_dirs, address):
+    with pytest.raises(ConfigError, match="initial_peers.*gossiploco bootstrap"):
+        dht_dirs("run", [address])
+
+
+def test_dht_directory_rejects_bad_arguments(dht_dirs):
+    with pytest.raises(ConfigError, match="heartbeat_s: must be shorter than ttl_s"):
+        dht_dirs(ttl_s=1.0, heartbeat_s=1.0)
+    with pytest.raises(ConfigError, match="host"):
+        dht_dirs(host="localhost")
+    with pytest.raises(ConfigError, match="announce_maddrs.*explicit port"):
+        dht_dirs(announce_maddrs=["/ip4/203.0.113.7/tcp/0"])
+
+
+class ServedBootstrap:
+    """``serve_bootstrap`` on a thread, as ``gossiploco bootstrap`` runs it; ``stop()`` ends it."""
+
+    def __init__(self, port: int, identity_file: Path, host: str = "127.0.0.1"):
+        self.ready: list[list[str]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=serve_bootstrap, kwargs=dict(
+            host=host, port=port, identity_file=identity_file, on_ready=self.ready.append, stop=self.stopping))
+        self.thread.start()
+        if not wait_until(lambda: bool(self.ready) or not self.thread.is_alive(), 20.0) or not self.ready:
+            self.stop()
+            raise AssertionError("serve_bootstrap did not become ready")
+        self.addresses = self.ready[0]
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(15.0)
+        assert not self.thread.is_alive(), "serve_bootstrap did not stop"
+
+
+@pytest.mark.timeout(90)
+def test_bootstrap_restart_keeps_its_address_and_the_swarm_keeps_working(tmp_path, dht_dirs):
+    identity, port = tmp_path / "bootstrap.key", free_port()
+    served = ServedBootstrap(port, identity)
+    try:
+        members = [dht_dirs("run", served.addresses) for _ in range(3)]
+        for i, member in enumerate(members):
+            member.announce(record(i))
+        assert wait_until(lambda: all(keys_of(m) == [0, 1, 2] for m in members))
+    finally:
+        served.stop()  # saves the peers it is connected to next to its identity
+    assert (tmp_path / "bootstrap.key.peers").stat().st_mode & 0o777 == 0o600
+
+    # the bootstrap node is down: the peers are DHT nodes themselves
+    members[0].update(round=4)
+    members[2].withdraw()
+    assert wait_until(lambda: members[1].peers() == {0: record(0, 4), 1: record(1)}), members[1].peers()
+
+    served = ServedBootstrap(port, identity)
+    try:
+        assert served.addresses == [a for a in members[0].initial_peers]  # the same multiaddr
+        late = dht_dirs("run", served.addresses)
+        late.announce(record(3))
+        # the restarted node pinged the saved peers: no waiting out libp2p's dial backoff
+        assert wait_until(lambda: keys_of(late) == [0, 1, 3], 3.0), keys_of(late)
+        assert wait_until(lambda: keys_of(members[0]) == [0, 1, 3]), keys_of(members[0])
+    finally:
+        served.stop()
+
+
+def test_identity_file_is_created_private_and_reused(tmp_path):
+    path = tmp_path / "id.key"
+    peer_id = load_or_create_identity(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_or_create_identity(path) == peer_id
+    assert load_or_create_identity(tmp_path / "other.key") != peer_id
+    (tmp_path / "bad.key").write_bytes(b"not a key")
+    with pytest.raises(DirectoryError, match="does not hold a libp2p private key"):
+        load_or_create_identity(tmp_path / "bad.key")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_or_create_identity(tmp_path / "missing" / "id.key")
+
+
+@pytest.mark.timeout(30)
+def test_serve_bootstrap_on_all_interfaces_reports_usable_addresses(tmp_path, dht_dirs):
+    identity = tmp_path / "id.key"
+    served = ServedBootstrap(free_port(), identity, host="0.0.0.0")
+    try:
+        addresses = served.addresses
+        assert addresses and not any("/0.0.0.0/" in a for a in addresses)
+        assert addresses[-1].startswith("/ip4/127.0.0.1/")  # loopback listed last
+        assert all(a.endswith("/p2p/" + load_or_create_identity(identity)) for a in addresses)
+        assert identity.stat().st_mode & 0o777 == 0o600
+        member = dht_dirs("run", addresses[-1:])
+        member.announce(record(0))
+        assert keys_of(member) == [0]
+    finally:
+        served.stop()
+
+
+def test_unroutable_addresses_are_replaced_and_loopback_listed_last():
+    peer = "/p2p/QmPwfHkqPK6keQcEbUZ55nUirAbVJUsnAhsDcNaLjcB2qa"
+    assert usable_maddrs([f"/ip4/127.0.0.1/tcp/1{peer}", f"/ip4/0.0.0.0/tcp/1{peer}", f"/ip4/192.0.2.2/tcp/1{peer}"]) \
+        == [f"/ip4/192.0.2.2/tcp/1{peer}", f"/ip4/127.0.0.1/tcp/1{peer}"]
+    assert usable_maddrs([f"/ip4/0.0.0.0/tcp/1{peer}"]) == [f"/ip4/127.0.0.1/tcp/1{peer}"]
+
+
+def test_peers_file_is_read_as_data_and_bad_entries_are_skipped(tmp_path):
+    good = "/ip4/127.0.0.1/tcp/5/p2p/QmPwfHkqPK6keQcEbUZ55nUirAbVJUsnAhsDcNaLjcB2qa"
+    path = tmp_path / "id.key.peers"
+    path.write_text(json.dumps([good, "garbage", 5, None]))
+    assert load_saved_peers(path) == [good]
+    path.write_text("{not json")
+    assert load_saved_peers(path) == []
+    assert load_saved_peers(tmp_path / "missing") == []

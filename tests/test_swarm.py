@@ -1,0 +1,153 @@
+"""Membership over the real hivemind DHT with real peer processes on loopback: a late joiner,
+crash and freeze together, a restarted bootstrap node, two runs on one DHT, graceful leave, and
+the ``gossiploco swarm`` main job end to end."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import tiny_peer_args
+from gossiploco.runtime.launch import LocalPeers
+from gossiploco.transport.zmq_exchange import FAULT_ENV
+from test_peer import ENV, assert_exit, model, reached_round, records, relative_error, summary, wait_for, wait_stopped
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path, bootstrap):
+    # Rounds long enough (24 real inner steps) that the swarm is still training when the newcomer is up.
+    args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=24, **{"monitor.every": 0, "timeouts.startup_s": 3.0})
+    with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap) as peers:
+        peers.start([0, 1, 2])  # they wait 3 s for a fourth, then start without it
+        assert wait_for(lambda: reached_round(peers, 0, 2), 120), peers.log(0)[-2000:]
+        peers.start([3])
+        codes = peers.wait(200)
+    assert_exit(peers, codes, range(4))
+    log = peers.log(3)
+    assert "joined a running swarm; caught up from peer" in log, log[-3000:]
+    first = records(peers, 3)[0]
+    assert first["round"] >= 3 and first["catchup_from"] in (0, 1, 2)
+    assert summary(peers, 3)["catchups"] == 1
+    finals = [model(peers, r) for r in range(4)]
+    assert all(relative_error(f, finals[0]) == 0.0 for f in finals)  # one averaged model, newcomer included
+    for rank in range(4):
+        assert records(peers, rank)[-1]["members"] == 4
+    for rank in range(3):  # the newcomer never blocked the others
+        assert summary(peers, rank)["mix1_failures"] + summary(peers, rank)["mix2_failures"] <= 2
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_peer_and_a_frozen_peer_while_the_rest_finish(tmp_path, bootstrap):
+    args = tiny_peer_args("globalm1-localm2", rounds=5, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0})
+    with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap) as peers:
+        peers.start(env={1: {FAULT_ENV: "KILL:mix1/1:2"}, 2: {FAULT_ENV: "STOP:mix2/2:0"}})
+        codes = peers.wait(180, ranks=[0, 1, 3])
+        assert wait_stopped(peers.procs[2].pid, 1), "the frozen peer must still exist, stopped"
+    assert codes[1] == -signal.SIGKILL
+    assert_exit(peers, codes, [0, 3])
+    for rank in (0, 3):
+        s = summary(peers, rank)
+        assert s["rounds"] == 5 and s["wall_s"] < 90, "faults are detected, not waited out (exchange_s = 60)"
+        assert records(peers, rank)[-1]["members"] == 2
+    assert relative_error(model(peers, 0), model(peers, 3)) == 0.0
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_bootstrap_node_does_not_stop_a_running_swarm(tmp_path):
+    from gossiploco.membership.bootstrap import start_bootstrap
+    from gossiploco.runtime.launch import free_ports
+
+    identity = tmp_path / "bootstrap.key"
+    port = free_ports(1)[0]
+    dht, addresses = start_bootstrap("127.0.0.1", port, identity_file=identity)
+    args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=24, **{"monitor.every": 0, "timeouts.startup_s": 3.0})
+    try:
+        with LocalPeers(4, tmp_path, args, env=ENV, join=addresses[0]) as peers:
+            peers.start([0, 1, 2])
+            assert wait_for(lambda: reached_round(peers, 0, 1), 120), peers.log(0)[-2000:]
+            dht.shutdown()  # the bootstrap node goes away mid-run ...
+            assert wait_for(lambda: reached_round(peers, 0, 2), 120), "the swarm stopped without its bootstrap node"
+            dht, again = start_bootstrap("127.0.0.1", port, identity_file=identity)  # ... and comes back
+            assert again == addresses, "same identity file and port: the same address"
+            peers.start([3])  # a newcomer finds the running swarm through the restarted node
+            codes = peers.wait(200)
+    finally:
+        dht.shutdown()
+    assert_exit(peers, codes, range(4))
+    assert "caught up from peer" in peers.log(3)
+    assert records(peers, 0)[-1]["members"] == 4
+
+
+@pytest.mark.timeout(240)
+def test_two_runs_on_one_dht_never_mix(tmp_path, bootstrap):
+    args = tiny_peer_args("globalm1-localm2", rounds=3)
+    with LocalPeers(2, tmp_path / "a", [*args, "--run-id", "run-a"], env=ENV, join=bootstrap) as a, \
+            LocalPeers(2, tmp_path / "b", [*args, "--run-id", "run-b", "--set", "seed=1"], env=ENV, join=bootstrap) as b:
+        a.start()
+        b.start([10, 11])
+        codes_a, codes_b = a.wait(180), b.wait(180)
+    assert_exit(a, codes_a, [0, 1])
+    assert_exit(b, codes_b, [10, 11])
+    for peers, ranks, run in ((a, (0, 1), "run-a"), (b, (10, 11), "run-b")):
+        for rank in ranks:
+            s = summary(peers, rank)
+            assert s["run_id"] == run and s["malformed_messages"] == 0
+            assert all(r["members"] == 2 for r in records(peers, rank))
+    assert relative_error(model(a, 0), model(a, 1)) == 0.0 and relative_error(model(b, 10), model(b, 11)) == 0.0
+    assert relative_error(model(a, 0), model(b, 10)) > 1e-3
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_makes_a_peer_leave_and_the_others_drop_it_at_once(tmp_path, bootstrap):
+    args = tiny_peer_args("globalm1-localm2", rounds=40, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    with LocalPeers(3, tmp_path, args, env=ENV, join=bootstrap) as peers:
+        peers.start()
+        assert wait_for(lambda: reached_round(peers, 0, 2), 90), peers.log(0)[-2000:]
+        peers.signal(2, signal.SIGINT)
+        assert peers.wait(20, ranks=[2])[2] == 130
+        assert wait_for(lambda: "peer 2 left" in peers.log(0) and "peer 2 left" in peers.log(1), 10)
+        codes = peers.wait(150, ranks=[0, 1])
+    assert_exit(peers, codes, [0, 1])
+    assert records(peers, 0)[-1]["members"] == 2
+    assert summary(peers, 0)["wall_s"] < 100
+
+
+@pytest.mark.timeout(240)
+def test_swarm_command_runs_the_main_job_and_writes_summaries(tmp_path):
+    out = tmp_path / "swarm"
+    run = subprocess.run([sys.executable, "-m", "gossiploco", "swarm", "--peers", "3", "--rounds", "2", "--inner-steps", "3",
+                          "--model", "tiny", "--set", "data.max_corpus_mb=2.0", "--set", "data.seq_len=32",
+                          "--out", str(out)], capture_output=True, text=True, timeout=220, env={**__import__("os").environ, **ENV})
+    assert run.returncode == 0, run.stderr[-3000:]
+    swarm = json.loads((out / "summary.json").read_text())
+    assert swarm["peers"] == 3 and swarm["finished"] == 3 and not swarm["interrupted"]
+    assert swarm["final_val_loss_spread"] == 0.0  # one averaged model
+    for rank in range(3):
+        assert (out / f"peer-{rank}" / "summary.json").exists() and (out / f"peer-{rank}" / "model.pt").exists()
+    assert "CD_JS" in run.stderr
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_stops_the_whole_swarm_cleanly(tmp_path):
+    import os
+
+    out = tmp_path / "swarm"
+    proc = subprocess.Popen([sys.executable, "-m", "gossiploco", "swarm", "--peers", "2", "--rounds", "500", "--model", "tiny",
+                             "--set", "data.max_corpus_mb=2.0", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+    try:
+        assert wait_for(lambda: (out / "peer-0" / "metrics.jsonl").exists(), 120), "the swarm did not start training"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    swarm = json.loads((out / "summary.json").read_text())
+    assert swarm["interrupted"] and swarm["finished"] == 0
+    assert all(p["exit_code"] == 130 for p in swarm["per_peer"]), swarm["per_peer"]  # each peer left on its SIGINT
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], "no peer process outlives the swarm"

@@ -208,13 +208,16 @@ class TimeoutConfig:
     """Adaptive deadlines: once a few exchanges of a kind were seen, the next gets adaptive_factor times the slowest recent one, at least this and at most exchange_s."""
     adaptive_factor: float = 4.0
     """Adaptive deadlines: multiple of the slowest recent exchange of the same kind (1 or more)."""
+    heartbeat_s: float = 5.0
+    """Liveness: a peer whose connection answers no heartbeat for this long is dropped (a frozen process, a dead machine). Must exceed the time one transport.chunk_mb chunk takes on the slowest link (4 MiB: 0.7 s at 50 Mbit/s, 5 s at 7 Mbit/s)."""
     discovery_s: float = 2.0
     """How often a DHT-joined peer looks up the run's peers and refreshes its own announcement."""
     announce_ttl_s: float = 20.0
     """Lifetime of a peer's DHT announcement; a peer that stops refreshing it (crashed) disappears after this."""
 
     def check(self, p: str) -> None:
-        for name in ("exchange_s", "startup_s", "hello_s", "grace_s", "min_exchange_s", "discovery_s", "announce_ttl_s"):
+        for name in ("exchange_s", "startup_s", "hello_s", "grace_s", "min_exchange_s", "heartbeat_s", "discovery_s",
+                     "announce_ttl_s"):
             _positive(f"{p}.{name}", getattr(self, name))
         if self.adaptive_factor < 1:
             raise ConfigError(f"{p}.adaptive_factor", f"must be at least 1, got {self.adaptive_factor}")

@@ -394,3 +394,13 @@ def test_reachability_check_tells_a_listening_endpoint_from_a_dead_one():
     finally:
         good.close()
         bad.close()
+
+
+def test_heartbeat_timeout_comes_from_the_config_for_slow_links():
+    ex = ZmqExchange(0, {0: "tcp://127.0.0.1:0"}, "hb", 5.0, heartbeat_s=30.0)
+    try:
+        ex.add_peer(1, "tcp://127.0.0.1:1")
+        assert ex._router.getsockopt(zmq.HEARTBEAT_TIMEOUT) == 30000
+        assert ex._dealers[1][0].getsockopt(zmq.HEARTBEAT_TIMEOUT) == 30000
+    finally:
+        ex.close()

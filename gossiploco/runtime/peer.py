@@ -130,7 +130,7 @@ class NetworkPeer:
         self.directory = directory
         self.exchange = ZmqExchange(rank, known, self.run_id, t.exchange_s, grace_s=t.grace_s, deadlines=deadlines,
                                     max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
-                                    bind=bind, join_round=0 if directory is None else None)
+                                    bind=bind, join_round=0 if directory is None else None, heartbeat_s=t.heartbeat_s)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self._stop_discovery = threading.Event()

@@ -55,7 +55,7 @@ deadline for chunks that will never come.
 
 Failure detection: a monitor on each DEALER reports ZMTP handshakes and disconnects. A peer whose
 connection dropped after having been up (its process exited or crashed; ZMTP heartbeats catch a
-frozen process or a silent machine within ``HEARTBEAT_TIMEOUT_MS``) is marked failed: it leaves
+frozen process or a silent machine within the heartbeat timeout) is marked failed: it leaves
 ``members()``, and a call waiting for data from it raises ``PeerFailed`` after
 ``FAILED_GRACE_S`` (data it sent before dying may still be arriving). When it comes back it is
 pending until it says hello. A peer that never connected, or that stays connected but silent,
@@ -101,6 +101,9 @@ SEND_RETRY_S = 0.05
 """Longest wait between two tries of a send whose queue is full."""
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+"""Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
+queued on the connection, so it must exceed the time one chunk takes on the slowest link: a
+4 MiB chunk needs 0.7 s at 50 Mbit/s but over 5 s below about 7 Mbit/s (bench/netem_heartbeat.py)."""
 CONTROL_SEND_S = 1.0
 """Deadline for sending one control message (hello, abort, state request)."""
 MAX_ABORTED_KEYS = 4096
@@ -191,7 +194,7 @@ class ZmqExchange(Exchange):
     def __init__(self, rank: int, endpoints: Sequence[str] | Mapping[int, str], run_id: str, timeout_s: float,
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
-                 join_round: int | None = 0):
+                 join_round: int | None = 0, heartbeat_s: float | None = None):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -206,6 +209,7 @@ class ZmqExchange(Exchange):
         self.run_id = run_id
         self.timeout_s = timeout_s
         self.grace_s = grace_s
+        self._heartbeat_ms = HEARTBEAT_TIMEOUT_MS if heartbeat_s is None else max(1, int(1000 * heartbeat_s))
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
@@ -252,7 +256,7 @@ class ZmqExchange(Exchange):
         # Frames far beyond any valid message make zmq drop the connection before buffering them;
         # a multi-frame message over max_message_bytes is caught (and counted) by the codec.
         self._router.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # drops a dead machine's stale connection
-        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms)
         self._router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
         bind = bind or self.endpoints[rank]
         try:
@@ -561,7 +565,7 @@ class ZmqExchange(Exchange):
         dealer.setsockopt(zmq.SNDHWM, self._sndhwm)
         dealer.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
         dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._heartbeat_ms)
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
         # TCP connections, but only a live peer completes the handshake.
         monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)

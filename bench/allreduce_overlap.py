@@ -99,7 +99,6 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
         holder.append(ex)
         if not ex.wait_connected(t_wait):
             raise RuntimeError(f"rank {rank}: peers did not connect within {t_wait}s")
-    members = list(range(len(comm_ranks)))
 
     if trains:
         from gossiploco.config import InnerOptConfig

@@ -300,6 +300,7 @@ def swarm(
             live.stop()
             console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
             raise typer.Exit(code=130)
+    console.print()
     finished = [p["summary"] for p in summary["per_peer"] if p["summary"] is not None]
     if finished:
         print_summary(finished)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import time
+
 import pytest
 import torch
 
@@ -70,3 +72,14 @@ def bootstrap():
         yield addresses[0]
     finally:
         dht.shutdown()
+
+
+def wait_until(predicate, timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False): a condition with a
+    deadline, never a fixed sleep. Every test that waits for something uses this one."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True

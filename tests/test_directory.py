@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from gossiploco.errors import ConfigError, GossiplocoError
 from gossiploco.membership import (
     PROTOCOL_VERSION,
@@ -44,17 +45,6 @@ TTL_S = 2.0
 HEARTBEAT_S = 0.3
 TIMEOUT_S = 5.0
 REPO = Path(__file__).resolve().parents[1]
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll ``predicate`` until true or the deadline (a condition wait, not a sleep)."""
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        tick.wait(0.05)
-    return True
 
 
 def free_port() -> int:

@@ -8,12 +8,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_peer_args
+from conftest import tiny_config, tiny_peer_args, wait_until
 from gossiploco.config import preset_names
 from gossiploco.runtime.launch import LocalPeers
 from gossiploco.runtime.virtual import VirtualSwarm
@@ -41,16 +40,6 @@ def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return (num / den) ** 0.5
 
 
-def wait_for(predicate, timeout_s: float, poll_s: float = 0.1) -> bool:
-    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
-
-
 def wait_stopped(pid: int, timeout_s: float) -> bool:
     """Wait until process ``pid`` is stopped (state T in /proc)."""
 
@@ -58,7 +47,7 @@ def wait_stopped(pid: int, timeout_s: float) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
-    return wait_for(stopped, timeout_s, 0.05)
+    return wait_until(stopped, timeout_s)
 
 
 def reached_round(peers: LocalPeers, rank: int, r: int) -> bool:
@@ -186,7 +175,7 @@ def test_a_frozen_peer_that_resumes_catches_up_instead_of_dragging_the_others(tm
         peers.start(env={1: {FAULT_ENV: "STOP:mix2/1:0"}})
         assert wait_stopped(peers.procs[1].pid, 120), "the fault did not freeze the peer"
         # Resume it only once the others have dropped it (heartbeat timeout) and gone on for rounds.
-        assert wait_for(lambda: reached_round(peers, 0, 6), 90), peers.log(0)[-2000:]
+        assert wait_until(lambda: reached_round(peers, 0, 6), 90), peers.log(0)[-2000:]
         peers.signal(1, signal.SIGCONT)
         codes = peers.wait(200)
     assert_exit(peers, codes, range(4))

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from conftest import tiny_peer_args
+from conftest import tiny_peer_args, wait_until
 from gossiploco.runtime.launch import LocalPeers
 from gossiploco.transport.zmq_exchange import FAULT_ENV
-from test_peer import ENV, assert_exit, model, reached_round, records, relative_error, summary, wait_for, wait_stopped
+from test_peer import ENV, assert_exit, model, reached_round, records, relative_error, summary, wait_stopped
 
 
 @pytest.mark.timeout(240)
@@ -23,7 +23,7 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
     args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=24, **{"monitor.every": 0, "timeouts.startup_s": 3.0})
     with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap) as peers:
         peers.start([0, 1, 2])  # they wait 3 s for a fourth, then start without it
-        assert wait_for(lambda: reached_round(peers, 0, 2), 120), peers.log(0)[-2000:]
+        assert wait_until(lambda: reached_round(peers, 0, 2), 120), peers.log(0)[-2000:]
         peers.start([3])
         codes = peers.wait(200)
     assert_exit(peers, codes, range(4))
@@ -68,9 +68,9 @@ def test_a_restarted_bootstrap_node_does_not_stop_a_running_swarm(tmp_path):
     try:
         with LocalPeers(4, tmp_path, args, env=ENV, join=addresses[0]) as peers:
             peers.start([0, 1, 2])
-            assert wait_for(lambda: reached_round(peers, 0, 1), 120), peers.log(0)[-2000:]
+            assert wait_until(lambda: reached_round(peers, 0, 1), 120), peers.log(0)[-2000:]
             dht.shutdown()  # the bootstrap node goes away mid-run ...
-            assert wait_for(lambda: reached_round(peers, 0, 2), 120), "the swarm stopped without its bootstrap node"
+            assert wait_until(lambda: reached_round(peers, 0, 2), 120), "the swarm stopped without its bootstrap node"
             dht, again = start_bootstrap("127.0.0.1", port, identity_file=identity)  # ... and comes back
             assert again == addresses, "same identity file and port: the same address"
             peers.start([3])  # a newcomer finds the running swarm through the restarted node
@@ -106,10 +106,10 @@ def test_ctrl_c_makes_a_peer_leave_and_the_others_drop_it_at_once(tmp_path, boot
     args = tiny_peer_args("globalm1-localm2", rounds=40, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
     with LocalPeers(3, tmp_path, args, env=ENV, join=bootstrap) as peers:
         peers.start()
-        assert wait_for(lambda: reached_round(peers, 0, 2), 90), peers.log(0)[-2000:]
+        assert wait_until(lambda: reached_round(peers, 0, 2), 90), peers.log(0)[-2000:]
         peers.signal(2, signal.SIGINT)
         assert peers.wait(20, ranks=[2])[2] == 130
-        assert wait_for(lambda: "peer 2 left" in peers.log(0) and "peer 2 left" in peers.log(1), 10)
+        assert wait_until(lambda: "peer 2 left" in peers.log(0) and "peer 2 left" in peers.log(1), 10)
         codes = peers.wait(150, ranks=[0, 1])
     assert_exit(peers, codes, [0, 1])
     assert records(peers, 0)[-1]["members"] == 2
@@ -140,7 +140,7 @@ def test_ctrl_c_stops_the_whole_swarm_cleanly(tmp_path):
                              "--set", "data.max_corpus_mb=2.0", "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, **ENV})
     try:
-        assert wait_for(lambda: (out / "peer-0" / "metrics.jsonl").exists(), 120), "the swarm did not start training"
+        assert wait_until(lambda: (out / "peer-0" / "metrics.jsonl").exists(), 120), "the swarm did not start training"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:

@@ -15,6 +15,7 @@ import pytest
 import torch
 import zmq
 
+from conftest import wait_until
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
 from gossiploco.transport import codec
 from gossiploco.transport.zmq_exchange import ZmqExchange, _op_and_round
@@ -35,17 +36,6 @@ def groups():
     finally:
         for g in made:
             g.close()
-
-
-def wait_until(predicate, timeout_s: float = 5.0) -> bool:
-    """Poll ``predicate`` until true or the deadline (a condition wait, not a sleep)."""
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        tick.wait(0.01)
-    return True
 
 
 def test_ring_all_reduce_of_three_million_floats_is_exact_and_bitwise_equal(groups):

@@ -528,7 +528,7 @@ class ZmqExchange(Exchange):
         """Leave gracefully: tell every peer (they drop this one at once instead of waiting for a
         deadline or a heartbeat), then ``close``. Best effort, bounded by ``CONTROL_SEND_S`` per peer."""
         with self._cond:
-            peers = [] if self._closed else list(self._dealers)
+            peers = [] if self._closed else sorted(self._connected)  # nothing to tell the unreachable
         for peer in peers:
             try:
                 self._send(peer, "hello/leave", 0, [_LEAVING, self.current_round, 0], _EMPTY,

@@ -394,3 +394,26 @@ def test_heartbeat_timeout_comes_from_the_config_for_slow_links():
         assert ex._dealers[1][0].getsockopt(zmq.HEARTBEAT_TIMEOUT) == 30000
     finally:
         ex.close()
+
+
+def test_inplace_all_reduce_reduces_in_the_callers_buffer_and_matches_the_copying_one(groups):
+    g = groups(3, chunk_bytes=4096)
+    values = [torch.randn(20_001, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    copied = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("a/0", values[r], [0, 1, 2]) for r in range(3)])
+    given = [v.clone() for v in values]
+    inplace = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("a/1", given[r], [0, 1, 2], inplace=True)
+                       for r in range(3)])
+    for r in range(3):
+        assert torch.equal(inplace[r], copied[r])  # same bits as the copying path
+        assert inplace[r].data_ptr() == given[r].data_ptr()  # no second buffer
+        assert not torch.equal(values[r], copied[r])  # the copying path left its input alone
+
+
+def test_all_finite_checks_every_chunk():
+    from gossiploco.mixing.operators import all_finite
+
+    flat = torch.zeros(10_000)
+    assert all_finite(flat, chunk=1000)
+    flat[9_999] = float("nan")
+    assert not all_finite(flat, chunk=1000)
+    assert not all_finite(torch.tensor([0.0, float("inf")], dtype=torch.float64))

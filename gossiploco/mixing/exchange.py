@@ -15,7 +15,10 @@ Contract for implementations:
   is gone or sent invalid data, and ``ExchangeClosed`` after ``close()``. Nothing else.
 * They are thread-safe: Mix1 runs on a background thread while Mix2 or gradient reductions run
   on another, always with different keys.
-* They never modify the input tensor; the result is a new tensor owned by the caller.
+* They never modify the input tensor; the result is a new tensor owned by the caller. The one
+  exception is opt-in: ``all_reduce_mean(..., inplace=True)`` means the caller hands ``flat`` over
+  (a temporary it will not read again, such as a packed vector), and the implementation may
+  reduce in its memory and return a view of it, saving a parameter-sized copy and buffer.
 * ``bytes_sent`` / ``bytes_received`` count payload bytes this peer put on (or took off) the wire,
   as the network implementation would.
 
@@ -56,8 +59,10 @@ class Exchange(ABC):
         return self.members(round_index)
 
     @abstractmethod
-    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
-        """Mean of ``flat`` over ``members``; blocks until every member contributed or the deadline."""
+    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
+                        inplace: bool = False) -> torch.Tensor:
+        """Mean of ``flat`` over ``members``; blocks until every member contributed or the deadline.
+        ``inplace``: the caller gives ``flat`` up (module docstring); implementations may ignore it."""
 
     @abstractmethod
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
@@ -172,7 +177,8 @@ class MemoryExchange(Exchange):
     def members(self, round_index: int | None = None) -> list[int]:
         return self.hub.alive()
 
-    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
+    def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
+                        inplace: bool = False) -> torch.Tensor:
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {list(members)}")
         if len(members) == 1:

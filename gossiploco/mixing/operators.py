@@ -63,6 +63,15 @@ def pair_matching(seed: int, round_index: int, salt: str, members: Sequence[int]
     return partners
 
 
+def all_finite(flat: torch.Tensor, chunk: int = 1 << 22) -> bool:
+    """No NaN or Inf in ``flat``. For a CPU fp32 vector numpy's isfinite is about 10x faster than
+    torch's, and going chunk by chunk keeps its boolean temporary small (not a quarter of the payload)."""
+    if flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
+        arr = flat.reshape(-1).numpy()
+        return all(bool(np.isfinite(arr[i:i + chunk]).all()) for i in range(0, arr.size, chunk))
+    return bool(torch.isfinite(flat).all())
+
+
 def pack(dicts: Sequence[TensorDict], names: Sequence[str]) -> torch.Tensor:
     """The selected entries of every dict, flattened into one fp32 CPU vector."""
     parts = [d[n].detach().reshape(-1).to("cpu", torch.float32) for d in dicts for n in names]
@@ -109,7 +118,7 @@ class Mixer(ABC):
         except ExchangeError as exc:
             log.warning("%s round %d: exchange failed (%s); identity this round", self.label, round_index, exc)
             return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start, bytes=nbytes)
-        if mixed is not flat and not torch.isfinite(mixed).all():
+        if mixed is not flat and not all_finite(mixed):
             cause = "non-finite values received"
             log.warning("%s round %d: %s; identity this round", self.label, round_index, cause)
             return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes)
@@ -141,7 +150,8 @@ class GlobalMix(Mixer):
         members = exchange.group(key, round_index)
         if len(members) <= 1:
             return flat, None
-        return exchange.all_reduce_mean(key, flat, members), None
+        # ``flat`` is this call's own packed copy: the exchange may reduce in it (no second buffer).
+        return exchange.all_reduce_mean(key, flat, members, inplace=True), None
 
 
 class GossipMix(Mixer):

@@ -47,7 +47,7 @@ from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
 from gossiploco.membership.directory import Directory, DirectoryClosed, PeerRecord
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
-from gossiploco.mixing.operators import pack, unpack
+from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -322,7 +322,7 @@ class NetworkPeer:
                 continue
             outer = 2 * sum(algo.z[n].numel() for n in self.names)
             opt = self.trainer.inner_opt
-            if flat.numel() != outer + opt.moments_size() or not torch.isfinite(flat).all():
+            if flat.numel() != outer + opt.moments_size() or not all_finite(flat):
                 log.warning("rank %d: peer %d sent an unusable state (%d values); trying another", self.rank, donor, flat.numel())
                 continue
             z, momentum = unpack(flat[:outer], [algo.z, algo.momentum], self.names)
@@ -455,8 +455,8 @@ class NetworkPeer:
         out: dict = {}
         try:
             members = ex.group(f"monitor/{r}/{h}", r)
-            flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members)
-            if not torch.isfinite(flat).all():
+            flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members, inplace=True)
+            if not all_finite(flat):
                 raise ExchangeError("non-finite average")
             avg = unpack(flat, [params], self.names)[0]
             terms = consensus.l2_term(params, avg, self.groups)

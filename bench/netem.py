@@ -27,11 +27,14 @@ results were taken on, gets only about 72% of B for the project's ring all-reduc
 the default here; ``--congestion-control inherit`` measures with it.
 
 ZeroMQ heartbeats (``--heartbeat-timeout-s``): the runtime drops a connection when no whole
-message arrives within 5 s of a heartbeat (libzmq counts complete messages, not bytes). On these
-slow shared links a 4 MiB chunk, or a TCP flow stalled by drops, can take longer, so healthy
-connections are dropped and exchanges fail (results/utilization.md has the evidence). The option
-starts the peers through ``bench/netem_peer.py`` with a longer timeout; 0 (default) runs the
-runtime unchanged.
+message arrives within ``timeouts.heartbeat_s`` (5 s) of a heartbeat (libzmq counts complete
+messages, not bytes). On these slow shared links a 4 MiB chunk, or a TCP flow stalled by drops, can
+take longer, so healthy connections are dropped and exchanges fail (results/utilization.md has the
+evidence). The option sets ``timeouts.heartbeat_s`` for the peers, as a user on such a link would;
+0 (default) keeps the runtime's default.
+
+Discovery (``--discovery``): ``dht`` (default) runs a bootstrap node (``gossiploco dht``) in peer 0's
+namespace and starts every peer with ``--join`` it, as users do; ``static`` gives them the list.
 
 Per bandwidth it runs, in order:
 
@@ -40,7 +43,7 @@ Per bandwidth it runs, in order:
    project's ``ZmqExchange.all_reduce_mean``): effective rate ``2 (M-1)/M * bytes * 8 / seconds``
    against B;
 3. every preset (``--presets``, default all of ``peers/``): M peers, each started as
-   ``ip netns exec PREFIX-pI python -m gossiploco peer --rank I --peers tcp://10.77.0.1:PORT,...``.
+   ``ip netns exec PREFIX-pI python -m gossiploco peer --rank I --join BOOTSTRAP --host 10.77.0.I+1``.
    By default an inner step is a sleep of ``--step-time`` seconds (``inner.synthetic_step_s``: the
    machine's CPU may be shared, a sleep is not slowed down by it; the communication is real).
    ``--real-compute`` runs the model's real inner steps instead, and the prediction then uses the
@@ -345,11 +348,11 @@ class Group:
         self.procs.append(proc)
         return proc
 
-    def wait(self, timeout_s: float) -> list[int | None]:
-        """Exit codes once all exit; None for any still running at the deadline."""
+    def wait(self, timeout_s: float, procs: list[subprocess.Popen] | None = None) -> list[int | None]:
+        """Exit codes once all of ``procs`` (default: every child) exit; None for any still running at the deadline."""
         deadline = time.monotonic() + timeout_s
         codes: list[int | None] = []
-        for proc in self.procs:
+        for proc in self.procs if procs is None else procs:
             try:
                 codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
@@ -506,17 +509,36 @@ def make_plan(preset: str, bandwidth_mbps: float, args: argparse.Namespace) -> P
     return Plan(preset, bandwidth_mbps, overrides, cfg, predict(cfg, bandwidth_mbps, args.step_time))
 
 
-def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, heartbeat_ms: int = 0) -> list[str]:
-    """``ip netns exec PREFIX-pI python -m gossiploco peer ...`` (through ``bench/netem_peer.py`` when the
-    heartbeat timeout is changed)."""
-    peers = ",".join(f"tcp://{net.address(r)}:{port}" for r in range(net.peers))
+def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, heartbeat_s: float = 0.0,
+                 join: str | None = None) -> list[str]:
+    """``ip netns exec PREFIX-pI python -m gossiploco peer ...``: found through the DHT at ``join``, else
+    through the static list of every peer's address."""
+    if join:
+        where = ["--join", join, "--host", net.address(rank), "--port", str(port), "--workers", str(net.peers)]
+    else:
+        where = ["--peers", ",".join(f"tcp://{net.address(r)}:{port}" for r in range(net.peers))]
     sets = []
     for key, value in plan.overrides.items():
-        if key != "workers":  # a peer's world size is the length of --peers
+        if key != "workers":  # the world size comes from --peers, or --workers with --join
             sets += ["--set", f"{key}={json.dumps(value)}"]
-    launcher = [str(ROOT / "bench" / "netem_peer.py")] if heartbeat_ms else ["-m", "gossiploco"]
-    return [*net.exec_prefix(rank), sys.executable, *launcher, "peer", "--config", plan.preset,
-            "--rank", str(rank), "--peers", peers, "--out", str(out_dir / f"peer-{rank}"), "--quiet", *sets]
+    if heartbeat_s:
+        sets += ["--set", f"timeouts.heartbeat_s={heartbeat_s}"]
+    return [*net.exec_prefix(rank), sys.executable, "-m", "gossiploco", "peer", "--config", plan.preset,
+            "--rank", str(rank), *where, "--out", str(out_dir / f"peer-{rank}"), "--quiet", *sets]
+
+
+def start_bootstrap(net: Network, group: Group, port: int, timeout_s: float = 60.0) -> str:
+    """``gossiploco dht`` in peer 0's namespace; returns the multiaddr it prints for ``--join``."""
+    proc = group.start([*net.exec_prefix(0), sys.executable, "-m", "gossiploco", "dht", "--host", net.address(0),
+                        "--port", str(port)], "bootstrap.log", child_env())
+    log = group.out_dir / "bootstrap.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text(errors="replace").splitlines():
+            if "--join " in line:
+                return line.split("--join ", 1)[1].split()[0]
+        time.sleep(0.2)
+    raise RuntimeError(f"the bootstrap node did not print its address within {timeout_s:.0f}s:\n{tail(log)}")
 
 
 def read_peer(out_dir: Path, rank: int) -> dict:
@@ -588,11 +610,10 @@ def run_plan(net: Network, plan: Plan, args: argparse.Namespace, out_dir: Path, 
             sampler.start([*net.exec_prefix_switch(), sys.executable, str(ROOT / "bench" / "netem_probe.py"), "sample",
                            "--interval-s", str(args.sample_links), "--seconds", str(timeout_s + 30),
                            "--out", str(out_dir / "links.jsonl")], "sampler.log", child_env())
-        for rank in range(net.peers):
-            heartbeat_ms = round(1000 * args.heartbeat_timeout_s) if args.heartbeat_timeout_s else 0
-            env = {**child_env(), **({"GOSSIPLOCO_NETEM_HEARTBEAT_MS": str(heartbeat_ms)} if heartbeat_ms else {})}
-            group.start(peer_command(net, plan, rank, port, out_dir, heartbeat_ms), f"peer-{rank}.log", env)
-        codes = group.wait(timeout_s)
+        join = start_bootstrap(net, group, port + 1) if args.discovery == "dht" else None  # stopped with the group
+        peers = [group.start(peer_command(net, plan, rank, port, out_dir, args.heartbeat_timeout_s, join),
+                             f"peer-{rank}.log", child_env()) for rank in range(net.peers)]
+        codes = group.wait(timeout_s, peers)
     finally:
         group.stop()
         sampler.stop(grace_s=2)
@@ -763,10 +784,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="transport.chunk_mb of the peers and the ring probe (the runtime's default). With the "
                              "runtime's 5 s heartbeat, a chunk that takes longer than 5 s on the wire drops the connection "
                              "(4 MiB: below 6.7 Mbit/s per flow).")
+    parser.add_argument("--discovery", choices=("dht", "static"), default="dht",
+                        help="How the peers find each other: a bootstrap DHT node in peer 0's namespace (--join), "
+                             "or a static --peers list.")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=0.0,
-                        help="Run the peers with this ZeroMQ heartbeat timeout instead of the runtime's 5 s "
-                             "(bench/netem_peer.py; 0: unchanged). libzmq counts only whole messages, so on a slow, "
-                             "congested link the 5 s timeout can drop healthy connections.")
+                        help="Run the peers with timeouts.heartbeat_s set to this instead of the runtime's 5 s "
+                             "(0: unchanged). libzmq counts only whole messages, so on a slow, congested link the "
+                             "5 s timeout can drop healthy connections.")
     parser.add_argument("--exchange-timeout-s", type=float, default=120.0, help="timeouts.exchange_s of the peers.")
     parser.add_argument("--startup-allowance-s", type=float, default=240.0, help="Added to 3x the predicted run time for a run's deadline.")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="Name prefix of the namespaces this run makes (and cleans).")

@@ -391,6 +391,7 @@ def utilization(
     subset_fraction: Optional[float] = typer.Option(None, "--subset-fraction", help="Fraction of the parameters Mix2 sends (default: from mix2.blocks); with --plot, for the subset presets."),
     bytes_per_value: str = typer.Option("4", "--bytes-per-value", help="4 (fp32), 2 (bf16), 1 (8-bit), 0.5 (4-bit), or one of those names."),
     failure_rate: float = typer.Option(0.0, "--failure-rate", help="Probability that one attempt of a collective fails (all-reduce restarts, gossip is lost)."),
+    with_monitors: bool = typer.Option(False, "--with-monitors", help="Also model the config's consensus measurements: a blocking all-reduce of the whole parameters each (off in the paper's tables)."),
     json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw utilization against bandwidth for every preset to this PNG."),
 ) -> None:
@@ -407,7 +408,7 @@ def utilization(
             cfg, bandwidth_mbps=bandwidth_mbps, params=params, vocab_size=vocab, workers=workers, inner_steps=inner_steps,
             step_time_s=step_time, tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, mfu=mfu,
             outer_step_s=outer_step_time, bytes_per_value=bytes_per_value, failure_rate=failure_rate)
-        plan = util.CommPlan.from_config(cfg, vocab, subset_fraction)
+        plan = util.CommPlan.from_config(cfg, vocab, subset_fraction, with_monitors)
         plans = util.preset_plans(cfg.model.size, vocab, subset_fraction) if plot else []
     except GossiplocoError as exc:
         _fail(exc)

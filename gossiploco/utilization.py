@@ -51,6 +51,14 @@ Mix2 is then ``max(0, R - a2)``. We report the policy-free split: Mix1 hidden
 ``min(a1, C)``, Mix1 exposed ``max(0, a1 - C)`` (seconds Mix1 adds to the round) and the
 blocking communication ``W - C - O``.
 
+Consensus monitors (optional, ``CommPlan.monitors``; off in the paper's tables). A network peer
+measures CD_L2/CD_JS by all-reducing its whole parameters (``m`` link seconds, a global Mix of
+fraction 1) ``monitors`` times per round, blocking, at h = 0 right after Mix1 was launched, so
+the two share the link. With fair sharing (two TCP flows) the measurement returns at
+``m + min(a1, m)``; the inner steps start then, Mix1 has advanced by ``min(a1, m)``, so::
+
+    monitor blocking = m + min(a1, m),   Mix1 exposed = max(0, a1 - m - C)
+
 Sync-DP (mode ``sync-dp``) all-reduces the gradient (N values) after every inner step, and
 nothing overlaps it::
 
@@ -138,15 +146,20 @@ class CommPlan:
     """Non-blocking Mix1 (identity for sync-dp)."""
     mix2: MixLoad
     """Blocking Mix2; for sync-dp, the gradient all-reduce done after every inner step."""
+    monitors: int = 0
+    """Blocking all-reduces of the whole parameters per round for the consensus monitors (factored
+    mode; 0: not modelled, as in the paper)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError("mode", f"must be one of {', '.join(MODES)}; got {self.mode!r}")
 
     @classmethod
-    def from_config(cls, cfg: RunConfig, vocab_size: int, subset_fraction: float | None = None) -> CommPlan:
+    def from_config(cls, cfg: RunConfig, vocab_size: int, subset_fraction: float | None = None,
+                    with_monitors: bool = False) -> CommPlan:
         """The plan of a run config. Mix fractions come from ``mixK.blocks`` on the real block sizes
-        of ``cfg.model.size`` with ``vocab_size``. ``subset_fraction`` replaces Mix2's fraction."""
+        of ``cfg.model.size`` with ``vocab_size``. ``subset_fraction`` replaces Mix2's fraction.
+        ``with_monitors``: also model the config's consensus measurements (``[monitor]``)."""
         if cfg.mode == "sync-dp":
             if subset_fraction is not None:
                 raise ConfigError("--subset-fraction", "sync-dp exchanges whole gradients; there is no Mix2 to subset")
@@ -162,6 +175,7 @@ class CommPlan:
             cfg.mode,
             MixLoad(cfg.mix1.kind, block_fraction(cfg.model.size, vocab_size, cfg.mix1.blocks), cfg.mix1.state),
             MixLoad(cfg.mix2.kind, mix2_fraction),
+            monitors_per_round(cfg) if with_monitors else 0,
         )
 
 
@@ -231,6 +245,8 @@ class RoundTime:
     """C / wall, in [0, 1]."""
     min_inner_steps_hiding_mix1: float
     """Smallest H whose compute hides one Mix1 attempt: a1 / T (0 when there is no Mix1)."""
+    monitor_s: float = 0.0
+    """Seconds the consensus monitors block per round: m + min(a1, m) (0 when not modelled)."""
 
 
 def wire_factor(kind: str, workers: int) -> float:
@@ -278,6 +294,7 @@ def simulate(plan: CommPlan, sc: Scenario) -> RoundTime:
     """Expected time of one round of ``plan`` in scenario ``sc`` (equations in the module docstring)."""
     compute = sc.inner_steps * sc.step_time_s
     p = sc.failure_rate
+    monitor = 0.0
     a1, a2 = attempt_seconds(plan.mix1, sc), attempt_seconds(plan.mix2, sc)
     mix1 = expected_attempts(plan.mix1.kind, p) * a1
     if plan.mode == "sync-dp":
@@ -286,8 +303,10 @@ def simulate(plan: CommPlan, sc: Scenario) -> RoundTime:
         exposed, outer = 0.0, 0.0
     else:
         mix2 = expected_attempts(plan.mix2.kind, p) * a2
-        exposed, outer = expected_overrun(a1, plan.mix1.kind, p, compute), sc.outer_step_s
-    blocking = exposed + mix2
+        m = plan.monitors * expected_attempts("global", p) * attempt_seconds(MixLoad("global"), sc)
+        monitor = m + min(a1, m) if m else 0.0  # shares the link with Mix1 from t = 0 (module docstring)
+        exposed, outer = expected_overrun(a1, plan.mix1.kind, p, compute + m), sc.outer_step_s
+    blocking = exposed + mix2 + monitor
     wall = compute + blocking + outer
     return RoundTime(
         compute_s=compute,
@@ -302,11 +321,22 @@ def simulate(plan: CommPlan, sc: Scenario) -> RoundTime:
         wall_s=wall,
         compute_utilization=compute / wall,
         min_inner_steps_hiding_mix1=a1 / sc.step_time_s,
+        monitor_s=monitor,
     )
 
 
 # ---------------------------------------------------------------------------------------
 # Filling the inputs in
+
+
+def monitors_per_round(cfg: RunConfig) -> int:
+    """Consensus measurements per round of ``cfg`` (``runtime.common.measure_due``: h = 0, then every
+    ``monitor.every`` inner steps); 0 when the monitors are off or in sync-dp mode."""
+    from gossiploco.runtime.common import measure_due
+
+    if cfg.mode != "factored":
+        return 0
+    return sum(measure_due(cfg, h)[0] for h in range(cfg.inner_steps))
 
 
 def estimate_step_time(params: float, tokens_per_step: int, peak_tflops: float, mfu: float) -> float:
@@ -427,6 +457,7 @@ def report(plan: CommPlan, sc: Scenario, result: RoundTime) -> dict[str, Any]:
         **asdict(result),
         "mix1": {**asdict(plan.mix1), "payload_bytes": plan.mix1.payload_values(sc.params) * sc.bytes_per_value},
         "mix2": {**asdict(plan.mix2), "payload_bytes": plan.mix2.payload_values(sc.params) * sc.bytes_per_value},
+        "monitors_per_round": plan.monitors,
         "scenario": asdict(sc),
     }
 
@@ -452,6 +483,8 @@ def describe(plan: CommPlan, sc: Scenario, result: RoundTime) -> str:
             row(f"mix2 {_mix_label(plan.mix2)}", result.mix2_s, "  blocking"),
             row("outer step", result.outer_step_s),
         ]
+        if plan.monitors:
+            lines.insert(-1, row(f"monitors x{plan.monitors}", result.monitor_s, "  blocking, sharing the link with Mix1"))
     lines.append(row("wall", result.wall_s))
     if plan.mode == "factored" and plan.mix1.kind != "identity":
         lines.append(f"Mix1 is fully hidden from H = {result.min_inner_steps_hiding_mix1:.1f} inner steps (without failures)")

@@ -371,3 +371,34 @@ def test_cli_bad_input_exits_2_with_a_clear_message(args, message):
     result = invoke(*args)
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
+
+
+def test_monitor_all_reduces_block_and_share_the_link_with_mix1():
+    from gossiploco.utilization import CommPlan, MixLoad, Scenario, attempt_seconds, simulate
+
+    sc = Scenario(params=1e8, workers=4, inner_steps=10, step_time_s=0.3, bandwidth_mbps=100)
+    m = attempt_seconds(MixLoad("global"), sc)  # one all-reduce of every parameter
+    for mix1_fraction in (1.0, 0.25):  # Mix1 longer than the measurement, and shorter
+        bare = CommPlan("p", "factored", MixLoad("global", mix1_fraction), MixLoad("gossip", 0.1))
+        monitored = CommPlan("p", "factored", MixLoad("global", mix1_fraction), MixLoad("gossip", 0.1), monitors=1)
+        r0, r = simulate(bare, sc), simulate(monitored, sc)
+        a1, a2, c = r.mix1_attempt_s, r.mix2_attempt_s, r.compute_s
+        # Reference: fair sharing from t = 0; the measurement returns at m + min(a1, m), Mix1 has
+        # advanced min(a1, m) by then, the inner steps run, then whatever Mix1 has left, then Mix2.
+        start = m + min(a1, m)
+        mix1_left = a1 - min(a1, m)
+        assert r.monitor_s == pytest.approx(start)
+        assert r.wall_s == pytest.approx(start + c + max(0.0, mix1_left - c) + a2)
+        assert r0.monitor_s == 0.0 and r.wall_s > r0.wall_s
+
+
+def test_monitors_per_round_follow_the_measurement_schedule(make_config):
+    from gossiploco.utilization import CommPlan, monitors_per_round
+
+    assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 0})) == 1
+    assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 4})) == 3  # h = 0, 4, 8
+    assert monitors_per_round(make_config("globalm1", **{"monitor.enabled": False})) == 0
+    assert monitors_per_round(make_config("sync-dp")) == 0
+    cfg = make_config("globalm1-adaptive", **{"monitor.every": 0})
+    assert CommPlan.from_config(cfg, 256).monitors == 0  # not modelled unless asked (the paper's tables)
+    assert CommPlan.from_config(cfg, 256, with_monitors=True).monitors == 1

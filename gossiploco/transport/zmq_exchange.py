@@ -1,7 +1,9 @@
 """``Exchange`` over ZeroMQ (the only module that imports zmq).
 
 Topology: peer ``i`` binds one ROUTER socket at ``endpoints[i]`` and connects one DEALER to every
-other known peer's ROUTER (routing id ``str(i)``). Peers are known from the list given at
+other known peer's ROUTER (routing id ``str(i)``), plus a second, control DEALER (routing id
+``"i/control"``) for group agreement and aborts, so those never queue behind megabytes of data on
+a slow link (head-of-line blocking). Peers are known from the list given at
 construction (a static ``--peers`` list) or added later by discovery (``add_peer``, fed by the
 hivemind DHT); peer ids are ints below ``MAX_PEER_ID``. Sending goes out on the DEALER to the destination;
 everything addressed to a peer arrives on its ROUTER. Messages are ``codec`` frames: a msgpack
@@ -112,6 +114,9 @@ MAX_PEER_ID = 2**31
 MAX_GROUP = 1000
 """Most members one group-agreement message may list."""
 _READY, _DECISION, _NOT_LEADING = 0, 1, 2
+CONTROL_OPS = frozenset({"group", "abort"})
+"""Ops sent on each peer pair's control connection. Hellos stay on the data connection: a peer's
+``leave`` must arrive after its last data chunks, not overtake them."""
 _LEAVING = -2
 """Join round of the hello a peer sends when it leaves gracefully."""
 FAILED_GRACE_S = 0.5
@@ -141,6 +146,11 @@ def _chunk_hash(chunk: torch.Tensor) -> int:
     """A 64-bit BLAKE2b digest of a float32 chunk's bytes, as a signed int64 (state transfers verify every chunk)."""
     digest = hashlib.blake2b(chunk.contiguous().numpy().tobytes(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def _control_id(rank: int) -> bytes:
+    """Routing id of ``rank``'s control connection (its data connection's is ``str(rank)``)."""
+    return f"{rank}/control".encode()
 
 
 def _remember(records: OrderedDict, key: str, value) -> None:
@@ -269,6 +279,7 @@ class ZmqExchange(Exchange):
             self.endpoints[rank] = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
 
         self._dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
+        self._controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}  # peer -> control DEALER (CONTROL_OPS)
         self._monitors: dict[zmq.Socket, int] = {}
         self._new_monitors: queue.SimpleQueue = queue.SimpleQueue()  # handed to the receiver thread
         for peer, endpoint in endpoints.items():
@@ -492,6 +503,9 @@ class ZmqExchange(Exchange):
                         pass
                     monitors[peer].close(linger=0)
                     dealer.close(linger=int(1000 * linger_s))
+            for control, lock in self._controls.values():
+                with lock:
+                    control.close(linger=int(1000 * linger_s))
             self._ctx.term()
 
     # -- extras ------------------------------------------------------------------------------------
@@ -513,13 +527,14 @@ class ZmqExchange(Exchange):
             if old is None:
                 self._connect(peer, endpoint)
         if old is not None:
-            dealer, lock = self._dealers[peer]
-            with lock:
-                try:
-                    dealer.disconnect(old)
-                except zmq.ZMQError:
-                    pass
-                dealer.connect(endpoint)
+            for sockets in (self._dealers, self._controls):
+                sock, lock = sockets[peer]
+                with lock:
+                    try:
+                        sock.disconnect(old)
+                    except zmq.ZMQError:
+                        pass
+                    sock.connect(endpoint)
             log.info("rank %d: peer %d moved from %s to %s", self.rank, peer, old, endpoint)
         self._submit(("hello", peer, -1, 1))
         return True
@@ -574,6 +589,13 @@ class ZmqExchange(Exchange):
         self._dealers[peer] = (dealer, threading.Lock())
         self._monitors[monitor] = peer
         self._new_monitors.put(monitor)
+        # Group agreement and aborts travel on a connection of their own, so they never wait behind
+        # megabytes of another exchange's chunks queued on the data connection (head-of-line blocking).
+        control = self._ctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 0)
+        control.setsockopt(zmq.ROUTING_ID, _control_id(self.rank))
+        control.connect(endpoint)
+        self._controls[peer] = (control, threading.Lock())
 
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until a connection to every other peer is up (or ``timeout_s``); True if all are."""
@@ -704,7 +726,7 @@ class ZmqExchange(Exchange):
         derived, round_index = _op_and_round(key)
         header = codec.Header(run=self.run_id, round=round_index, op=op or derived, chunk=chunk, sender=self.rank, key=key)
         frames = codec.encode(header, [torch.tensor(meta, dtype=torch.int64), data])
-        dealer, lock = self._dealers[peer]
+        dealer, lock = (self._controls if op in CONTROL_OPS else self._dealers)[peer]
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise ExchangeTimeout(f"{what}: the connection to {peer} stayed busy past the deadline")
         try:
@@ -894,7 +916,8 @@ class ZmqExchange(Exchange):
         identity = frames[0].bytes
         # copy=False: the chunk is a view of the zmq frame (which it keeps alive), not a copy.
         header, tensors = codec.decode(frames[1:], expect_run=self.run_id, max_bytes=self.max_message_bytes, copy=False)
-        if identity != str(header.sender).encode():
+        expected = _control_id(header.sender) if header.op in CONTROL_OPS else str(header.sender).encode()
+        if identity != expected:
             raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
         if header.sender not in self._dealers:
             if header.op == "hello":  # a peer of this run that discovery has not found yet; it is probed once found

@@ -261,6 +261,9 @@ def render() -> str:
     return "\n".join(lines)
 
 
+NETEM_MARKER = "## Real peers on shaped links (bench/netem)"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "utilization.md")
@@ -270,7 +273,10 @@ def main() -> None:
     if args.print_only:
         print(text)
     else:
-        args.results.write_text(text)
+        # The measured sections (bench/netem) come after NETEM_MARKER; they are kept as they are.
+        old = args.results.read_text() if args.results.exists() else ""
+        tail = old[old.index(NETEM_MARKER):] if NETEM_MARKER in old else ""
+        args.results.write_text(text.rstrip("\n") + "\n\n" + tail if tail else text)
         print(f"wrote {args.results}")
 
 

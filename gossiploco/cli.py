@@ -199,6 +199,7 @@ def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce
     from gossiploco.membership.directory import DhtDirectory
     from gossiploco.runtime.peer import NetworkPeer
 
+    # Port 0 in the advertised address becomes the port the OS picks for the bind.
     if announce:
         advertise = f"tcp://{announce}" if ":" in announce else f"tcp://{announce}:{port}"
     elif host in ("0.0.0.0", "::"):
@@ -207,8 +208,6 @@ def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce
                       "can reach this one (pass --announce with your LAN or public address)")
     else:
         advertise = f"tcp://{host}:{port}"
-    if advertise.endswith(":0") and port != 0:
-        raise ConfigError("--announce", f"{announce!r} gives port 0")
     t = cfg.timeouts
     directory = DhtDirectory(run_id, initial_peers=[a for item in join for a in item.split(",") if a.strip()],
                              host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host,

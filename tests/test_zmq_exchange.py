@@ -417,3 +417,13 @@ def test_all_finite_checks_every_chunk():
     flat[9_999] = float("nan")
     assert not all_finite(flat, chunk=1000)
     assert not all_finite(torch.tensor([0.0, float("inf")], dtype=torch.float64))
+
+
+def test_an_advertised_address_with_port_zero_gets_the_bound_port():
+    ex = ZmqExchange(7, {7: "tcp://127.0.0.1:0"}, "adv", 5.0, bind="tcp://0.0.0.0:0")
+    try:
+        host, port = ex.endpoints[7].rsplit(":", 1)
+        assert host == "tcp://127.0.0.1" and int(port) > 0  # the advertised host, the OS-picked port
+        assert ex.check_reachable(3.0)
+    finally:
+        ex.close()

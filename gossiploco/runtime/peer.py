@@ -4,13 +4,22 @@ The loop is the virtual swarm's, for one worker: ``FactoredDiLoCo`` (or ``SyncDP
 same class, only the exchange is a ``ZmqExchange``. Inner steps run on the main thread (GPU
 when available), Mix1 on the algorithm's background thread, Mix2 and the outer step block.
 
-Start-up (``_join``): wait up to ``timeouts.startup_s`` for every peer of the list to connect,
+Finding the others: a static list of every peer's address, or a ``Directory`` (the hivemind
+DHT, ``--join``): then the peer checks that its advertised endpoint answers, announces itself
+(endpoint, round, tokens; refreshed every ``timeouts.discovery_s``), connects to every peer of its
+run it finds (``ZmqExchange.add_peer``, again every ``discovery_s``), and a fresh swarm starts
+round 0 together once ``workers`` peers are in (at most ``startup_s``). Closing withdraws the
+announcement and tells the others it leaves.
+
+Start-up (``_join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
 then ask the connected peers which round they are in (``timeouts.hello_s``). If one is already
 past round 0, this peer was restarted (or started late): it downloads the current state
 (z, outer momentum, round k) from a live peer, trains round k on its own (identity mixing) and
-takes part in exchanges from round k + 1. The same catch-up runs at the start of any round in
-which this peer finds itself alone while other peers are connected (it was frozen and they
-went on without it). Peers that never connected are left out until they say hello.
+takes part in exchanges from round k + 1; the state includes the donor's AdamW moments. The same
+catch-up runs at the start of any round in which this peer finds itself alone while others are
+connected or were just lost (it was frozen and they went on without it), or learns from a group
+leader that the swarm is already in a later round. Peers that never connected are left out until
+they say hello.
 
 Consensus monitors over the network (same schedule and definitions as the virtual swarm):
 the peers all-reduce their current parameters (key ``monitor/r/h``) to get the average, each

@@ -275,8 +275,10 @@ class ZmqExchange(Exchange):
             self._router.close(linger=0)
             self._ctx.term()
             raise ExchangeError(f"rank {rank}: cannot bind {bind}: {exc}") from exc
-        if self.endpoints[rank] == bind and bind.rsplit(":", 1)[-1] in ("0", "*"):  # a port picked by the OS
-            self.endpoints[rank] = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        advertised_host, _, advertised_port = self.endpoints[rank].rpartition(":")
+        if advertised_port in ("0", "*"):  # the port the OS picked is the one peers must be told
+            bound_port = self._router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
+            self.endpoints[rank] = f"{advertised_host}:{bound_port}"
 
         self._dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self._controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}  # peer -> control DEALER (CONTROL_OPS)

@@ -110,6 +110,7 @@ def peer(
     host: str = typer.Option("0.0.0.0", "--host", help="With --join: address to listen on."),
     port: int = typer.Option(0, "--port", help="With --join: data-plane TCP port (0: any free port)."),
     announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
+    dht_port: int = typer.Option(0, "--dht-port", help="With --join: TCP port of this peer's own DHT node (0: any; give one, forwarded, with --announce behind NAT)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: peers to wait for before the first round (default: the preset's)."),
     inner_steps: Optional[int] = INNER_STEPS,
     rounds: Optional[int] = ROUNDS,
@@ -150,7 +151,7 @@ def peer(
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
         if join:
-            node = _joined_peer(cfg, rank, join, host, port, announce, run_id or run_id_for(cfg))
+            node = _joined_peer(cfg, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port)
         else:
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id)
     except GossiplocoError as exc:
@@ -194,7 +195,8 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce: str | None, run_id: str):
+def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce: str | None, run_id: str,
+                 dht_port: int = 0):
     """A ``NetworkPeer`` that finds its run through the DHT at ``join``."""
     from gossiploco.membership.directory import DhtDirectory
     from gossiploco.runtime.peer import NetworkPeer
@@ -209,9 +211,12 @@ def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce
     else:
         advertise = f"tcp://{host}:{port}"
     t = cfg.timeouts
+    announce_host = announce.rsplit(":", 1)[0] if announce and ":" in announce else announce
+    dht_announce = [f"/ip4/{announce_host}/tcp/{dht_port}"] if announce_host and dht_port else None
     directory = DhtDirectory(run_id, initial_peers=[a for item in join for a in item.split(",") if a.strip()],
-                             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host,
-                             ttl_s=t.announce_ttl_s, heartbeat_s=t.discovery_s, timeout_s=t.hello_s + 5)
+                             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host, port=dht_port,
+                             announce_maddrs=dht_announce, ttl_s=t.announce_ttl_s, heartbeat_s=t.discovery_s,
+                             timeout_s=t.hello_s + 5)
     try:
         return NetworkPeer(cfg, rank, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise, run_id=run_id)
     except BaseException:

@@ -13,10 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from conftest import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("bench_netem", ROOT / "bench" / "netem.py")
@@ -27,15 +28,6 @@ _spec.loader.exec_module(netem)
 PROBLEM = netem.preflight()
 needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=f"bench/netem.py cannot run here: {PROBLEM}")
 PREFIX = f"gt{os.getpid() % 10**7}"
-
-
-def _wait_for(predicate, timeout_s: float, step_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return predicate()
 
 
 @pytest.mark.timeout(10)
@@ -75,7 +67,7 @@ def test_leftovers_of_a_crashed_run_are_removed():
     # A process that just stays alive inside the namespace, for remove_namespaces to kill.
     proc = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"], start_new_session=True)
     try:
-        assert _wait_for(lambda: str(proc.pid) in netem.sh(["ip", "netns", "pids", ns], check=False).stdout.split(), 5)
+        assert wait_until(lambda: str(proc.pid) in netem.sh(["ip", "netns", "pids", ns], check=False).stdout.split(), 5)
         assert netem.remove_namespaces(prefix) == [ns]
         assert proc.wait(timeout=5) == -signal.SIGKILL
         assert netem.list_namespaces(prefix) == []
@@ -129,7 +121,7 @@ def test_interrupt_stops_peers_and_removes_namespaces(tmp_path):
 
     try:
         with _bench(prefix, tmp_path, "--step-time", "0.2", "--inner-steps", "10", "--rounds", "100", "--ring-repeats", "0") as bench:
-            assert _wait_for(peers_running, 30), "the peers never started"
+            assert wait_until(peers_running, 30), "the peers never started"
             pids = [int(p) for r in range(2) for p in netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"]).stdout.split()]
             os.killpg(bench.pid, signal.SIGINT)  # Ctrl+C in the benchmark's terminal
             out, _ = bench.communicate(timeout=30)

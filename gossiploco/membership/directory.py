@@ -229,6 +229,31 @@ class Directory(ABC):
     def close(self) -> None:
         """Withdraw and release every resource. Idempotent."""
 
+    # State every implementation keeps, and the checks on it they share (call with ``_lock`` held).
+    run_id: str
+    _lock: threading.Lock
+    _record: PeerRecord | None
+    _closed: bool
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DirectoryClosed(f"directory of run {self.run_id!r} is closed")
+
+    def _swap_record(self, record: PeerRecord) -> PeerRecord | None:
+        """Make ``record`` the announced one; returns the one it replaces."""
+        if not isinstance(record, PeerRecord):
+            raise TypeError(f"announce() takes a PeerRecord, got {type(record).__name__}")
+        self._check_open()
+        old, self._record = self._record, record
+        return old
+
+    def _updated_record(self, fields: dict[str, int]) -> PeerRecord:
+        """The announced record with ``fields`` changed (``update``'s checks)."""
+        self._check_open()
+        if self._record is None:
+            raise DirectoryError("update() before announce(): there is no record to change")
+        return _updated(self._record, fields)
+
     def __enter__(self) -> Directory:
         return self
 
@@ -311,26 +336,16 @@ class MemoryDirectory(Directory):
         self._record: PeerRecord | None = None
         self._closed = False
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DirectoryClosed(f"directory of run {self.run_id!r} is closed")
-
     def announce(self, record: PeerRecord) -> None:
-        if not isinstance(record, PeerRecord):
-            raise TypeError(f"announce() takes a PeerRecord, got {type(record).__name__}")
         with self._lock:
-            self._check_open()
-            old, self._record = self._record, record
+            old = self._swap_record(record)
             if old is not None and old.peer != record.peer:
                 self.hub._remove(self.run_id, old.peer)
             self.hub._put(self.run_id, record)
 
     def update(self, **fields: int) -> None:
         with self._lock:
-            self._check_open()
-            if self._record is None:
-                raise DirectoryError("update() before announce(): there is no record to change")
-            self._record = _updated(self._record, fields)
+            self._record = self._updated_record(fields)
             self.hub._put(self.run_id, self._record)
 
     def peers(self) -> dict[int, PeerRecord]:
@@ -577,10 +592,6 @@ class DhtDirectory(Directory):
         """This node's multiaddrs with ``/p2p/<peer id>``; other nodes may join through any of them."""
         return list(self._visible_maddrs)
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise DirectoryClosed(f"directory of run {self.run_id!r} is closed")
-
     def _next_expiration(self) -> float:
         """A fresh expiration, later than any this directory stored before (called with ``_lock`` held)."""
         self._last_expiration = max(_dht_time() + self.ttl_s, self._last_expiration + 1e-3)
@@ -650,11 +661,8 @@ class DhtDirectory(Directory):
                 partial(reconnect, addresses=self.initial_peers, timeout_s=self.timeout_s), return_future=True)
 
     def announce(self, record: PeerRecord) -> None:
-        if not isinstance(record, PeerRecord):
-            raise TypeError(f"announce() takes a PeerRecord, got {type(record).__name__}")
         with self._lock:
-            self._check_open()
-            old, self._record = self._record, record
+            old = self._swap_record(record)
             tombstone = self._next_expiration() if old is not None and old.peer != record.peer else None
         if tombstone is not None:
             self._store(old.peer, None, tombstone)
@@ -662,10 +670,7 @@ class DhtDirectory(Directory):
 
     def update(self, **fields: int) -> None:
         with self._lock:
-            self._check_open()
-            if self._record is None:
-                raise DirectoryError("update() before announce(): there is no record to change")
-            self._record = _updated(self._record, fields)
+            self._record = self._updated_record(fields)
 
     def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
         """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""

@@ -128,16 +128,16 @@ def peer(
     import secrets
     import signal
 
-    from gossiploco.config import load_config
-    from gossiploco.metrics import MetricsSink
-    from gossiploco.runtime.peer import NetworkPeer, run_id_for
-
     if rank is None and join:
         rank = secrets.randbelow(2**31)
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     node = None
     try:
+        from gossiploco.config import load_config
+        from gossiploco.metrics import MetricsSink
+        from gossiploco.runtime.peer import NetworkPeer, run_id_for
+
         if bool(join) == bool(peers):
             raise ConfigError("--join", "give either --join BOOTSTRAP_MULTIADDR (the DHT) or --peers LIST (a static list)")
         if rank is None:
@@ -156,6 +156,11 @@ def peer(
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id)
     except GossiplocoError as exc:
         _fail(exc)
+    except KeyboardInterrupt:  # during start-up (loading data, starting the DHT node): nothing to keep
+        if node is not None:
+            node.close()
+        console.print("[yellow]interrupted[/] during start-up")
+        raise typer.Exit(code=130)
     out = out or Path(f"runs/peer-{rank}")
     # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept.
     signal.signal(signal.SIGTERM, _raise_interrupt)

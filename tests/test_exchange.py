@@ -58,9 +58,11 @@ class ZmqGroup:
         self.exchanges[rank].close()
 
     def restart(self, rank: int) -> ZmqExchange:
-        """A fresh exchange for ``rank`` at its old address (a restarted process)."""
+        """A fresh exchange for ``rank`` at its old address (a restarted process: it has not decided
+        yet from which round it takes part, as ``NetworkPeer`` constructs it)."""
         self.exchanges[rank].close()
-        self.exchanges[rank] = ZmqExchange(rank, self.endpoints, self.run_id, self.timeout_s, **self.options)
+        self.exchanges[rank] = ZmqExchange(rank, self.endpoints, self.run_id, self.timeout_s, join_round=None,
+                                           **self.options)
         return self.exchanges[rank]
 
     def close(self) -> None:

@@ -427,3 +427,14 @@ def test_an_advertised_address_with_port_zero_gets_the_bound_port():
         assert ex.check_reachable(3.0)
     finally:
         ex.close()
+
+
+def test_views_heal_when_a_connection_comes_back(groups):
+    g = groups(3)
+    ex0, ex1 = g.exchanges[0], g.exchanges[1]
+    g.crash(2)
+    assert wait_until(lambda: ex0.members() == [0, 1] and ex1.members() == [0, 1])
+    # A peer that comes back still taking part from round 0 (as one whose connections dropped
+    # while it kept running): the others probe it on the handshake and re-admit it, no announce.
+    g.exchanges[2] = ZmqExchange(2, g.endpoints, g.run_id, g.timeout_s, **g.options)
+    assert wait_until(lambda: ex0.members(0) == [0, 1, 2] and ex1.members(0) == [0, 1, 2], 10.0)

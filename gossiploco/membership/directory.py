@@ -109,6 +109,8 @@ ENDPOINT_PATTERN = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})")
 WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version"})
 MAX_REPORTED = 4096
 """How many distinct bad records a ``DhtDirectory`` remembers having warned about."""
+CLOSE_WITHDRAW_S = 3.0
+"""Deadline of the tombstone ``close()`` stores, and of each wait for the heartbeat thread there."""
 REJOIN_HEARTBEATS = 3
 """The heartbeat re-dials initial peers missing from the routing table at most every this many heartbeats."""
 _TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # the same class from Python 3.11 on
@@ -540,7 +542,7 @@ class DhtDirectory(Directory):
     ``ttl_s``: a record of a crashed peer disappears at most this long after its last heartbeat.
     ``heartbeat_s``: how often the current record is re-published (must be below ``ttl_s``).
     ``timeout_s``: deadline of joining and of every DHT operation (``announce``, ``peers``,
-    ``withdraw``); ``close`` takes at most about ``timeout_s`` plus 3 s.
+    ``withdraw``); ``close`` takes at most about 3 x ``CLOSE_WITHDRAW_S`` plus the DHT's shutdown.
     """
 
     def __init__(self, run_id: str, *, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
@@ -607,16 +609,18 @@ class DhtDirectory(Directory):
                       "or see changes, restart it", self.run_id, self._dht.exitcode)
         return False
 
-    def _store(self, peer: int, value: dict | None, expiration: float) -> bool:
-        """Store one subkey; True when at least one DHT node accepted it. Logs, never raises."""
+    def _store(self, peer: int, value: dict | None, expiration: float, timeout_s: float | None = None) -> bool:
+        """Store one subkey within ``timeout_s`` (default: the directory's); True when at least one
+        DHT node accepted it. Logs, never raises."""
         if not self._dht_alive():
             return False
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             with self._dht_lock:
                 future = self._dht.store(self.key, value, expiration_time=expiration, subkey=peer, return_future=True)
-            return bool(future.result(timeout=self.timeout_s))
+            return bool(future.result(timeout=timeout_s))
         except _TIMEOUTS:
-            log.debug("run %s: storing the record of peer %d timed out after %g s", self.run_id, peer, self.timeout_s)
+            log.debug("run %s: storing the record of peer %d timed out after %g s", self.run_id, peer, timeout_s)
         except Exception as exc:  # a dead DHT process breaks its pipe; hivemind raises various types
             log.debug("run %s: storing the record of peer %d failed: %r", self.run_id, peer, exc)
         return False
@@ -753,14 +757,14 @@ class DhtDirectory(Directory):
             self._check_open()
         self._withdraw()
 
-    def _withdraw(self) -> None:
+    def _withdraw(self, timeout_s: float | None = None) -> None:
         with self._lock:
             record, self._record = self._record, None
             if record is None:
                 return
             expiration = self._next_expiration()
             self._known.pop(record.peer, None)
-        if not self._store(record.peer, None, expiration):
+        if not self._store(record.peer, None, expiration, timeout_s):
             log.warning("run %s: could not withdraw peer %d's record; it expires within %g s",
                         self.run_id, record.peer, self.ttl_s)
 
@@ -769,12 +773,16 @@ class DhtDirectory(Directory):
             if self._closed:
                 return
             self._closed = True
+        # Closing is how a peer leaves (Ctrl+C): it must be quick, so the tombstone gets a short
+        # deadline (a record that misses it still expires within ttl_s), and a heartbeat stuck in a
+        # store is not waited for: shutting the DHT down fails its request.
         try:
-            self._withdraw()
+            self._withdraw(min(self.timeout_s, CLOSE_WITHDRAW_S))
         finally:
             self._stop.set()
-            self._heartbeat.join(timeout=self.timeout_s + 1.0)
-            if self._heartbeat.is_alive():
-                log.error("run %s: directory heartbeat thread did not stop", self.run_id)
+            self._heartbeat.join(timeout=CLOSE_WITHDRAW_S)
             with self._dht_lock:
                 self._dht.shutdown()
+            self._heartbeat.join(timeout=CLOSE_WITHDRAW_S)
+            if self._heartbeat.is_alive():
+                log.error("run %s: directory heartbeat thread did not stop", self.run_id)

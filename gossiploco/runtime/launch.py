@@ -94,8 +94,10 @@ class LocalPeers:
                 codes[rank] = None
         return codes
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """SIGINT every live peer (resuming frozen ones), wait up to ``grace_s``, then SIGKILL. Idempotent."""
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGINT every live peer (resuming frozen ones), wait up to ``grace_s``, then SIGKILL. Idempotent.
+        A peer's graceful leave tells the others, withdraws its DHT record (at most 3 s) and shuts its
+        DHT node down, which on a loaded machine takes several seconds."""
         live = [p for p in self.procs.values() if p.poll() is None]
         for proc in live:
             for sig in (signal.SIGCONT, signal.SIGINT):

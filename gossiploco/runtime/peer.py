@@ -138,7 +138,7 @@ class NetworkPeer:
         self.directory = directory
         self.exchange = ZmqExchange(rank, known, self.run_id, t.exchange_s, grace_s=t.grace_s, deadlines=deadlines,
                                     max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
-                                    bind=bind, join_round=0 if directory is None else None, heartbeat_s=t.heartbeat_s)
+                                    bind=bind, join_round=None, heartbeat_s=t.heartbeat_s)  # decided in _join
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self._stop_discovery = threading.Event()
@@ -203,12 +203,12 @@ class NetworkPeer:
             return
         self._closed = True
         self._stop_discovery.set()
+        self.exchange.leave(linger_s=linger_s)  # first: the others drop this peer at once, no deadline to wait out
+        self.algo.close()
         if self.directory is not None:
-            self.directory.close()  # withdraws this peer's announcement
+            self.directory.close()  # withdraws this peer's announcement (bounded; it expires anyway)
         if self._discovery is not None:
             self._discovery.join(timeout=self.cfg.timeouts.discovery_s + 10)
-        self.exchange.leave(linger_s=linger_s)  # the others drop this peer at once, no deadline to wait out
-        self.algo.close()
 
     # -- joining and catching up -------------------------------------------------------------------
 
@@ -223,8 +223,8 @@ class NetworkPeer:
         rounds = self._ask_rounds()
         ahead = {p: r for p, r in rounds.items() if r >= 1}
         if not ahead:
+            ex.announce(0)
             if self.directory is not None:  # a fresh swarm: start together once `workers` peers are in
-                ex.announce(0)
                 members = ex.wait_members(0, self.cfg.workers, t.startup_s)
                 if len(members) < self.cfg.workers:
                     log.warning("rank %d: starting round 0 with %s (%d of %d peers); others join when they come",

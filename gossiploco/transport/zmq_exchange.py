@@ -44,8 +44,10 @@ float32 chunk. ``bytes_sent``/``bytes_received`` count the float32 chunk bytes o
 
 Membership (made dynamic by ``hello`` messages): ``members(r)`` is this peer's view of the
 peers taking part in round r's exchanges. At construction every peer of the given list takes
-part from round 0; a peer added later is pending until it says hello (``add_peer`` asks it to). A peer whose connection drops leaves the group and, when it comes back, stays
-*pending* until it says ``hello``: "I take part from round J on" (``announce``). A hello may ask
+part from round 0; a peer added later (``add_peer``) is pending until it says hello. A peer whose
+connection drops leaves the group and, when it comes back, stays *pending* until it says
+``hello``: "I take part from round J on" (``announce``). Every handshake with a pending peer
+sends it a probe, whose reply says its join round, so views heal after reconnections. A hello may ask
 for a reply; the reply carries the replier's own join round and ``current_round`` (the round it
 is in, -1 before the first), so a starting peer learns whether the swarm is already past round 0
 (``peer_rounds``) and must catch up by downloading state (``fetch_state`` from a peer that
@@ -514,8 +516,8 @@ class ZmqExchange(Exchange):
 
     def add_peer(self, peer: int, endpoint: str) -> bool:
         """Connect to ``peer`` at ``endpoint`` (a peer found by discovery). It stays pending until it
-        says hello; this peer asks it to (a probe), so its join round arrives without waiting for its
-        own announcement. A known peer at a new endpoint (it restarted elsewhere) is reconnected.
+        says hello; once connected, this peer asks it (a probe, sent on every handshake with a pending
+        peer), so its join round arrives without waiting for its own announcement. A known peer at a new endpoint (it restarted elsewhere) is reconnected.
         Returns True if anything changed."""
         if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
             return False
@@ -538,7 +540,6 @@ class ZmqExchange(Exchange):
                         pass
                     sock.connect(endpoint)
             log.info("rank %d: peer %d moved from %s to %s", self.rank, peer, old, endpoint)
-        self._submit(("hello", peer, -1, 1))
         return True
 
     def leave(self, linger_s: float = 0.5) -> None:
@@ -1042,6 +1043,11 @@ class ZmqExchange(Exchange):
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self._connected.add(peer)
                     self._failed.pop(peer, None)
+                    if peer not in self._joined:
+                        # A new or returning peer: ask where it stands (its reply carries its join
+                        # round). Asked here, once the connection is up, so the question is not
+                        # lost in a reconnection, which left views disagreeing for good.
+                        self._submit(("hello", peer, -1, 1))
                 elif event["event"] == zmq.EVENT_DISCONNECTED and peer in self._connected:
                     self._connected.discard(peer)
                     self._failed[peer] = self._lost_at[peer] = time.monotonic()

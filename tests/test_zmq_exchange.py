@@ -438,3 +438,16 @@ def test_views_heal_when_a_connection_comes_back(groups):
     # while it kept running): the others probe it on the handshake and re-admit it, no announce.
     g.exchanges[2] = ZmqExchange(2, g.endpoints, g.run_id, g.timeout_s, **g.options)
     assert wait_until(lambda: ex0.members(0) == [0, 1, 2] and ex1.members(0) == [0, 1, 2], 10.0)
+
+
+def test_a_leader_still_starting_up_keeps_the_ready_it_gets_early(groups):
+    g = groups(2, grace_s=5.0)
+    ex0, ex1 = g.exchanges
+    with ex0._cond:
+        del ex0._joined[0]  # rank 0 has not decided when it takes part (its runtime is still starting)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        follower = pool.submit(ex1.group, "mix1/0", 0)
+        assert wait_until(lambda: "mix1/0" in ex0._ready)  # kept, not answered "not leading"
+        ex0.announce(0)
+        assert ex0.group("mix1/0", 0) == [0, 1]
+        assert follower.result(timeout=10) == [0, 1]

@@ -983,7 +983,8 @@ class ZmqExchange(Exchange):
             self._submit(("state", sender, header.key.removeprefix("state/req/"), 0))
 
     def _group_message(self, header: codec.Header, meta: list[int]) -> None:
-        """A follower's ``ready`` (this peer leads, or answers that it does not) or a leader's decision."""
+        """A follower's ``ready`` (this peer leads, or answers that it does not; a peer still starting
+        up, which has not decided its join round, keeps it: it is about to lead) or a leader's decision."""
         sender, key, phase = header.sender, header.key, meta[0]
         if phase == _READY:
             if len(meta) != 2:
@@ -997,8 +998,8 @@ class ZmqExchange(Exchange):
                                 self.rank, sender, key, meta[1] + 1)
                 decided = self._decided.get(key)
                 if decided is None:
-                    view = self.members(meta[1])
-                    if view[0] != self.rank or self._joined.get(self.rank, math.inf) > meta[1]:
+                    own = self._joined.get(self.rank)  # None: this peer has not decided yet (starting up)
+                    if own is not None and (self.members(meta[1])[0] != self.rank or own > meta[1]):
                         reply = [_NOT_LEADING, self.current_round]
                     else:
                         _remember(self._ready, key, self._ready.get(key, set()) | {sender})

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import importlib.util
 import json
 import os
 import platform
@@ -49,15 +48,14 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-for _p in (str(ROOT), str(Path(__file__).resolve().parent)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from gossiploco.runtime.launch import free_ports
 
-from allreduce_common import (  # noqa: E402
-    GroupFailed, become_session_leader, close_within, cpu_seconds, finish, free_ports, proc_status,
-    reset_peak_rss, run_group, thread_cpu, thread_cpu_delta,
+from allreduce_common import (  # a sibling in bench/, on sys.path when a bench script runs
+    GroupFailed, become_session_leader, close_within, cpu_seconds, finish, load_impl, proc_status, reset_peak_rss,
+    run_group, thread_cpu, thread_cpu_delta,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 GEN_CHUNK = 1 << 22  # elements per independently seeded randn chunk
 DEFAULT_ZMQ_IMPL = "gossiploco.transport.zmq_exchange:ZmqExchange"
@@ -113,18 +111,6 @@ def check_result(result, world: int, rank: int, rep: int, total: int) -> dict:
         err = float((mine.double() - acc).abs().max())
         worst = max(worst, err if err == err else float("inf"))  # NaN counts as a failure
     return {"max_err": worst, "sums": sums}
-
-
-def load_impl(spec: str):
-    """``module:attr`` or ``/path/file.py:attr`` (to benchmark an experimental exchange)."""
-    module, _, attr = spec.rpartition(":")
-    if module.endswith(".py"):
-        loaded = importlib.util.spec_from_file_location(Path(module).stem, module)
-        mod = importlib.util.module_from_spec(loaded)
-        loaded.loader.exec_module(mod)
-    else:
-        mod = importlib.import_module(module)
-    return getattr(mod, attr)
 
 
 # -- backends (inside the peer processes) ----------------------------------------------------------

@@ -1,5 +1,7 @@
 """Process plumbing shared by ``bench/allreduce.py`` and ``bench/allreduce_overlap.py``.
 
+``load_impl`` loads the exchange class under test (``--zmq-impl``), in the driver and in the peers.
+
 ``run_group`` starts the peer processes (multiprocessing ``spawn``), collects their messages and
 guarantees that nothing outlives it: every peer calls ``become_session_leader`` first, and the
 driver SIGKILLs each peer's whole process group on the way out (error, timeout, Ctrl+C or
@@ -10,31 +12,31 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
+import importlib.util
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 class GroupFailed(RuntimeError):
     """A peer reported an error, died, or the group stopped making progress."""
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct loopback ports that were free a moment ago (all held open together)."""
-    held = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            held.append(s)
-        return [s.getsockname()[1] for s in held]
-    finally:
-        for s in held:
-            s.close()
+def load_impl(spec: str):
+    """``module:attr`` or ``/path/file.py:attr`` (to benchmark an experimental exchange)."""
+    module, _, attr = spec.rpartition(":")
+    if module.endswith(".py"):
+        loaded = importlib.util.spec_from_file_location(Path(module).stem, module)
+        mod = importlib.util.module_from_spec(loaded)
+        loaded.loader.exec_module(mod)
+    else:
+        mod = importlib.import_module(module)
+    return getattr(mod, attr)
 
 
 def become_session_leader() -> None:

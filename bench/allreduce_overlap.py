@@ -29,8 +29,10 @@ import threading
 import time
 import traceback
 
-from allreduce_common import (
-    GroupFailed, become_session_leader, close_within, finish, free_ports, proc_status, reset_peak_rss, run_group,
+from gossiploco.runtime.launch import free_ports
+
+from allreduce_common import (  # a sibling in bench/, on sys.path when a bench script runs
+    GroupFailed, become_session_leader, close_within, finish, load_impl, proc_status, reset_peak_rss, run_group,
 )
 
 DEFAULT_STEPS = {"tiny": 40, "small": 15, "125m": 4}  # inner steps per phase
@@ -78,8 +80,6 @@ def overlap_peer(rank: int, world: int, cfg: dict, barrier, results, info_q, ext
 def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> None:
     import numpy as np
     import torch
-
-    from allreduce import load_impl
 
     lock, limit, started, busy = extra
     torch.set_num_threads(1)

@@ -30,19 +30,23 @@ ZeroMQ heartbeats (``--heartbeat-timeout-s``): the runtime drops a connection wh
 message arrives within ``timeouts.heartbeat_s`` (5 s) of a heartbeat (libzmq counts complete
 messages, not bytes). On these slow shared links a 4 MiB chunk, or a TCP flow stalled by drops, can
 take longer, so healthy connections are dropped and exchanges fail (results/utilization.md has the
-evidence). The option sets ``timeouts.heartbeat_s`` for the peers, as a user on such a link would;
-0 (default) keeps the runtime's default.
+evidence). The option sets ``timeouts.heartbeat_s`` for the peers (and the swap probe), as a user on
+such a link would; 0 (default) keeps the runtime's default. ``--swap-mb`` shows the drop in isolation.
 
 Discovery (``--discovery``): ``dht`` (default) runs a bootstrap node (``gossiploco dht``) in peer 0's
 namespace and starts every peer with ``--join`` it, as users do; ``static`` gives them the list.
 
 Per bandwidth it runs, in order:
 
-1. a raw TCP stream p0 -> p1 (``bench/netem_probe.py tcp-*``): the goodput one flow gets;
-2. the ring all-reduce of the model's payload among the M peers (``netem_probe.py ring``, the
-   project's ``ZmqExchange.all_reduce_mean``): effective rate ``2 (M-1)/M * bytes * 8 / seconds``
-   against B;
-3. every preset (``--presets``, default all of ``peers/``): M peers, each started as
+1. a raw TCP stream p0 -> p1 (probe ``tcp-server`` / ``tcp-client``): the goodput one flow gets;
+2. the ring all-reduce of the model's payload among the M peers (probe ``ring``, the project's
+   ``ZmqExchange.all_reduce_mean``): effective rate ``2 (M-1)/M * bytes * 8 / seconds`` against B;
+3. with ``--swap-mb MB``, the heartbeat check (probe ``swap``): p0 and p1 swap MB with
+   ``ZmqExchange.swap`` in ``--chunk-mb`` chunks, with the peers' heartbeat timeout
+   (``--heartbeat-timeout-s``, else the runtime's). It shows whether a healthy connection survives
+   one chunk's time on the wire: ``--bandwidths 5 --swap-mb 8`` fails with the runtime's 5 s and
+   passes with ``--heartbeat-timeout-s 60`` or ``--chunk-mb 1`` (see "ZeroMQ heartbeats" above);
+4. every preset (``--presets``, default all of ``peers/``): M peers, each started as
    ``ip netns exec PREFIX-pI python -m gossiploco peer --rank I --join BOOTSTRAP --host 10.77.0.I+1``.
    By default an inner step is a sleep of ``--step-time`` seconds (``inner.synthetic_step_s``: the
    machine's CPU may be shared, a sleep is not slowed down by it; the communication is real).
@@ -68,6 +72,8 @@ with the same prefix apart. Every wait has a deadline; peer processes get SIGINT
     sudo .venv/bin/python bench/netem.py --heartbeat-timeout-s 60   # every preset at 16 and 60 Mbit/s
     sudo .venv/bin/python bench/netem.py --presets diloco,globalm1 --bandwidths 20 --rounds 3
     sudo .venv/bin/python bench/netem.py --real-compute --presets globalm1-localm2 --bandwidths 60
+    sudo .venv/bin/python bench/netem.py --workers 2 --bandwidths 5 --presets none --tcp-seconds 0 \
+        --ring-repeats 0 --swap-mb 8                           # the heartbeat drop alone (then: --heartbeat-timeout-s 60)
     .venv/bin/python bench/netem.py --predict-only             # the predictions only (no root needed)
     sudo .venv/bin/python bench/netem.py --cleanup             # remove leftovers of a crashed run
 
@@ -76,6 +82,11 @@ broke (a peer failed or timed out), 2 cannot run here, 130 interrupted. Output: 
 (default runs/netem): results.json (everything, per peer), table.md, and per run the peers' logs,
 metrics.jsonl and summary.json; ``--sample-links 0.1`` adds every switch port's byte counters
 over time (links.jsonl).
+
+The probes run as ``bench/netem.py probe KIND ...`` inside the namespaces, one process per
+namespace (``bench/netem.py probe KIND --help``): ``ring``, ``swap``, ``tcp-server`` /
+``tcp-client`` (one raw TCP stream, no ZeroMQ: what a single flow gets out of the shaped link) and
+``sample`` (in the switch namespace: every port's byte counters at an interval, JSON lines).
 """
 
 from __future__ import annotations
@@ -88,6 +99,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -97,14 +109,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+SELF = Path(__file__).resolve()
+ROOT = SELF.parent.parent
 
 DEFAULT_PREFIX = "gln"
 SUBNET = "10.77.0"
 """Peer I gets 10.77.0.{I+1}/24 (a private range; only inside this benchmark's namespaces)."""
 PEER_PORT = 7100
 RING_PORT = 6900
+SWAP_PORT = 6950
 TCP_PORT = 6800
 CMD_TIMEOUT_S = 20.0
 """Deadline of one ip / tc command."""
@@ -381,8 +394,7 @@ class Group:
 
 def child_env() -> dict[str, str]:
     """Children: unbuffered output, one math thread each (M peers share the machine's cores)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -401,11 +413,11 @@ def probe_tcp(net: Network, out_dir: Path, seconds: float) -> dict:
     group = Group(out_dir)
     result_path = out_dir / "tcp.json"
     result_path.unlink(missing_ok=True)
-    probe = str(ROOT / "bench" / "netem_probe.py")
+    probe = [sys.executable, str(SELF), "probe"]
     try:
-        group.start([*net.exec_prefix(1), sys.executable, probe, "tcp-server", "--host", net.address(1),
+        group.start([*net.exec_prefix(1), *probe, "tcp-server", "--host", net.address(1),
                      "--port", str(TCP_PORT), "--out", str(result_path), "--timeout-s", "60"], "tcp-server.log", child_env())
-        group.start([*net.exec_prefix(0), sys.executable, probe, "tcp-client", "--host", net.address(1),
+        group.start([*net.exec_prefix(0), *probe, "tcp-client", "--host", net.address(1),
                      "--port", str(TCP_PORT), "--seconds", str(seconds), "--timeout-s", "60"], "tcp-client.log", child_env())
         codes = group.wait(seconds + 90)
     finally:
@@ -415,19 +427,17 @@ def probe_tcp(net: Network, out_dir: Path, seconds: float) -> dict:
     return json.loads(result_path.read_text())
 
 
-def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s: float, trace: bool = False,
-               chunk_mb: float = 4.0) -> dict:
+def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s: float, chunk_mb: float = 4.0) -> dict:
     """The project's ring all-reduce of ``numel`` fp32 among all peers, ``repeats`` times."""
     group = Group(out_dir)
     peers = ",".join(f"tcp://{net.address(r)}:{RING_PORT}" for r in range(net.peers))
-    probe = str(ROOT / "bench" / "netem_probe.py")
     paths = [out_dir / f"ring-{r}.json" for r in range(net.peers)]
     try:
         for r, path in enumerate(paths):
             path.unlink(missing_ok=True)
-            group.start([*net.exec_prefix(r), sys.executable, probe, "ring", "--rank", str(r), "--peers", peers,
+            group.start([*net.exec_prefix(r), sys.executable, str(SELF), "probe", "ring", "--rank", str(r), "--peers", peers,
                          "--numel", str(numel), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
-                         "--chunk-mb", str(chunk_mb), "--out", str(path), *(["--trace"] if trace else [])], f"ring-{r}.log", child_env())
+                         "--chunk-mb", str(chunk_mb), "--out", str(path)], f"ring-{r}.log", child_env())
         codes = group.wait(timeout_s * (repeats + 2) + 60)
     finally:
         group.stop()
@@ -438,6 +448,31 @@ def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s:
     # One collective's duration: the slowest rank of that repeat (all ranks started after a barrier).
     durations = [max(rank[k] for rank in per_rank) for k in range(repeats)]
     return {"numel": numel, "payload_bytes": 4 * numel, "seconds_per_rank": per_rank, "durations_s": durations}
+
+
+def probe_swap(net: Network, out_dir: Path, mb: float, chunk_mb: float, heartbeat_s: float = 0.0,
+               timeout_s: float = 120.0) -> dict:
+    """The heartbeat check: peers 0 and 1 swap ``mb`` MB with ``ZmqExchange.swap`` in ``chunk_mb`` MiB
+    chunks, with heartbeat timeout ``heartbeat_s`` (0: the runtime's). A failed swap is a result, not
+    an error: ``{"ok": False, "error": ...}``; an error is a probe that did not report at all."""
+    group = Group(out_dir)
+    peers = f"tcp://{net.address(0)}:{SWAP_PORT},tcp://{net.address(1)}:{SWAP_PORT}"
+    paths = [out_dir / f"swap-{r}.json" for r in range(2)]
+    try:
+        for r, path in enumerate(paths):
+            path.unlink(missing_ok=True)
+            group.start([*net.exec_prefix(r), sys.executable, str(SELF), "probe", "swap", "--rank", str(r), "--peers", peers,
+                         "--mb", str(mb), "--chunk-mb", str(chunk_mb), "--heartbeat-s", str(heartbeat_s),
+                         "--timeout-s", str(timeout_s), "--out", str(path)], f"swap-{r}.log", child_env())
+        codes = group.wait(2 * timeout_s + 60)
+    finally:
+        group.stop()
+    if any(c != 0 for c in codes) or not all(p.exists() for p in paths):
+        logs = "\n".join(tail(out_dir / f"swap-{r}.log", 5) for r in range(2))
+        raise RuntimeError(f"swap probe failed (exit codes {codes}):\n{logs}")
+    sides = [json.loads(p.read_text()) for p in paths]
+    return {"mb": mb, "chunk_mb": chunk_mb, "heartbeat_s": sides[0]["heartbeat_s"], "ok": all(s["ok"] for s in sides),
+            "seconds": max(s.get("seconds") or 0.0 for s in sides), "sides": sides}
 
 
 def ring_rate_mbps(payload_bytes: float, workers: int, seconds: float) -> float:
@@ -607,7 +642,7 @@ def run_plan(net: Network, plan: Plan, args: argparse.Namespace, out_dir: Path, 
     sampler = Group(out_dir)
     try:
         if args.sample_links:
-            sampler.start([*net.exec_prefix_switch(), sys.executable, str(ROOT / "bench" / "netem_probe.py"), "sample",
+            sampler.start([*net.exec_prefix_switch(), sys.executable, str(SELF), "probe", "sample",
                            "--interval-s", str(args.sample_links), "--seconds", str(timeout_s + 30),
                            "--out", str(out_dir / "links.jsonl")], "sampler.log", child_env())
         join = start_bootstrap(net, group, port + 1) if args.discovery == "dht" else None  # stopped with the group
@@ -708,15 +743,18 @@ def breakdown_row(r: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| preset | B (Mbit/s) | Mix1 / compute | predicted % | measured % median (min-max) | diff (pts) | within 5 | "
-             "failed exchanges | simulator at TCP goodput % | measured, last round % | notes |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
-    lines += [fmt_row(r) for r in results["runs"]]
-    lines += ["", "Per round, median over peers, predicted / measured seconds (blocking = Mix1 wait + Mix2, or the "
-              "gradient all-reduces of sync-dp; other = outer step, packing, thread hand-offs):", "",
-              "| preset | B | compute | blocking comm | monitor | other | round |", "|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [breakdown_row(r) for r in results["runs"] if "error" not in r]
-    lines += ["", "| B (Mbit/s) | raw TCP goodput | ring all-reduce of the model (median of repeats) | % of B | "
+    lines: list[str] = []
+    if results["runs"]:  # none with --presets none (link probes only)
+        lines += ["| preset | B (Mbit/s) | Mix1 / compute | predicted % | measured % median (min-max) | diff (pts) | "
+                  "within 5 | failed exchanges | simulator at TCP goodput % | measured, last round % | notes |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
+        lines += [fmt_row(r) for r in results["runs"]]
+        lines += ["", "Per round, median over peers, predicted / measured seconds (blocking = Mix1 wait + Mix2, or the "
+                  "gradient all-reduces of sync-dp; other = outer step, packing, thread hand-offs):", "",
+                  "| preset | B | compute | blocking comm | monitor | other | round |", "|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [breakdown_row(r) for r in results["runs"] if "error" not in r]
+        lines.append("")
+    lines += ["| B (Mbit/s) | raw TCP goodput | ring all-reduce of the model (median of repeats) | % of B | "
               "globalm1 Mix1 (last round, median peer) | diloco Mix2 (last round, median peer) |",
               "|---:|---:|---:|---:|---:|---:|"]
     for link in results["links"]:
@@ -730,7 +768,22 @@ def markdown(results: dict) -> str:
             rate = mix_rate(results, preset, b, key)
             cells.append(f"{rate:.2f} Mbit/s ({100 * rate / b:.1f}%)" if rate else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    swaps = [link for link in results["links"] if "swap" in link]
+    if swaps:
+        lines += ["", "Heartbeat check (`--swap-mb`): peers 0 and 1 swap a payload with `ZmqExchange.swap`:", ""]
+        lines += [f"- {link['bandwidth_mbps']:g} Mbit/s: {swap_line(link['swap'], link['bandwidth_mbps'])}" for link in swaps]
     return "\n".join(lines)
+
+
+def swap_line(swap: dict, bandwidth_mbps: float) -> str:
+    """One line on a heartbeat check: what was swapped, with which timeout, and how it went."""
+    chunk_s = swap["chunk_mb"] * (1 << 20) * 8 / (bandwidth_mbps * 1e6)
+    what = (f"swap of {swap['mb']:g} MB in {swap['chunk_mb']:g} MiB chunks ({chunk_s:.1f} s per chunk at the link rate), "
+            f"heartbeat timeout {swap['heartbeat_s']:g} s: ")
+    if swap["ok"]:
+        return what + f"ok in {swap['seconds']:.1f} s"
+    errors = sorted({f"rank {side['rank']}: {side['error']}" for side in swap["sides"] if "error" in side})
+    return what + f"FAILED after {swap['seconds']:.1f} s ({'; '.join(errors)})"
 
 
 def mix_rate(results: dict, preset: str, bandwidth: float, mix: str) -> float | None:
@@ -747,14 +800,206 @@ def mix_rate(results: dict, preset: str, bandwidth: float, mix: str) -> float | 
 
 
 # ---------------------------------------------------------------------------------------
+# Probes: ``bench/netem.py probe KIND``, one process inside each namespace
+
+
+def _exchange(rank: int, peers: str, run_id: str, timeout_s: float, chunk_mb: float, heartbeat_s: float | None = None):
+    """A ``ZmqExchange`` among ``peers`` (comma-separated endpoints) with the peers' transport settings."""
+    from gossiploco.config import TransportConfig
+    from gossiploco.transport.zmq_exchange import ZmqExchange
+
+    transport = TransportConfig(chunk_mb=chunk_mb)  # messages up to the peers' default 64 MiB
+    return ZmqExchange(rank, peers.split(","), run_id, timeout_s, max_message_bytes=int(transport.max_message_mb * (1 << 20)),
+                       chunk_bytes=int(transport.chunk_mb * (1 << 20)) // 4 * 4, heartbeat_s=heartbeat_s)
+
+
+def ring_side(args: argparse.Namespace) -> int:
+    """Time ``--repeats`` ring all-reduces of ``--numel`` fp32 (``ZmqExchange.all_reduce_mean``, the code
+    Mix1 and DiLoCo's Mix2 run), each after a tiny barrier all-reduce so every peer starts together;
+    check the mean; write the seconds per repeat to ``--out``."""
+    import torch
+
+    torch.set_num_threads(1)
+    ex = _exchange(args.rank, args.peers, "netem-ring", args.timeout_s, args.chunk_mb)
+    members = list(range(len(args.peers.split(","))))
+    seconds: list[float] = []
+    try:
+        if not ex.wait_connected(args.timeout_s):
+            print(f"rank {args.rank}: peers not connected after {args.timeout_s}s", file=sys.stderr)
+            return 1
+        flat = torch.full((args.numel,), float(args.rank + 1))
+        expected = sum(r + 1 for r in members) / len(members)
+        tiny = torch.zeros(1)
+        for k in range(args.repeats):
+            ex.all_reduce_mean(f"barrier/{k}", tiny, members)
+            start = time.perf_counter()
+            out = ex.all_reduce_mean(f"mix1/{k}", flat, members)
+            seconds.append(time.perf_counter() - start)
+            if abs(float(out[0]) - expected) > 1e-4 or abs(float(out[-1]) - expected) > 1e-4:
+                print(f"rank {args.rank}: wrong all-reduce result {float(out[0])} != {expected}", file=sys.stderr)
+                return 1
+        ex.all_reduce_mean("barrier/end", tiny, members)
+    finally:
+        ex.close(linger_s=0.5)
+    Path(args.out).write_text(json.dumps({"rank": args.rank, "numel": args.numel, "workers": len(members), "seconds": seconds}))
+    return 0
+
+
+def swap_side(args: argparse.Namespace) -> int:
+    """One side of the heartbeat check: swap ``--mb`` MB with the other rank; write whether it worked
+    (and how long it took, or why it failed) to ``--out``. Exit 0 either way: a failed swap is the
+    measurement; only a probe that cannot report exits non-zero."""
+    import torch
+
+    from gossiploco.config import TimeoutConfig
+    from gossiploco.errors import ExchangeError
+
+    torch.set_num_threads(1)
+    heartbeat_s = args.heartbeat_s or TimeoutConfig().heartbeat_s  # 0: what a peer runs with by default
+    ex = _exchange(args.rank, args.peers, "netem-swap", args.timeout_s, args.chunk_mb, heartbeat_s)
+    out: dict[str, Any] = {"rank": args.rank, "heartbeat_s": heartbeat_s, "chunk_mb": args.chunk_mb, "mb": args.mb}
+    try:
+        if not ex.wait_connected(args.timeout_s):
+            out.update(ok=False, error=f"peers not connected after {args.timeout_s}s")
+        else:
+            start = time.perf_counter()
+            try:
+                ex.swap("mix2/0", 1 - args.rank, torch.ones(int(args.mb * 1e6 / 4)))
+                out.update(ok=True, seconds=round(time.perf_counter() - start, 2))
+            except ExchangeError as exc:
+                out.update(ok=False, seconds=round(time.perf_counter() - start, 2), error=f"{type(exc).__name__}: {exc}")
+            # A swap returns once the partner's data is in: wait until the partner has ours too before
+            # closing. After a failed swap this barrier may fail too (at once, or at --timeout-s): the
+            # result is already known.
+            with contextlib.suppress(ExchangeError):
+                ex.all_reduce_mean("done", torch.zeros(1), [0, 1])
+    finally:
+        ex.close(linger_s=1.0)
+    Path(args.out).write_text(json.dumps(out))
+    return 0
+
+
+def tcp_server(args: argparse.Namespace) -> int:
+    """Accept one TCP stream, count what arrives until the sender closes; write the goodput to ``--out``."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((args.host, args.port))
+    srv.listen(1)
+    srv.settimeout(args.timeout_s)
+    conn, _ = srv.accept()
+    conn.settimeout(args.timeout_s)
+    received, first, last = 0, None, None
+    with conn, srv:
+        while True:
+            data = conn.recv(1 << 20)
+            if not data:
+                break
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            else:
+                received += len(data)  # bytes after the first read, over the time after it
+            last = now
+    if first is None or last is None or last <= first:
+        print("tcp-server: nothing received", file=sys.stderr)
+        return 1
+    Path(args.out).write_text(json.dumps({"bytes": received, "seconds": last - first,
+                                          "mbps": received * 8 / (last - first) / 1e6}))
+    return 0
+
+
+def tcp_client(args: argparse.Namespace) -> int:
+    """Send zeros to the server as fast as TCP takes them for ``--seconds``."""
+    deadline = time.monotonic() + args.timeout_s
+    while True:  # the server may not listen yet
+        try:
+            conn = socket.create_connection((args.host, args.port), timeout=2.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    buf = b"\0" * (1 << 16)
+    conn.settimeout(args.timeout_s)
+    start = time.monotonic()
+    with conn:
+        while time.monotonic() - start < args.seconds:
+            conn.sendall(buf)
+        conn.shutdown(socket.SHUT_WR)  # the server's byte count ends when the queued data has arrived
+        conn.recv(1)
+    return 0
+
+
+def sample_links(args: argparse.Namespace) -> int:
+    """Every ``--interval-s``, the byte counters of every interface of this namespace (the switch's
+    veths: rx = what the peer sent, tx = what it received), one JSON line per sample, until killed."""
+    net = Path("/sys/class/net")
+    devs = sorted(d.name for d in net.iterdir() if d.name not in ("lo", "br0"))
+    with open(args.out, "w") as out:
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline:
+            row: dict[str, Any] = {"t": time.time()}
+            for dev in devs:
+                stats = net / dev / "statistics"
+                row[dev] = [int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())]
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            time.sleep(args.interval_s)
+    return 0
+
+
+def probe_main(argv: Sequence[str]) -> int:
+    """``bench/netem.py probe KIND ...``: one probe process (the benchmark starts them in the namespaces)."""
+    parser = argparse.ArgumentParser(prog="bench/netem.py probe", description="One link probe, run inside a "
+                                     "namespace of bench/netem.py's network (the benchmark starts these itself).")
+    sub = parser.add_subparsers(dest="kind", required=True)
+    p = sub.add_parser("ring", help="time the project's ring all-reduce among all peers")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--peers", required=True, help="Comma-separated endpoints of every peer, tcp://HOST:PORT.")
+    p.add_argument("--numel", type=int, required=True, help="fp32 values to all-reduce.")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--chunk-mb", type=float, default=4.0, help="transport.chunk_mb (every peer's must match).")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("swap", help="the heartbeat check: swap a payload between rank 0 and rank 1")
+    p.add_argument("--rank", type=int, choices=(0, 1), required=True)
+    p.add_argument("--peers", required=True, help="The two endpoints, tcp://HOST:PORT,tcp://HOST:PORT.")
+    p.add_argument("--mb", type=float, default=8.0, help="Payload of the swap, MB.")
+    p.add_argument("--chunk-mb", type=float, default=4.0, help="transport.chunk_mb (both sides' must match).")
+    p.add_argument("--heartbeat-s", type=float, default=0.0, help="Heartbeat timeout (0: the runtime's default).")
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("tcp-server", help="receive one raw TCP stream, write its goodput")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, default=TCP_PORT)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("tcp-client", help="send one raw TCP stream")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, default=TCP_PORT)
+    p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--timeout-s", type=float, default=60.0)
+    p = sub.add_parser("sample", help="this namespace's byte counters at an interval (JSON lines)")
+    p.add_argument("--interval-s", type=float, default=0.1)
+    p.add_argument("--seconds", type=float, default=3600.0)
+    p.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    return {"ring": ring_side, "swap": swap_side, "tcp-server": tcp_server, "tcp-client": tcp_client,
+            "sample": sample_links}[args.kind](args)
+
+
+# ---------------------------------------------------------------------------------------
 # Main
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Real gossiploco peers on tc-shaped links in network namespaces: "
                                      "measured compute utilization against the simulator.",
+                                     epilog="`bench/netem.py probe KIND --help`: the link probes it runs inside the "
+                                     "namespaces (ring, swap, tcp-server, tcp-client, sample).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--presets", default="all", help="Comma-separated preset names, or 'all' (every file in peers/).")
+    parser.add_argument("--presets", default="all", help="Comma-separated preset names, 'all' (every file in peers/) or "
+                        "'none' (only the link probes).")
     parser.add_argument("--bandwidths", default="16,60", help="Link rates in Mbit/s (each direction, per peer), comma-separated.")
     parser.add_argument("--workers", type=int, default=4, help="Peers M (one namespace each).")
     parser.add_argument("--model", default="small", help="Model size (payload: its real parameter count, fp32).")
@@ -780,6 +1025,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--tolerance", type=float, default=5.0, help="Points of utilization a median may differ from the prediction.")
     parser.add_argument("--ring-repeats", type=int, default=3, help="Ring all-reduce probes per bandwidth (0: skip).")
     parser.add_argument("--tcp-seconds", type=float, default=3.0, help="Raw TCP probe length per bandwidth (0: skip).")
+    parser.add_argument("--swap-mb", type=float, default=0.0,
+                        help="Heartbeat check per bandwidth: peers 0 and 1 swap this many MB in --chunk-mb chunks with "
+                             "the peers' heartbeat timeout (--heartbeat-timeout-s, else the runtime's); 0: skip.")
     parser.add_argument("--chunk-mb", type=float, default=4.0,
                         help="transport.chunk_mb of the peers and the ring probe (the runtime's default). With the "
                              "runtime's 5 s heartbeat, a chunk that takes longer than 5 s on the wire drops the connection "
@@ -808,6 +1056,8 @@ def presets_of(text: str) -> list[str]:
     names = preset_names()
     if text == "all":
         return names
+    if text == "none":
+        return []
     chosen = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in chosen if p not in names]
     if unknown:
@@ -839,6 +1089,9 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["probe"]:
+        return probe_main(argv[1:])
     args = parse_args(argv)
     if not PREFIX_RE.match(args.prefix):
         print(f"error: --prefix must match {PREFIX_RE.pattern}, got {args.prefix!r}", file=sys.stderr)
@@ -862,6 +1115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"mix2 {p['mix2_attempt_s']:.2f}, x{plan.cfg.rounds} rounds)")
         return 0
 
+    if args.workers < 2 and not args.cleanup and (args.swap_mb > 0 or args.tcp_seconds > 0):
+        print("error: the TCP probe and --swap-mb need --workers 2 or more (they run between peers 0 and 1)", file=sys.stderr)
+        return 1
     problem = preflight()
     if problem:
         print(f"bench/netem.py cannot run here: {problem}", file=sys.stderr)
@@ -932,6 +1188,10 @@ def run_all(net: Network, args: argparse.Namespace, presets: list[str], bandwidt
             link["ring_mbps"] = ring_rate_mbps(4 * numel, net.peers, seconds)
             print(f"[{b:g} Mbit/s] ring all-reduce of {4 * numel / 1e6:.2f} MB among {net.peers}: {seconds:.2f} s = "
                   f"{link['ring_mbps']:.2f} Mbit/s ({100 * link['ring_mbps'] / b:.1f}% of B)", flush=True)
+        if args.swap_mb > 0:
+            link["swap"] = probe_swap(net, link_dir, args.swap_mb, args.chunk_mb, args.heartbeat_timeout_s,
+                                      args.exchange_timeout_s)
+            print(f"[{b:g} Mbit/s] {swap_line(link['swap'], b)}", flush=True)
         for preset in presets:
             plan = make_plan(preset, b, args)
             port += 1

@@ -10,6 +10,7 @@
         ├── PeerFailed              a peer is known to be gone or sent something invalid (remote fault)
         │   └── MalformedMessage    a message failed wire-format validation (gossiploco.transport.codec)
         └── ExchangeClosed          this side's exchange was closed (local misuse or shutdown)
+            └── ExchangeBroken      this side's transport died (a driver thread crashed): the peer must stop
 
 Remote faults (``ExchangeTimeout``, ``PeerFailed``) are expected in a decentralized run: the
 mixing layer records them and falls back to identity for that exchange, so they never
@@ -62,3 +63,8 @@ class MalformedMessage(PeerFailed):
 
 class ExchangeClosed(ExchangeError):
     """The local exchange was closed; the call cannot proceed."""
+
+
+class ExchangeBroken(ExchangeClosed):
+    """The local transport died (one of its threads crashed); no exchange can work, so the peer stops
+    with this error instead of training on with silent identity mixing."""

@@ -9,6 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from conftest import wait_until
 from gossiploco.cli import app
 
 FAST = ["--workers", "3", "--inner-steps", "4", "--rounds", "2", "--model", "tiny", "--device", "cpu", "--quiet"]
@@ -41,6 +42,7 @@ def test_simulate_writes_metrics_and_summary(tmp_path):
     assert "val loss" in result.output
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_metrics(tmp_path):
     def metrics(name, seed):
         out = tmp_path / name
@@ -70,6 +72,7 @@ def test_bad_flags_fail_with_an_error_naming_the_field(tmp_path, args, message):
     assert message in " ".join(result.output.split())
 
 
+@pytest.mark.slow
 def test_console_script_runs_as_a_subprocess(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "gossiploco", "simulate", "-c", "diloco", *FAST, *small_data(tmp_path), "--out", str(tmp_path / "o")],
@@ -81,6 +84,7 @@ def test_console_script_runs_as_a_subprocess(tmp_path):
     assert summary["config"] == "diloco" and summary["max_cd_l2"] == 0.0 and summary["final_val_loss"] < 5.6
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_simulation_cleanly(tmp_path):
     import signal
 
@@ -93,8 +97,8 @@ def test_ctrl_c_stops_a_simulation_cleanly(tmp_path):
         header = proc.stderr.readline()  # printed once the swarm is built, right before training starts
         assert "4 workers x 100 rounds" in header
         metrics = tmp_path / "o" / "metrics.jsonl"
-        while not metrics.exists() or not metrics.read_text():
-            assert proc.poll() is None
+        assert wait_until(lambda: proc.poll() is not None or (metrics.exists() and metrics.read_text()), 60)
+        assert proc.poll() is None, "the simulation ended before it was interrupted"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
         assert "interrupted" in proc.stderr.read()
@@ -110,6 +114,7 @@ def test_peer_needs_exactly_one_way_to_find_the_others(tmp_path):
     assert neither.exit_code == 2 and "either --join" in neither.output
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_peer_with_an_unreachable_bootstrap_address_says_what_to_check(tmp_path):
     from gossiploco.runtime.launch import free_ports
@@ -122,6 +127,7 @@ def test_peer_with_an_unreachable_bootstrap_address_says_what_to_check(tmp_path)
     assert "error:" in proc.stderr and str(port) in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_dht_command_prints_join_lines_and_stops_on_ctrl_c(tmp_path):
     import signal

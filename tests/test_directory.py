@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -40,17 +39,12 @@ from gossiploco.membership import (
     start_bootstrap,
 )
 from gossiploco.membership.bootstrap import load_saved_peers, usable_maddrs
+from gossiploco.runtime.launch import free_ports
 
 TTL_S = 2.0
 HEARTBEAT_S = 0.3
 TIMEOUT_S = 5.0
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def record(peer: int, round_index: int = -1, tokens: int = 0) -> PeerRecord:
@@ -355,6 +349,7 @@ CRASH_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_record_of_a_killed_peer_disappears_after_its_ttl(bootstrap, dht_dirs):
     watcher = dht_dirs("run", bootstrap)
@@ -444,7 +439,7 @@ class ServedBootstrap:
 
 @pytest.mark.timeout(90)
 def test_bootstrap_restart_keeps_its_address_and_the_swarm_keeps_working(tmp_path, dht_dirs):
-    identity, port = tmp_path / "bootstrap.key", free_port()
+    identity, (port,) = tmp_path / "bootstrap.key", free_ports(1)
     served = ServedBootstrap(port, identity)
     try:
         members = [dht_dirs("run", served.addresses) for _ in range(3)]
@@ -488,7 +483,7 @@ def test_identity_file_is_created_private_and_reused(tmp_path):
 @pytest.mark.timeout(30)
 def test_serve_bootstrap_on_all_interfaces_reports_usable_addresses(tmp_path, dht_dirs):
     identity = tmp_path / "id.key"
-    served = ServedBootstrap(free_port(), identity, host="0.0.0.0")
+    served = ServedBootstrap(free_ports(1, "0.0.0.0")[0], identity, host="0.0.0.0")
     try:
         addresses = served.addresses
         assert addresses and not any("/0.0.0.0/" in a for a in addresses)

@@ -1,7 +1,10 @@
-"""bench/netem.py: namespaces and shaped links are built and always removed; a short real run.
+"""bench/netem.py: namespaces and shaped links are built and always removed; the link probes; a short real run.
 
-Skipped unless root with ``ip netns`` and ``tc`` (the benchmark's own preflight). Every test uses
-its own name prefix, so it never touches a benchmark run in progress (prefix ``gln``).
+The tests that build namespaces need root, ``ip`` and ``tc`` (iproute2), ``sysctl`` (procps) and a
+kernel with network namespaces, veth, bridge and htb (the benchmark's own preflight). Where those
+are missing they skip, with the reason; with ``GOSSIPLOCO_REQUIRE_NETNS=1`` (set by ``.ci/run``, which
+runs as root and installs the tools) they fail instead, so CI never skips them silently. Every test
+uses its own name prefix, so it never touches a benchmark run in progress (prefix ``gln``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,35 @@ sys.modules[_spec.name] = netem  # its dataclasses look their module up
 _spec.loader.exec_module(netem)
 
 PROBLEM = netem.preflight()
-needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=f"bench/netem.py cannot run here: {PROBLEM}")
+REQUIRE_ENV = "GOSSIPLOCO_REQUIRE_NETNS"
 PREFIX = f"gt{os.getpid() % 10**7}"
+
+
+@pytest.fixture
+def netns_available():
+    """Skip (or fail, under ``GOSSIPLOCO_REQUIRE_NETNS=1``) where bench/netem.py cannot build its network."""
+    if PROBLEM is None:
+        return
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{REQUIRE_ENV}=1, but bench/netem.py cannot run here: {PROBLEM}")
+    pytest.skip(f"bench/netem.py cannot run here: {PROBLEM} (set {REQUIRE_ENV}=1 to fail instead)")
+
+
+needs_netns = pytest.mark.usefixtures("netns_available")
+
+
+def process_start(pid: int) -> int | None:
+    """Start time of process ``pid`` (clock ticks after boot), or None if it is gone or a zombie (exited,
+    waiting to be reaped). With the pid it names one process, even if the pid is reused later."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # the name may hold ')'
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
+def namespace_pids(ns: str) -> list[int]:
+    return [int(p) for p in netem.sh(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
 
 
 @pytest.mark.timeout(10)
@@ -39,8 +69,9 @@ def test_refuses_without_root(monkeypatch, capsys):
 
 
 @needs_netns
-@pytest.mark.timeout(40)
-def test_shaped_link_rate_and_cleanup(tmp_path):
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_shaped_link_rate_ring_probe_and_cleanup(tmp_path):
     net = netem.Network(f"{PREFIX}a", 2)
     try:
         net.build()
@@ -50,9 +81,35 @@ def test_shaped_link_rate_and_cleanup(tmp_path):
         net.shape(20)  # shaping again replaces the earlier rate
         text = net.qdisc_text(0)
         assert text.count("rate 20Mbit") == 2 and "50Mbit" not in text  # upload and download
-        tcp = netem.probe_tcp(net, tmp_path, seconds=2.0)
+        tcp = netem.probe_tcp(net, tmp_path / "tcp", seconds=2.0)
         # One TCP flow carries at most 1448 / 1514 = 95.6% of the frame rate tc enforces.
         assert 0.80 * 20 < tcp["mbps"] < 0.99 * 20, tcp
+        # The project's ring all-reduce (the probe checks the mean itself): 2.5 MB, about 1 s at 20 Mbit/s.
+        numel = 625_000
+        ring = netem.probe_ring(net, tmp_path / "ring", numel, repeats=1, timeout_s=30.0, chunk_mb=1.0)
+        (seconds,) = ring["durations_s"]
+        assert 0.5 * 20 < netem.ring_rate_mbps(4 * numel, 2, seconds) < 20, ring
+    finally:
+        net.destroy()
+    assert netem.list_namespaces(net.prefix) == []
+
+
+@needs_netns
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_swap_probe_shows_a_heartbeat_shorter_than_one_chunk_dropping_a_healthy_link(tmp_path):
+    net = netem.Network(f"{PREFIX}s", 2)
+    try:
+        net.build()
+        net.set_congestion_control("auto")
+        net.shape(8)  # one 1 MiB chunk takes 1.05 s on the wire
+        dropped = netem.probe_swap(net, tmp_path / "short", mb=2.0, chunk_mb=1.0, heartbeat_s=0.3, timeout_s=20.0)
+        assert not dropped["ok"] and any("error" in side for side in dropped["sides"]), dropped
+        kept = netem.probe_swap(net, tmp_path / "long", mb=2.0, chunk_mb=1.0, heartbeat_s=10.0, timeout_s=20.0)
+        assert kept["ok"] and kept["heartbeat_s"] == 10.0, kept
+        # 2 MB each way at 8 Mbit/s: at least 2 s, whatever the start-up.
+        assert 1.8 < kept["seconds"] < 20.0, kept
+        assert "FAILED" in netem.swap_line(dropped, 8) and "ok in" in netem.swap_line(kept, 8)
     finally:
         net.destroy()
     assert netem.list_namespaces(net.prefix) == []
@@ -67,7 +124,7 @@ def test_leftovers_of_a_crashed_run_are_removed():
     # A process that just stays alive inside the namespace, for remove_namespaces to kill.
     proc = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"], start_new_session=True)
     try:
-        assert wait_until(lambda: str(proc.pid) in netem.sh(["ip", "netns", "pids", ns], check=False).stdout.split(), 5)
+        assert wait_until(lambda: proc.pid in namespace_pids(ns), 5)
         assert netem.remove_namespaces(prefix) == [ns]
         assert proc.wait(timeout=5) == -signal.SIGKILL
         assert netem.list_namespaces(prefix) == []
@@ -79,8 +136,9 @@ def test_leftovers_of_a_crashed_run_are_removed():
 
 @contextlib.contextmanager
 def _bench(prefix: str, out: Path, *extra: str):
-    """The benchmark as a subprocess in its own process group; stopped on exit if still running:
-    Ctrl+C first (it removes its namespaces), SIGKILL to the group if that does not end it in 20 s."""
+    """The benchmark as a subprocess in its own process group. On exit, whatever the test saw: Ctrl+C
+    if it still runs (SIGKILL to its group if that does not end it in 20 s), then removal of any
+    namespace with ``prefix`` left behind. Tests check the benchmark's own clean-up before that."""
     cmd = [sys.executable, str(ROOT / "bench" / "netem.py"), "--prefix", prefix, "--workers", "2", "--model", "tiny",
            "--presets", "globalm1", "--bandwidths", "50", "--tcp-seconds", "0", "--out", str(out), *extra]
     bench = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -94,16 +152,18 @@ def _bench(prefix: str, out: Path, *extra: str):
             except subprocess.TimeoutExpired:
                 os.killpg(bench.pid, signal.SIGKILL)
                 bench.wait(timeout=10)
+        netem.remove_namespaces(prefix)
 
 
 @needs_netns
-@pytest.mark.timeout(60)
+@pytest.mark.slow
+@pytest.mark.timeout(90)
 def test_short_run_measures_and_cleans_up(tmp_path):
     prefix = f"{PREFIX}c"
     with _bench(prefix, tmp_path, "--step-time", "0.05", "--inner-steps", "4", "--rounds", "2", "--ring-repeats", "0") as bench:
-        out, _ = bench.communicate(timeout=55)
-    assert bench.returncode == 0, out
-    assert netem.list_namespaces(prefix) == []
+        out, _ = bench.communicate(timeout=80)
+        assert bench.returncode == 0, out
+        assert netem.list_namespaces(prefix) == []
     results = json.loads((tmp_path / "results.json").read_text())
     (run,) = results["runs"]
     assert run["preset"] == "globalm1" and len(run["peers"]) == 2 and run["failures"] == 0
@@ -112,23 +172,35 @@ def test_short_run_measures_and_cleans_up(tmp_path):
 
 
 @needs_netns
-@pytest.mark.timeout(60)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_interrupt_stops_peers_and_removes_namespaces(tmp_path):
     prefix = f"{PREFIX}d"
+    peer_namespaces = [f"{prefix}-p0", f"{prefix}-p1"]
+    run_dir = tmp_path / "globalm1-50mbit"
+    started: dict[int, int] = {}  # pid -> start time of every process seen in the peers' namespaces
 
-    def peers_running() -> bool:
-        return all(netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"], check=False).stdout.split() for r in range(2))
+    def peers_training() -> bool:
+        """Both peers run in their namespaces, past start-up: a peer opens its metrics.jsonl once it has
+        joined, right before its first round."""
+        return (all(namespace_pids(ns) for ns in peer_namespaces)
+                and all((run_dir / f"peer-{r}" / "metrics.jsonl").is_file() for r in range(2)))
 
-    try:
-        with _bench(prefix, tmp_path, "--step-time", "0.2", "--inner-steps", "10", "--rounds", "100", "--ring-repeats", "0") as bench:
-            assert wait_until(peers_running, 30), "the peers never started"
-            pids = [int(p) for r in range(2) for p in netem.sh(["ip", "netns", "pids", f"{prefix}-p{r}"]).stdout.split()]
-            os.killpg(bench.pid, signal.SIGINT)  # Ctrl+C in the benchmark's terminal
-            out, _ = bench.communicate(timeout=30)
-    finally:
-        netem.remove_namespaces(prefix)
-    assert bench.returncode == 130, out
-    assert "namespaces removed" in out
-    assert netem.list_namespaces(prefix) == []
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    def still_running() -> list[int]:
+        return sorted(pid for pid, start in started.items() if process_start(pid) == start)
+
+    with _bench(prefix, tmp_path, "--step-time", "0.2", "--inner-steps", "10", "--rounds", "100", "--ring-repeats", "0") as bench:
+        assert wait_until(lambda: bench.poll() is not None or peers_training(), 60), "the peers never started training"
+        assert bench.poll() is None, bench.communicate()[0]
+        # The peers, the bootstrap node (in p0's namespace) and their DHT helper processes.
+        for pid in [pid for ns in peer_namespaces for pid in namespace_pids(ns)]:
+            if (start := process_start(pid)) is not None:
+                started[pid] = start
+        assert len(started) >= 2, started
+        os.killpg(bench.pid, signal.SIGINT)  # Ctrl+C in the benchmark's terminal; the peers lead their own sessions
+        out, _ = bench.communicate(timeout=60)
+        # Checked before _bench's own clean-up runs, so only the benchmark can have stopped and removed these.
+        assert bench.returncode == 130, out
+        assert "interrupted (SIGINT); peers stopped, namespaces removed" in out, out
+        assert netem.list_namespaces(prefix) == [], out
+        assert wait_until(lambda: not still_running(), 5), f"still running after the benchmark exited: {still_running()}\n{out}"

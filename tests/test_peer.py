@@ -18,6 +18,8 @@ from gossiploco.runtime.launch import LocalPeers
 from gossiploco.runtime.virtual import VirtualSwarm
 from gossiploco.transport.zmq_exchange import FAULT_ENV
 
+pytestmark = pytest.mark.slow  # every test starts real peer processes (seconds each)
+
 ENV = {"OMP_NUM_THREADS": "1"}  # four processes share two cores
 
 
@@ -140,7 +142,9 @@ def test_sigstop_mid_gossip_is_identity_for_that_pair_and_the_others_finish(tmp_
 
 @pytest.mark.timeout(240)
 def test_a_restarted_peer_downloads_the_state_and_ends_in_consensus(tmp_path):
-    args = tiny_peer_args("globalm1-localm2", rounds=60, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    # Enough rounds that the swarm is still going when the new process is up, even on a loaded
+    # machine where starting a peer (importing torch, joining) takes many seconds (60 were not).
+    args = tiny_peer_args("globalm1-localm2", rounds=200, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:
         peers.start(env={3: {FAULT_ENV: "KILL:mix1/2:0"}})
         assert peers.wait(60, ranks=[3])[3] == -signal.SIGKILL

@@ -16,6 +16,8 @@ from gossiploco.runtime.launch import LocalPeers
 from gossiploco.transport.zmq_exchange import FAULT_ENV
 from test_peer import ENV, assert_exit, model, reached_round, records, relative_error, summary, wait_stopped
 
+pytestmark = pytest.mark.slow  # real peer processes and DHT nodes, tens of seconds each
+
 
 @pytest.mark.timeout(240)
 def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path, bootstrap):

@@ -1,8 +1,10 @@
 """Membership: finding the peers of a run (the only package that imports hivemind).
 
 ``directory`` holds the ``Directory`` interface with its in-memory and hivemind-DHT
-implementations; ``bootstrap`` starts the DHT node new peers join through. hivemind is imported
-on first use of the DHT, so importing this package is cheap.
+implementations; ``bootstrap`` starts the DHT node new peers join through; ``lifeline`` makes the
+DHT's processes (hivemind's DHT process and its p2pd) die with the process that started them, even
+when it is SIGKILLed. hivemind is imported on first use of the DHT, so importing this package is
+cheap (``lifeline`` imports hivemind and is not imported here).
 """
 
 from gossiploco.membership.bootstrap import load_or_create_identity, serve_bootstrap, start_bootstrap

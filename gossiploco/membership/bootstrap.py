@@ -24,6 +24,9 @@ a peer joining through it right after the restart would find nobody. With ``iden
 ``start_bootstrap`` pings the saved peers first thing; the running swarm is reconnected within a
 second of the restart. The file is only ever read as a list of multiaddr strings.
 
+A bootstrap node that is killed, even by SIGKILL, takes its DHT process and p2pd with it
+(``gossiploco.membership.lifeline``) instead of leaving them running on its port.
+
 Printed addresses: listening on 0.0.0.0 makes the daemon report one address per interface;
 unroutable ones (0.0.0.0, ::) are dropped and non-loopback ones are listed first. If nothing
 usable remains, 127.0.0.1 is substituted with a warning (the node is then reachable from this

@@ -69,9 +69,10 @@ retries, ``peers()`` returns what it knows.
 hivemind is imported on first use of the DHT (about 1.3 s), so code that only uses
 ``MemoryDirectory`` does not pay for it. Known limits: hivemind's DHT has no authentication, so
 any node of the swarm can overwrite or tombstone any record (the validation here only keeps
-malformed data out of the runtime). A ``DHT`` node runs in a process forked from this one; if
-it has to be killed (it did not shut down within 3 s), its ``p2pd`` child notices and exits
-within about a second.
+malformed data out of the runtime). A ``DHT`` node runs in a process forked from this one, which
+runs ``p2pd``; both die with this process, even when it is SIGKILLed, and p2pd dies with the DHT
+process when that one has to be killed (it did not shut down within 3 s); see
+``gossiploco.membership.lifeline``.
 """
 
 from __future__ import annotations
@@ -454,10 +455,13 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
               timeout_s: float, identity_path: str | None = None, node_id: Any = None) -> hivemind.DHT:
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
+    The process and its p2pd die with this process, even when it is SIGKILLed
+    (``gossiploco.membership.lifeline``).
+
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
     """
-    import hivemind
+    from gossiploco.membership.lifeline import TiedDHT
 
     options: dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=False, startup_timeout=timeout_s)
     if announce_maddrs:
@@ -466,8 +470,8 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         options["identity_path"] = identity_path
     if node_id is not None:
         options["node_id"] = node_id
-    dht = hivemind.DHT(initial_peers=list(initial_peers) or None, start=True, await_ready=False,
-                       shutdown_timeout=min(3.0, timeout_s), **options)
+    dht = TiedDHT(initial_peers=list(initial_peers) or None, start=True, await_ready=False,
+                  shutdown_timeout=min(3.0, timeout_s), **options)
     try:
         dht.wait_until_ready(timeout=timeout_s)
     except BaseException as exc:

@@ -13,9 +13,12 @@ announcement and tells the others it leaves.
 
 Start-up (``_join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
 then ask the connected peers which round they are in (``timeouts.hello_s``). If one is already
-past round 0, this peer was restarted (or started late): it downloads the current state
-(z, outer momentum, round k) from a live peer, trains round k on its own (identity mixing) and
-takes part in exchanges from round k + 1; the state includes the donor's AdamW moments. The same
+in a round, this peer was restarted (or started late): it waits for the swarm's next round
+boundary (polling the others' rounds), downloads that round's state (z, outer momentum, round k,
+the donor's AdamW moments) from a live peer and trains round k in step with the others, taking
+part in its exchanges (a peer that trained round k alone instead would trail the swarm by up to a
+round for good, left out of every agreement whose grace window is shorter: found by the protocol
+simulator). The same
 catch-up runs at the start of any round in which this peer finds itself alone while others are
 connected or were just lost (it was frozen and they went on without it), or learns from a group
 leader that the swarm is already in a later round. Peers that never connected are left out until
@@ -57,6 +60,7 @@ from gossiploco.membership.directory import Directory, DirectoryClosed, PeerReco
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import all_finite, pack, unpack
+from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -72,6 +76,8 @@ Mix2 includes it), so any lag at a round start means the swarm went on without i
 RECENT_LOSS_S = 10.0
 """A peer alone at a round start that lost connections this recently first waits (``hello_s``)
 for them to come back, then asks where the others are."""
+BOUNDARY_POLL_S = 0.25
+"""How often a catching-up peer asks the others' rounds while it waits for the next round to begin."""
 LEAVE_LINGER_S = 2.0
 """After its last exchange a finishing peer keeps its sockets this long so its final chunks arrive."""
 
@@ -291,32 +297,39 @@ class NetworkPeer:
 
     def _maybe_catch_up(self, r: int) -> int:
         """At a round start: the swarm went on without us when we are alone while others are
-        connected or were lost just now (all at once: we were frozen, they dropped us), or when a
-        group leader that left us out is already in a later round."""
+        connected or were lost just now (all at once: we were frozen, they dropped us), when a
+        group leader that left us out is already in a later round, or when a leader left us out as a
+        straggler last round (we run behind the swarm's clock within the same round number)."""
         ex, t = self.exchange, self.cfg.timeouts
         if self.cfg.workers == 1 and self.directory is None:
             return r
         lost = ex.recently_lost(RECENT_LOSS_S)
         alone = ex.members(r) == [self.rank] and bool(ex.pending() or lost)
         left_behind = any(k >= r + CATCH_UP_LAG for k in ex.leader_rounds().values())
-        if not (alone or left_behind):
+        straggling = ex.straggling(r)  # same round, but behind the swarm's clock: re-align at its next round
+        if not (alone or left_behind or straggling):
             return r
         if lost:
             ex.wait_connected(t.hello_s)  # they reconnect within moments if they are alive
         rounds = self._ask_rounds()
-        ahead = {p: k for p, k in rounds.items() if k >= r + CATCH_UP_LAG}
+        ahead = {p: k for p, k in rounds.items() if k >= r + (0 if straggling else CATCH_UP_LAG)}
         if ahead:
-            return self._catch_up(ahead, fresh=False)
+            return self._catch_up(ahead, fresh=False, current=r)
         if alone:
             ex.announce(r)  # they are not ahead: just take part again from this round
         return r
 
-    def _catch_up(self, ahead: dict[int, int], fresh: bool) -> int:
-        """Download (z, momentum, round k) from a peer that is ahead; take part from round k + 1."""
+    def _catch_up(self, ahead: dict[int, int], fresh: bool, current: int = 0) -> int:
+        """At the next round boundary k, download (z, momentum, round k) from a peer in round k; train round k in step.
+        If no peer gives its state (the others finished or are gone), a peer that has a state of its own
+        goes on from ``current`` with it; a fresh process has nothing to go on with and raises ``ExchangeError``."""
         if self.cfg.mode == "sync-dp":
             raise ExchangeError(f"rank {self.rank}: the swarm is past round 0 (peers' rounds {ahead}) and the "
                                 "sync-dp baseline cannot rejoin a running swarm; restart every peer")
         start = time.perf_counter()
+        if not fresh:  # the others count on us: tell them we step out, or each exchange waits a grace window for us
+            self.exchange.announce(STEPPING_OUT, ask_reply=False)
+        ahead = self._next_round_begins(ahead)
         latest = max(ahead.values())
         donors = sorted(p for p, k in ahead.items() if k == latest)
         donors = donors[self.rank % len(donors):] + donors[:self.rank % len(donors)]  # spread newcomers over donors
@@ -341,15 +354,39 @@ class NetworkPeer:
             # The donor's AdamW moments: a warm start instead of fresh ones (its step count is the schedule's).
             opt.import_moments(flat[outer:], k * self.cfg.inner_steps)
             # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
-            self.exchange.announce(k + 1)
+            self.exchange.announce(k, caught_up=True)
             self._counts["catchups"] += 1
             self._totals["catchup_s"] += time.perf_counter() - start
-            log.warning("rank %d: %s; caught up from peer %d at round %d, mixing again from round %d",
-                        self.rank, "joined a running swarm" if fresh else "fell behind the swarm", donor, k, k + 1)
+            log.warning("rank %d: %s; caught up from peer %d at the start of round %d, mixing again",
+                        self.rank, "joined a running swarm" if fresh else "fell behind the swarm", donor, k)
             self._pending["catchup_from"] = donor
             return k
         self._totals["catchup_s"] += time.perf_counter() - start
+        if not fresh:  # it has a state of its own (the others finished or are gone): it goes on with that
+            log.warning("rank %d: no peer gave its state (rounds %s); going on from round %d with this peer's own",
+                        self.rank, ahead, current)
+            self.exchange.announce(current)
+            return current
         raise ExchangeError(f"rank {self.rank}: the swarm is ahead (rounds {ahead}) and no peer gave its state")
+
+    def _next_round_begins(self, ahead: dict[int, int]) -> dict[int, int]:
+        """Wait until some peer begins a round after those in ``ahead`` (asking every ``BOUNDARY_POLL_S``,
+        at most ``timeouts.startup_s``); returns the peers in the newest round then."""
+        latest = max(ahead.values())
+        if latest >= self.cfg.rounds:
+            log.warning("rank %d: the others finished all %d rounds already (rounds %s)", self.rank, self.cfg.rounds, ahead)
+            return ahead
+        deadline = time.monotonic() + self.cfg.timeouts.startup_s
+        while time.monotonic() < deadline:
+            rounds = self._ask_rounds()
+            if max(rounds.values(), default=-1) > latest:
+                newest = max(rounds.values())
+                return {p: k for p, k in rounds.items() if k == newest}
+            if self._stop_discovery.wait(BOUNDARY_POLL_S):
+                break
+        log.warning("rank %d: no peer began a round after %d within %.0fs; catching up from round %d",
+                    self.rank, latest, self.cfg.timeouts.startup_s, latest)
+        return ahead
 
     def _provide_state(self) -> tuple[int, torch.Tensor] | None:
         """State for a catching-up peer: (k, [z_k, momentum_k, AdamW moments]): the outer state of the
@@ -364,11 +401,13 @@ class NetworkPeer:
 
     def _run_round(self, r: int) -> None:
         cfg = self.cfg
-        self.exchange.current_round = r
         factored = cfg.mode == "factored"
         if factored:
             algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
+            # Before telling anyone this round began: a peer that hears so may ask for this state at once.
             self._snapshot = (r, algo.z, algo.momentum)  # outer_step makes new dicts: safe to hand out
+        self.exchange.current_round = r
+        if factored:
             algo.begin_round(r)
         for h in range(cfg.inner_steps):
             due, val_loss = measure_due(cfg, h)

@@ -1,1 +1,1 @@
-"""Transports: the wire codec (socket-independent) and the ZeroMQ exchange (``zmq_exchange``, the only zmq importer)."""
+"""Transports: the wire codec (socket-independent) and the ZeroMQ driver of the protocol (``zmq_exchange`` over ``zmq_sockets``, the only zmq importers)."""

@@ -1,0 +1,29 @@
+"""The peer protocol as sans-I/O state machines: events in, actions out; no sockets, threads or clocks.
+
+Modules, by concept:
+
+    messages      the five message kinds, the actions (``Send``, ``ServeState``), and their wire mapping
+    peer_table    membership views: who is known, connected, and taking part in round r
+    mailbox       bounded storage of chunks that arrive before anyone waits for them
+    agreement     group agreement per exchange (lowest-id leader, grace window, stragglers, aborts)
+    ring          the ring all-reduce schedule (pure functions)
+    collectives   the data calls: swap, ring all-reduce, state download (and the upload's chunks)
+    call          a call's steps (``Step``) and ``run_call``, the loop a blocking driver runs them with
+    node          ``PeerNode``: the state above, fed events, returning actions
+
+A carrier is a *driver* around a ``PeerNode``. Its whole interface to the protocol:
+
+1. hold one lock around every node method;
+2. feed events: ``connected``/``disconnected`` when a connection to a peer comes up or drops,
+   ``receive(sender, message, now)`` for each validated message (``messages.from_wire``), with
+   ``sender`` authenticated by the carrier;
+3. perform the returned actions: deliver each ``Send`` to its peer (``Ready``, ``Decision`` and
+   ``Abort`` on a channel that does not queue behind data), answer ``ServeState`` with
+   ``collectives.state_chunks`` off the receive path;
+4. run exchanges as calls (``node.group_call``, ``collectives.Swap``/``RingAllReduce``/
+   ``FetchState``) with ``call.run_call`` or, event-driven, by the same ``poll``/``feed`` steps,
+   waking the callers after every event.
+
+``gossiploco.transport.zmq_exchange`` is the ZeroMQ driver; ``gossiploco.simulation`` drives the
+same nodes over a simulated network and clock.
+"""

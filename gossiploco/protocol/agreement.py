@@ -1,0 +1,164 @@
+"""Group agreement: before an exchange, the peers taking part agree on its member list.
+
+The leader of exchange ``key`` in round r is the lowest id of a peer's view (``members(r)``).
+
+* Followers send it ``Ready(key, r)`` and wait for its ``Decision``.
+* The leader (``Lead``) waits until every member of its view is ready or has failed, at most
+  ``grace_s``, then sends the group (itself plus the ready followers) to each of them.
+* Everyone in the group then runs the exchange over exactly that list. Every peer of a group
+  holds the same list, so gossip pairings computed from it are mutual.
+* A straggler whose ``Ready`` comes after the decision is told at once and does identity.
+* A follower repeats its ``Ready`` every half grace window (a message lost with a dropped
+  connection costs half a window, not the whole wait).
+* A follower (``Follow``) that hears nothing within ``2 * grace_s`` plus one control send, or whose
+  leader disconnects or abandons the key, fails. It then tells every peer of its view that it
+  abandons the key (``Abort``), so a peer that counted on it fails at once instead of waiting out
+  a deadline (this is what keeps a dead leader from costing more than one grace window).
+* A peer asked to lead a key while its own view names another leader answers "not leading" (an
+  empty decision); a peer still starting up keeps the ``Ready`` (it is about to lead).
+
+Peers whose views name different leaders form disjoint groups (each consistent) or do identity:
+never a mixed-up exchange. Chunks of a key from a peer outside the group this peer agreed on are
+refused at once (``PeerNode``), as a second line of defence.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.protocol.call import Call, Step
+from gossiploco.protocol.messages import Decision, Ready, Send
+
+if TYPE_CHECKING:
+    from gossiploco.protocol.node import PeerNode
+
+READY_REPEAT = 0.5
+"""A follower repeats its ``Ready`` every this many grace windows until the decision comes (it is idempotent)."""
+CONTROL_SEND_S = 1.0
+"""Deadline for sending one control message (hello, ready, abort, state request)."""
+
+
+class _GroupCall(Call):
+    """An agreement call; its outcome is the agreed group."""
+
+    group: list[int]
+
+    def outcome(self) -> list[int]:
+        return self.group
+
+
+class Lead(_GroupCall):
+    """This peer leads ``key``: wait for the view's followers (at most ``grace_s``), then decide."""
+
+    def __init__(self, key: str, view: list[int], began: float, grace_s: float):
+        super().__init__(key, began, began + grace_s)
+        self.view = view
+        self.what = f"group {key!r} (leading {view})"
+
+    def start(self, node: PeerNode) -> list[Send]:
+        return []
+
+    def poll(self, node: PeerNode, now: float) -> Step:
+        error = node.open_error(self.what)
+        if error is not None:
+            return Step(error=error)
+        ready = node.ready.get(self.key, set())
+        waiting = [p for p in self.view if p != node.rank and p not in node.peers.failed and p not in ready]
+        if waiting and now < self.deadline:
+            return Step(wait_until=self.deadline)
+        ready = node.ready.pop(self.key, set())
+        gave_up = node.aborted.get(self.key, set())  # an early follower whose wait ran out: it does identity
+        group = sorted({node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up})
+        node.decided.put(self.key, (group, now))
+        node.grouped.put(self.key, frozenset(group))
+        left_out = sorted(set(self.view) - set(group))
+        if left_out:
+            node.note(f"{self.key} goes on without {left_out} (not ready within {self.deadline - self.began:.1f}s)")
+        decision = Decision(self.key, node.current_round, tuple(group))
+        self.finished, self.group = True, group
+        return Step(done=True, sends=[Send(p, decision) for p in group if p != node.rank])
+
+
+class Follow(_GroupCall):
+    """This peer follows ``leader`` for ``key`` of round ``round_index``: send ``Ready``, wait for the decision."""
+
+    def __init__(self, key: str, leader: int, round_index: int, view: list[int], began: float, grace_s: float):
+        super().__init__(key, began, began + 2 * grace_s + CONTROL_SEND_S)
+        self.leader, self.round, self.view = leader, round_index, view
+        self.what = f"group {key!r} led by {leader}"
+
+    def start(self, node: PeerNode) -> list[Send]:
+        # No node.begin here: that would refuse data chunks of ``key`` that fast members send
+        # before this peer starts the exchange itself.
+        self.sent_at = self.began
+        return [Send(self.leader, Ready(self.key, self.round))]
+
+    def poll(self, node: PeerNode, now: float) -> Step:
+        error = node.open_error(self.what)
+        if error is not None:
+            return Step(error=error)
+        told = node.told.get(self.key)
+        if told is not None and told[0] == self.leader:
+            node.told.pop(self.key)
+            group = told[1]
+            if not group:
+                error = PeerFailed(f"{self.what}: peer {self.leader} does not lead it (our member views differ)")
+            elif node.rank not in group:
+                node.left_out.put(self.key, self.round)
+                error = ExchangeTimeout(f"{self.what}: this peer was not ready within the grace window; "
+                                        f"{list(group)} went on without it")
+            else:
+                node.grouped.put(self.key, frozenset(group))
+                self.finished, self.group = True, list(group)
+                return Step(done=True)
+        elif self.leader in node.peers.failed:
+            error = PeerFailed(f"{self.what}: the leader disconnected")
+        elif self.leader in node.aborted.get(self.key, ()):
+            error = PeerFailed(f"{self.what}: the leader abandoned the exchange")
+        elif now >= self.deadline:
+            error = ExchangeTimeout(f"{self.what}: no decision within {self.deadline - self.began:.1f}s")
+        if error is None:
+            resend_at = self.sent_at + READY_REPEAT * node.grace_s
+            if now >= resend_at:  # ask again: a Ready lost with a dropped connection must not cost the whole wait
+                self.sent_at = now
+                return Step(sends=[Send(self.leader, Ready(self.key, self.round))], wait_until=min(self.deadline, now + READY_REPEAT * node.grace_s))
+            return Step(wait_until=min(self.deadline, resend_at))
+        return Step(error=error, sends=self.fail(node, error))
+
+    def fail(self, node: PeerNode, error: ExchangeError) -> list[Send]:
+        self.finished = True
+        # Everyone of the view, not just the leader: a peer the leader put in a group with this one
+        # must not wait out its deadline for chunks that will not come.
+        return node.aborts(self.key, [p for p in self.view if p != node.rank])
+
+
+def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Send]:
+    """A follower's ``Ready``: count it (this peer leads), answer a straggler with the decision, or
+    say this peer does not lead the key. A ``Ready`` from a peer whose connection dropped after the
+    decision comes from a new incarnation (it restarted): the group it may be named in is its
+    predecessor's, so it is told the group without it."""
+    key = message.key
+    peers = node.peers
+    if sender not in peers.joined and sender in peers.connected:
+        # It believes it takes part but its hello never reached us (it froze, came back and kept
+        # its view): adopt it from the next round rather than leave it out forever.
+        peers.on_join(sender, message.round + 1)
+        node.note(f"peer {sender} is back (ready for {key!r}); it takes part from round {message.round + 1}")
+    decided = node.decided.get(key)
+    if decided is not None:  # a straggler (or a duplicate): the group went on
+        group, when = decided
+        if peers.lost_at.get(sender, -1.0) >= when:
+            group = [p for p in group if p != sender]
+        return [Send(sender, Decision(key, node.current_round, tuple(group)))]
+    own = peers.joined.get(node.rank)  # None: this peer has not decided yet (starting up)
+    if own is not None and (peers.members(message.round)[0] != node.rank or own > message.round):
+        return [Send(sender, Decision(key, node.current_round, ()))]
+    node.ready.put(key, node.ready.get(key, set()) | {sender})
+    return []
+
+
+def on_decision(node: PeerNode, sender: int, message: Decision) -> None:
+    """A leader's answer to this peer's ``Ready`` (or a "not leading")."""
+    node.peers.leader_rounds[sender] = message.leader_round  # how far the leader is: a peer left behind learns it here
+    node.told.put(message.key, (sender, message.group))

@@ -1,0 +1,294 @@
+"""``PeerNode``: one peer's protocol state, driven by events, answering with actions.
+
+Events (each a method; ``now`` is the driver's clock):
+
+* ``connected(peer, now)`` / ``disconnected(peer, now)``: the carrier's view of a connection
+  (for ZeroMQ: a ZMTP handshake, a dropped connection or a missed heartbeat);
+* ``receive(sender, message, now)``: a validated message from ``sender`` (the carrier has
+  checked that ``sender`` is who sent it);
+* ``add_peer``, ``announce``, ``leave``: the owner's requests; exchanges are ``Call`` objects run
+  against the node (``call``).
+
+Actions returned: ``Send`` (a message for a peer) and ``ServeState`` (answer a state request off
+the receive path). The node owns no socket, thread or clock; its owner holds one lock around
+every method and wakes the callers waiting on it after each event.
+
+What it keeps (all bounded): the membership view (``PeerTable``), the mailbox of early chunks,
+and per-key agreement records (``Records``: the last ``MAX_KEYS`` keys), namely followers ready
+for a key this peer leads, groups it decided, decisions it was told, peers that abandoned a
+key, and groups it agreed on. Chunks of a key from a peer outside the group this peer agreed on,
+or outside the senders its running call expects, are refused at once with an ``Abort``: a peer
+that believes it is our gossip partner learns it is not within one message, instead of waiting
+out its deadline (the cycle of swaps seen after a leader crash).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Generic, TypeVar
+
+from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
+from gossiploco.protocol import agreement
+from gossiploco.protocol.mailbox import Mailbox
+from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Message, Ready,
+                                          Send, ServeState, StateRequest)
+from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
+
+log = logging.getLogger(__name__)
+
+MAX_KEYS = 4096
+"""How many exchange keys each agreement record remembers (oldest forgotten first)."""
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Records(Generic[K, V]):
+    """A dict that forgets its oldest keys past ``limit`` (bounded memory whatever peers send)."""
+
+    def __init__(self, limit: int = MAX_KEYS):
+        self.limit = limit
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def put(self, key: K, value: V) -> None:
+        self._items[key] = value
+        self._items.move_to_end(key)
+        while len(self._items) > self.limit:
+            self._items.popitem(last=False)
+
+    def get(self, key: K, default=None):
+        return self._items.get(key, default)
+
+    def pop(self, key: K, default=None):
+        return self._items.pop(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def values(self):
+        return self._items.values()
+
+
+class PeerNode:
+    """One peer's protocol state machine; see the module docstring. Not thread-safe: the owner locks."""
+
+    def __init__(self, rank: int, known, *, grace_s: float, chunk_elems: int, mailbox_bytes: int,
+                 join_round: int | None = 0):
+        self.rank = rank
+        self.grace_s = grace_s
+        self.chunk_elems = chunk_elems
+        self.peers = PeerTable(rank, known, join_round)
+        self.mailbox = Mailbox(mailbox_bytes)
+        self.probe_id = 1
+        """Id of this peer's latest question to the others (``announce``); only replies echoing it count."""
+        self.current_round = -1
+        """The round this peer is in (set by its owner; -1 before the first); told to peers in hellos and decisions."""
+        self.closed = False
+        self.broken: str | None = None
+        """Why the carrier under this node died (a driver thread crashed); every call then fails with it."""
+        self.ready: Records[str, set[int]] = Records()
+        self.decided: Records[str, tuple[list[int], float]] = Records()  # key -> (group, when decided)
+        self.told: Records[str, tuple[int, tuple[int, ...]]] = Records()
+        self.aborted: Records[str, set[int]] = Records()
+        self.grouped: Records[str, frozenset[int]] = Records()
+        self.finished: Records[str, frozenset[int]] = Records()
+        self.left_out: Records[str, int] = Records(limit=16)
+        """key -> round of the exchanges this peer was left out of as a straggler (cleared when it (re)joins)."""
+        self.caught_up_into = -1
+        """The last round this peer caught up into (being left out of its exchanges is expected)."""
+        self._refused: Records[tuple[str, int], bool] = Records()
+        self._expected: dict[str, list[set[int]]] = {}  # key -> expected senders of each running call
+        self.bytes_received = 0
+        self.malformed_messages = 0
+        self.refused_chunks = 0
+        self.notes: list[str] = []
+        """Log lines the owner should write (the node does not log itself, so a simulator can stay quiet)."""
+
+    # -- views ----------------------------------------------------------------------------------
+
+    def members(self, round_index: int | None = None) -> list[int]:
+        return self.peers.members(round_index)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        del self.notes[:-256]
+
+    # -- events from the carrier ------------------------------------------------------------------
+
+    def connected(self, peer: int, now: float) -> list[Action]:
+        if peer not in self.peers.known:
+            return []
+        if self.peers.on_connected(peer):
+            # A new or returning peer: ask where it stands (its reply carries its join round). Asked
+            # once the connection is up, so the question is not lost in a reconnection.
+            return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
+        return []
+
+    def disconnected(self, peer: int, now: float) -> list[Action]:
+        if self.peers.on_disconnected(peer, now):
+            self.note(f"lost the connection to peer {peer}")
+        return []
+
+    def receive(self, sender: int, message: Message, now: float) -> list[Action]:
+        """A message from ``sender``; raises ``MalformedMessage`` for one that breaks the protocol."""
+        if sender not in self.peers.known or sender == self.rank:
+            if isinstance(message, Hello):
+                return []  # a peer of this run that discovery has not found yet; it is probed once found
+            raise MalformedMessage(f"sender {sender} is not a known peer (not discovered yet, or not of this run)")
+        if isinstance(message, Data):
+            return self._data(sender, message, now)
+        if isinstance(message, Hello):
+            return self._hello(sender, message, now)
+        if isinstance(message, Ready):
+            return agreement.on_ready(self, sender, message, now)
+        if isinstance(message, Decision):
+            agreement.on_decision(self, sender, message)
+            return []
+        if isinstance(message, Abort):
+            self.aborted.put(message.key, self.aborted.get(message.key, set()) | {sender})
+            return []
+        if isinstance(message, StateRequest):
+            return [ServeState(sender, message.nonce)]
+        raise MalformedMessage(f"unknown message {type(message).__name__}")
+
+    def _data(self, sender: int, message: Data, now: float) -> list[Action]:
+        key = message.key
+        running = self._expected.get(key)
+        allowed = set().union(*running) if running else self.grouped.get(key, self.finished.get(key))
+        if allowed is not None and sender not in allowed:
+            self.refused_chunks += 1
+            if (key, sender) in self._refused:
+                return []
+            self._refused.put((key, sender), True)
+            self.note(f"refused chunks of {key!r} from {sender}: not a partner of this peer in that exchange")
+            return [Send(sender, Abort(key))]
+        if not running and key in self.finished:
+            return []  # a late duplicate of a chunk already used
+        for note in self.mailbox.put(sender, message, now, self._expected):
+            self.note(note)
+        return []
+
+    def _hello(self, sender: int, message: Hello, now: float) -> list[Action]:
+        if message.join_round == LEAVING:
+            self.peers.on_leave(sender, now)
+            self.note(f"peer {sender} left")
+            return []
+        if message.join_round >= 0:
+            self.peers.on_join(sender, message.join_round)
+            if message.join_round == STEPPING_OUT:
+                self.note(f"peer {sender} steps out while it catches up (it is in round {message.current_round})")
+            else:
+                self.note(f"peer {sender} takes part from round {message.join_round} (it is in round {message.current_round})")
+        if message.echo == self.probe_id:  # an answer to our latest question (not an older one that crossed it)
+            self.peers.reported[sender] = message.current_round
+        if message.ask_reply:
+            return [Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, echo=message.ask))]
+        return []
+
+    # -- the owner's requests -----------------------------------------------------------------------
+
+    def add_peer(self, peer: int) -> bool:
+        return peer != self.rank and self.peers.add(peer)
+
+    def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False) -> list[Action]:
+        """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer;
+        with ``ask_reply``, ``peers.reported`` then collects their answers (their current rounds).
+        ``caught_up``: this peer just downloaded round ``join_round``'s state (see ``straggling``)."""
+        if join_round >= 0:
+            self.peers.on_join(self.rank, join_round)
+            self.left_out = Records(limit=16)
+            if caught_up:  # it downloaded round ``join_round``'s state after that round's Mix1 began
+                self.caught_up_into = join_round
+        self.peers.reported.clear()
+        self.probe_id += 1
+        hello = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
+        return [Send(p, hello) for p in sorted(self.peers.known) if p != self.rank]
+
+    def leave(self) -> list[Action]:
+        """Messages telling every connected peer that this one leaves now."""
+        hello = Hello(LEAVING, self.current_round)
+        return [Send(p, hello) for p in sorted(self.peers.connected)]
+
+    def group_call(self, key: str, round_index: int, now: float) -> agreement.Lead | agreement.Follow | None:
+        """The agreement call for ``key`` of round ``round_index``; None when this peer takes no part in that round."""
+        if not self.peers.takes_part(round_index):
+            return None
+        view = self.members(round_index)
+        if view[0] == self.rank:
+            return agreement.Lead(key, view, now, self.grace_s)
+        return agreement.Follow(key, view[0], round_index, view, now, self.grace_s)
+
+    # -- used by calls ------------------------------------------------------------------------------
+
+    def begin(self, key: str, expected: set[int]) -> list[Send]:
+        """A data call of ``key`` starts, taking chunks from ``expected``. Chunks already here from
+        anyone else are dropped and refused (an ``Abort`` tells the sender at once)."""
+        error = self.open_error(f"the start of {key!r}")
+        if error is not None:
+            raise error
+        self._expected.setdefault(key, []).append(set(expected))
+        strangers = self.mailbox.senders(key) - set().union(*self._expected[key])
+        if not strangers:
+            return []
+        self.mailbox.discard(key, strangers)
+        self.refused_chunks += 1
+        self.note(f"refused chunks of {key!r} from {sorted(strangers)}: not partners of this peer in that exchange")
+        for s in strangers:
+            self._refused.put((key, s), True)
+        return self.aborts(key, sorted(strangers))
+
+    def end(self, key: str) -> None:
+        """A data call of ``key`` ended: forget its leftovers (a failed call's late chunks are useless)."""
+        running = self._expected.get(key)
+        if running:
+            self.finished.put(key, frozenset(running.pop(0)))
+            if running:
+                return
+        self._expected.pop(key, None)
+        self.mailbox.discard(key)
+
+    def aborts(self, key: str, peers) -> list[Send]:
+        return [Send(p, Abort(key)) for p in peers if p != self.rank]
+
+    def open_error(self, what: str) -> ExchangeError | None:
+        """The error every call gets once the node is closed or its carrier broke; None while open."""
+        if self.closed:
+            return ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
+        if self.broken:
+            return ExchangeBroken(f"rank {self.rank}: exchange broken ({self.broken}) during {what}")
+        return None
+
+    def fault(self, key: str, sender: int, watch: list[int], began: float, now: float) -> tuple[ExchangeError | None, float | None]:
+        """Why a call of ``key`` that began at ``began`` waiting on ``sender`` cannot go on (None if it
+        can), and the time at which a lost connection will count (to wake up for it)."""
+        error = self.open_error(repr(key))
+        if error is not None:
+            return error, None
+        lost = self.peers.lost_since(sender, began)
+        if lost is not None and now >= lost + FAILED_GRACE_S:
+            return PeerFailed(f"{key!r}: peer {sender} disconnected"), None
+        quit_ = sorted(p for p in watch if p in self.aborted.get(key, ()))
+        if quit_:
+            return PeerFailed(f"{key!r}: peer(s) {quit_} abandoned the exchange"), None
+        return None, None if lost is None else lost + FAILED_GRACE_S
+
+    def straggling(self, round_index: int) -> bool:
+        """Left out as a straggler in round ``round_index - 1``: a leader waited a whole grace window
+        and decided before this peer's ``Ready`` came, so it runs that far behind the swarm's clock
+        and should re-align (a round it caught up into does not count: it joins after that round's Mix1 began)."""
+        first = max(round_index - 1, self.caught_up_into + 1)
+        return any(k >= first for k in self.left_out.values())
+
+    def active_keys(self) -> list[str]:
+        return sorted(self._expected)
+
+    def pending_state(self) -> dict[str, int]:
+        """Sizes of everything the node keeps, to check it stays bounded."""
+        return {"mailbox_bytes": self.mailbox.bytes, "mailbox_chunks": len(self.mailbox), "ready": len(self.ready),
+                "decided": len(self.decided), "told": len(self.told), "aborted": len(self.aborted),
+                "grouped": len(self.grouped), "finished": len(self.finished), "running": len(self._expected),
+                "notes": len(self.notes)}

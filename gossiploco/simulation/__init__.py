@@ -1,0 +1,14 @@
+"""Deterministic simulation of the whole peer protocol (``gossiploco.protocol``) under seeded faults.
+
+    network     virtual clock, event queue, connections and link faults
+    faults      the fault schedule drawn from a seed
+    peer        a virtual peer: the real ``PeerNode`` and calls run by cooperative tasks
+    invariants  the checked properties, each with a name
+    swarm       the peers' round program and ``simulate(seed)``
+
+``bench/chaos.py sim`` runs it over many seeds; a failing seed replays exactly.
+"""
+
+from gossiploco.simulation.swarm import SimResult, Settings, simulate
+
+__all__ = ["SimResult", "Settings", "simulate"]

@@ -1,0 +1,63 @@
+"""The fault schedule of one simulated run, drawn from its seed.
+
+Kinds: ``crash`` (for good), ``restart`` (crash, then a new process with the same id that
+downloads the state), ``pause`` (SIGSTOP until ``end``, then SIGCONT), and link faults on one
+peer's links or one pair: ``delay``, ``loss``, ``dup``, ``reorder``, ``slow`` (a narrow link),
+``partition`` (two-way, heals at ``end``) and ``oneway`` (one direction only). A crash can hit
+any peer at any instant, the agreement leader (the lowest id) included, and mid-agreement or
+mid-chunk alike, because its time is continuous and independent of the protocol's progress.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from gossiploco.simulation.network import LinkFault
+
+KINDS = ("crash", "restart", "pause", "delay", "loss", "dup", "reorder", "slow", "partition", "oneway")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    start: float
+    end: float
+    peer: int = 0
+    peers: tuple[int, ...] = ()
+    amount: float = 0.0
+
+    def link(self) -> LinkFault:
+        return LinkFault(self.kind, self.start, self.end, self.peers, self.amount)
+
+    def __str__(self) -> str:
+        who = f"peer {self.peer}" if self.kind in ("crash", "restart", "pause") else f"link {self.peers or 'all'}"
+        extra = f" amount={self.amount:g}" if self.amount else ""
+        return f"{self.kind} {who} t={self.start:.3f}..{self.end:.3f}{extra}"
+
+
+def draw_faults(rng: random.Random, settings) -> list[Fault]:
+    """1 to 3 faults within the run's expected span; at most ``peers - 1`` peers crash for good."""
+    span = settings.rounds * (settings.inner_s + 0.3)
+    faults: list[Fault] = []
+    crashed = 0
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(KINDS)
+        if kind == "crash" and crashed >= settings.peers - 1:
+            kind = "pause"
+        start = rng.uniform(0.0, span)
+        end = start + rng.uniform(0.2, 3.0)
+        peer = 0 if rng.random() < 0.4 else rng.randrange(settings.peers)  # the leader, often
+        a, b = rng.sample(range(settings.peers), 2)
+        if kind in ("crash", "restart", "pause"):
+            crashed += kind == "crash"
+            faults.append(Fault(kind, start, end, peer=peer))
+        elif kind == "delay":
+            faults.append(Fault(kind, start, end, peers=(peer,) if rng.random() < 0.5 else (), amount=rng.uniform(0.01, 0.5)))
+        elif kind in ("loss", "dup", "reorder"):
+            faults.append(Fault(kind, start, end, peers=(a, b), amount=rng.uniform(0.05, 0.5)))
+        elif kind == "slow":
+            faults.append(Fault(kind, start, end, peers=(a, b), amount=rng.uniform(1e3, 1e5)))
+        else:
+            faults.append(Fault(kind, start, end, peers=(a, b)))
+    return faults

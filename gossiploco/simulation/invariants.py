@@ -1,0 +1,132 @@
+"""The properties the simulator checks, each with a name that says which guarantee broke.
+
+    liveness.call_overran      a call ran past its own deadline (plus the lost-peer grace): a wait that did not fire
+    liveness.exchange_stalled  one exchange (agreement + data) of a live peer took longer than the bound:
+                               2 grace windows + one control send + the call's adaptive deadline + the lost-peer grace
+    liveness.unfinished        a peer that was never crashed did not finish every round by the end of the run
+    agreement.group_mismatch   two peers completed the same exchange with different member lists
+    agreement.not_mutual       a peer completed a swap with a partner that was not swapping with it
+    correctness.mean           a completed all-reduce did not give the mean of its group's inputs
+    correctness.swap           a completed swap did not hand over the partner's input (the pair's sum is not kept)
+    correctness.identity       a failed exchange changed the value it was given
+    recovery.state             a downloaded state differs from the donor's state of that round
+    recovery.not_mixing        a restarted or resumed peer was not in an agreed group of 2 or more again
+                               within 2 rounds of the swarm (checked when no other fault overlaps its recovery)
+    bounded.growth             a node's mailbox or records went past their limits
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from gossiploco.protocol.agreement import CONTROL_SEND_S, Follow, Lead
+from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap
+from gossiploco.protocol.node import MAX_KEYS
+from gossiploco.protocol.peer_table import FAILED_GRACE_S
+
+TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class Violation:
+    name: str
+    time: float
+    peer: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.name} at t={self.time:.3f}s on peer {self.peer}: {self.detail}"
+
+
+class Checker:
+    """Collects what peers did and reports every broken property once."""
+
+    def __init__(self, grace_s: float, mailbox_bytes: int, incarnation=lambda peer: 0):
+        self.grace_s, self.mailbox_bytes = grace_s, mailbox_bytes
+        self.incarnation = incarnation
+        """peer -> its current incarnation (a restart makes a new one)."""
+        self.violations: list[Violation] = []
+        self.inputs: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
+        self.partners: dict[str, dict[int, int]] = defaultdict(dict)
+        self.began_with: dict[tuple[str, int], tuple[tuple[int, int], ...]] = {}
+        self.groups: dict[str, dict[tuple[int, ...], int]] = defaultdict(dict)  # key -> group -> a peer that completed with it
+        self.completed = 0
+        self.failed = 0
+        self.one_sided = 0
+
+    def flag(self, name: str, time: float, peer: int, detail: str) -> None:
+        self.violations.append(Violation(name, time, peer, detail))
+
+    def started(self, key: str, peer: int, value: torch.Tensor, partner: int | None = None,
+                members: list[int] | None = None) -> None:
+        self.inputs[key][peer] = value.clone()
+        if partner is not None:
+            self.partners[key][peer] = partner
+        if members is not None:  # who the members were when this call began (one may restart before it ends)
+            self.began_with[(key, peer)] = tuple((m, self.incarnation(m)) for m in sorted(members))
+
+    def call_ended(self, sim_peer, call, began: float, now: float, ok: bool) -> None:
+        if isinstance(call, (Lead, Follow)):
+            limit = call.deadline
+        else:
+            limit = call.deadline + FAILED_GRACE_S
+        if now > limit + 1e-6 and sim_peer.thawed_at < call.began:  # a frozen process's waits overrun: not a bug
+            self.flag("liveness.call_overran", now, sim_peer.pid, f"{call.what} ended {now - limit:.3f}s after its deadline")
+        self.completed += ok
+        self.failed += not ok
+        if ok and isinstance(call, RingAllReduce):
+            self._check_mean(sim_peer.pid, call, now)
+        if ok and isinstance(call, Swap):
+            self._check_swap(sim_peer.pid, call, now)
+        if isinstance(call, FetchState):
+            pass  # checked by the peer against the donor's snapshot
+        self._check_bounded(sim_peer, now)
+
+    def exchange_ended(self, sim_peer, key: str, began: float, now: float, deadline_s: float) -> None:
+        """One exchange (agreement, then data) of a peer that was neither crashed nor frozen meanwhile."""
+        if not sim_peer.running or sim_peer.thawed_at >= began:
+            return
+        bound = 2 * self.grace_s + CONTROL_SEND_S + deadline_s + FAILED_GRACE_S
+        if now - began > bound + 1e-6:
+            self.flag("liveness.exchange_stalled", now, sim_peer.pid, f"{key} took {now - began:.3f}s > {bound:.3f}s")
+
+    def identity_kept(self, peer: int, key: str, before: torch.Tensor, after: torch.Tensor, now: float) -> None:
+        if not torch.equal(before, after):
+            self.flag("correctness.identity", now, peer, f"failed {key} changed the value")
+
+    def _check_mean(self, peer: int, call: RingAllReduce, now: float) -> None:
+        # A restarted peer may run a key its previous incarnation ran: groups are of incarnations.
+        group = self.began_with.get((call.key, peer)) or tuple((m, self.incarnation(m)) for m in call.members)
+        groups = self.groups[call.key]
+        for other, who in groups.items():  # disjoint groups (views with different leaders) are fine; overlapping ones must agree
+            if other != group and set(other) & set(group):
+                self.flag("agreement.group_mismatch", now, peer, f"{call.key}: {list(group)} here, {list(other)} on peer {who}")
+        groups.setdefault(group, peer)
+        inputs = self.inputs[call.key]
+        missing = [m for m in call.members if m not in inputs]
+        if missing:
+            self.flag("agreement.group_mismatch", now, peer, f"{call.key}: completed although {missing} never started it")
+            return
+        mean = torch.stack([inputs[m].double() for m in call.members]).mean(0).float()
+        if not torch.allclose(call.acc, mean, atol=TOLERANCE):
+            self.flag("correctness.mean", now, peer, f"{call.key} over {call.members}: max error "
+                      f"{(call.acc - mean).abs().max().item():.3g}")
+
+    def _check_swap(self, peer: int, call: Swap, now: float) -> None:
+        partner = call.partner
+        theirs = self.partners[call.key].get(partner)
+        if theirs != peer:
+            self.flag("agreement.not_mutual", now, peer, f"{call.key}: swapped with {partner}, whose partner is {theirs}")
+            return
+        if not torch.equal(call.out, self.inputs[call.key][partner].reshape(-1)):
+            self.flag("correctness.swap", now, peer, f"{call.key}: did not receive partner {partner}'s input")
+
+    def _check_bounded(self, sim_peer, now: float) -> None:
+        sizes = sim_peer.node.pending_state()
+        over = {k: v for k, v in sizes.items()
+                if (k == "mailbox_bytes" and v > self.mailbox_bytes) or (k not in ("mailbox_bytes", "mailbox_chunks") and v > MAX_KEYS)}
+        if over:
+            self.flag("bounded.growth", now, sim_peer.pid, f"over their limits: {over}")

@@ -1,0 +1,167 @@
+"""A virtual peer: the real protocol (``PeerNode`` and its calls) run by cooperative tasks in virtual time.
+
+Tasks are generators that yield what they wait for: ``("wait", t)`` (until the node changes or
+time ``t``), ``("sleep", t)`` (until time ``t``: inner steps) or ``("join", task)`` (until that task
+ends: Mix2 waiting for Mix1). ``run_call`` is the event-driven twin of ``protocol.call.run_call``:
+the same ``start``/``poll``/``feed``/``fail`` steps, resumed whenever the node changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.protocol.call import Call
+from gossiploco.protocol.collectives import state_chunks
+from gossiploco.protocol.messages import Data, Send, ServeState
+from gossiploco.protocol.node import PeerNode
+
+if TYPE_CHECKING:
+    from gossiploco.simulation.swarm import SimSwarm
+
+
+class Task:
+    """One cooperative task of a peer; see the module docstring."""
+
+    def __init__(self, peer: SimPeer, gen: Generator, name: str):
+        self.peer, self.gen, self.name = peer, gen, name
+        self.done, self.result, self.error = False, None, None
+        self.waiting = False  # resumes on node changes
+        self.token = 0
+        self.joiners: list[Task] = []
+
+    def resume(self, value: Any = None) -> None:
+        self.waiting = False
+        self.token += 1
+        try:
+            what = self.gen.send(value)
+        except StopIteration as stop:
+            self._finish(stop.value, None)
+            return
+        except ExchangeError as exc:  # noqa: PERF203 - a task that ends in an error hands it to its joiner
+            self._finish(None, exc)
+            return
+        kind, arg = what
+        net, token = self.peer.swarm.net, self.token
+        if kind == "wait":
+            self.waiting = True
+            net.at(arg, lambda: self._timer(token))
+        elif kind == "sleep":
+            net.at(arg, lambda: self._timer(token))
+        elif kind == "join":
+            if arg.done:
+                net.at(net.now, lambda: self._timer(token))
+            else:
+                arg.joiners.append(self)
+        else:
+            raise ValueError(f"unknown wait {kind!r}")
+
+    def _timer(self, token: int) -> None:
+        if token == self.token and not self.done and self.peer.running:
+            if self.peer.frozen:
+                self.peer.held.append(lambda: self._timer(token))
+            else:
+                self.resume()
+
+    def _finish(self, result, error) -> None:
+        self.done, self.result, self.error = True, result, error
+        for joiner in self.joiners:
+            token = joiner.token
+            self.peer.swarm.net.at(self.peer.swarm.net.now, lambda j=joiner, t=token: j._timer(t))
+
+
+class SimPeer:
+    """One incarnation of a virtual peer (a restart makes a new one with the same id)."""
+
+    def __init__(self, swarm: SimSwarm, pid: int, incarnation: int, join_round: int | None):
+        self.swarm, self.pid, self.incarnation = swarm, pid, incarnation
+        s = swarm.settings
+        self.node = PeerNode(pid, swarm.ids, grace_s=s.grace_s, chunk_elems=s.chunk_elems,
+                             mailbox_bytes=s.mailbox_bytes, join_round=join_round)
+        self.running, self.frozen = True, False
+        self.thawed_at = -1.0
+        """When this peer last resumed after a freeze (its own waits overran while it was stopped)."""
+        self.held: list = []  # what arrived or fired while frozen
+        self.tasks: list[Task] = []
+        self.snapshot: tuple[int, Any] | None = None
+
+    @property
+    def now(self) -> float:
+        return self.swarm.net.now
+
+    def spawn(self, gen: Generator, name: str) -> Task:
+        task = Task(self, gen, name)
+        self.tasks.append(task)
+        self.swarm.net.at(self.now, lambda: task.resume() if self.running and not task.done else None)
+        return task
+
+    # -- events from the network ----------------------------------------------------------------
+
+    def event(self, handle) -> None:
+        """Run ``handle(node) -> actions`` now (or on resume if frozen), then wake the waiting tasks."""
+        if not self.running:
+            return
+        if self.frozen:
+            self.held.append(lambda: self.event(handle))
+            return
+        self.act(handle(self.node))
+        for task in list(self.tasks):
+            if task.waiting and not task.done:
+                task.resume()
+
+    def act(self, actions) -> None:
+        for action in actions:
+            if isinstance(action, ServeState):
+                for chunk in state_chunks(action.nonce, self.snapshot, self.node.chunk_elems):
+                    self.swarm.transmit(self.pid, Send(action.peer, chunk))
+            else:
+                self.swarm.transmit(self.pid, action)
+
+    def freeze(self) -> None:
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.frozen = False
+        self.thawed_at = self.now
+        held, self.held = self.held, []
+        for fn in held:
+            fn()
+
+    def crash(self) -> None:
+        self.running = False
+        self.tasks.clear()
+
+    # -- running calls --------------------------------------------------------------------------
+
+    def run_call(self, call: Call) -> Generator[tuple, Any, Any]:
+        """The event-driven twin of ``protocol.call.run_call``."""
+        node = self.node
+        self.act(call.start(node))
+        began = self.now
+        while True:
+            step = call.poll(node, self.now)
+            if step.wait_until is not None:
+                self.act(step.sends)
+                yield ("wait", step.wait_until)
+                continue
+            if step.error is not None:
+                self.act(step.sends)
+                self.swarm.checker.call_ended(self, call, began, self.now, ok=False)
+                raise step.error
+            if step.done:
+                self.act(step.sends)
+                outcome = call.outcome()
+                self.swarm.checker.call_ended(self, call, began, self.now, ok=True)
+                return outcome
+            try:
+                self.act(call.feed(step.mail))
+            except (PeerFailed, ExchangeTimeout) as exc:
+                self.act(call.fail(node, exc))
+                self.swarm.checker.call_ended(self, call, began, self.now, ok=False)
+                raise
+
+
+def payload_bytes(send: Send) -> int:
+    message = send.message
+    return 64 + (message.data.numel() * 4 if isinstance(message, Data) else 0)

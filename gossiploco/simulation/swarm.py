@@ -1,0 +1,373 @@
+"""The whole-swarm simulation: M virtual peers run rounds of Factored Gossip DiLoCo's exchanges
+under a fault schedule drawn from one seed, while ``Checker`` watches every property.
+
+Each peer's program mirrors the network peer's (``gossiploco.runtime.peer``): per round r it
+starts Mix1 (a global all-reduce of z, on a background task), runs its inner steps (a virtual
+sleep), then Mix2 (pairwise gossip or a global all-reduce of its pseudo-gradient), waits for Mix1
+and takes the outer step. Exchanges go through group agreement; a failed exchange is identity.
+At a round start a peer that finds itself alone while others are around, or learns that a leader
+is ahead, asks the others' rounds and downloads the state from one that is ahead (the runtime's
+catch-up rule, with the same constants). A restarted peer starts as the runtime's ``_join`` does.
+Small tensors stand in for the model; the mixing math is the protocol's own.
+
+``simulate(seed, ...)`` returns a ``SimResult`` with the violations and, if asked, the event log;
+the same arguments give the same result, bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from gossiploco.errors import ExchangeError
+from gossiploco.mixing.operators import pair_matching
+from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap
+from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Send
+from gossiploco.runtime.peer import BOUNDARY_POLL_S, CATCH_UP_LAG, RECENT_LOSS_S
+from gossiploco.simulation.faults import Fault, draw_faults
+from gossiploco.simulation.invariants import Checker, Violation
+from gossiploco.simulation.network import SimNetwork
+from gossiploco.simulation.peer import SimPeer, payload_bytes
+from gossiploco.transport.deadlines import AdaptiveDeadlines
+
+
+@dataclass
+class Settings:
+    peers: int = 4
+    rounds: int = 5
+    inner_s: float = 1.0
+    """Virtual seconds of inner steps per round."""
+    grace_s: float = 0.5
+    exchange_s: float = 6.0
+    min_exchange_s: float = 1.0
+    hello_s: float = 1.0
+    heartbeat_s: float = 1.5
+    values: int = 24
+    chunk_elems: int = 8
+    mailbox_bytes: int = 1 << 20
+    mix2: str = "gossip"
+
+
+@dataclass
+class SimResult:
+    seed: int
+    settings: Settings
+    violations: list[Violation]
+    faults: list[Fault]
+    finished: dict[int, int]
+    """Rounds finished by each peer's last incarnation."""
+    stats: dict = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+
+class SimSwarm:
+    def __init__(self, seed: int, settings: Settings, log: bool = False):
+        self.seed, self.settings = seed, settings
+        self.rng = random.Random(seed)
+        torch.manual_seed(seed)
+        self.net = SimNetwork(self.rng, heartbeat_s=settings.heartbeat_s)
+        self.ids = list(range(settings.peers))
+        self.checker = Checker(settings.grace_s, settings.mailbox_bytes,
+                               incarnation=lambda p: self.peers[p].incarnation if p in self.peers else -1)
+        self.peers: dict[int, SimPeer] = {}
+        self.crashed: set[int] = set()
+        self.gave_up: set[int] = set()  # stopped with an error because every other peer was gone
+        self.finished: dict[int, int] = {}
+        self.snapshots: dict[tuple[int, int], torch.Tensor] = {}  # (peer, round) -> z at that round's start
+        self.returned: dict[int, tuple[float, int, Fault]] = {}  # peer -> (when it came back, swarm round then, the fault)
+        self.mixed_after: dict[int, int] = {}  # peer -> first round it mixed with others after coming back
+        self.deadlines: dict[int, AdaptiveDeadlines] = {}
+        self.logging = log
+        self.log: list[str] = []
+        self.net.reachable = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
+        self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now))
+        self.net.on_disconnect = lambda a, b: self._to(a, lambda node: node.disconnected(b, self.net.now))
+
+    def note(self, text: str) -> None:
+        if self.logging:
+            self.log.append(f"{self.net.now:9.4f} {text}")
+
+    # -- wiring ---------------------------------------------------------------------------------
+
+    def _to(self, pid: int, handle) -> None:
+        peer = self.peers.get(pid)
+        if peer is not None:
+            peer.event(handle)
+
+    def transmit(self, src: int, send: Send) -> None:
+        sender = self.peers[src]
+        msg = send.message
+        if hasattr(msg, "data"):  # the carrier copies what it sends (the sender may reuse its buffer)
+            msg = type(msg)(msg.key, msg.chunk, msg.meta, msg.data.clone())
+        incarnation = sender.incarnation
+        self.note(f"{src} -> {send.peer} {type(msg).__name__} {getattr(msg, 'key', '')} {getattr(msg, 'chunk', '')}")
+
+        def deliver() -> None:
+            peer = self.peers.get(send.peer)
+            if peer is not None and self.peers.get(src) is not None and self.peers[src].incarnation == incarnation:
+                peer.event(lambda node: node.receive(src, msg, self.net.now))
+        self.net.send(src, send.peer, payload_bytes(send), deliver)
+
+    def start_peer(self, pid: int, join_round: int | None, incarnation: int) -> None:
+        peer = SimPeer(self, pid, incarnation, join_round)
+        self.peers[pid] = peer
+        self.deadlines[pid] = AdaptiveDeadlines(self.settings.exchange_s, min_s=self.settings.min_exchange_s)
+        for other in self.ids:
+            if other != pid:
+                self.net.try_connect(pid, other)
+        peer.spawn(self.program(peer, restarted=join_round is None), "main")
+
+    # -- the peer program -----------------------------------------------------------------------
+
+    def program(self, peer: SimPeer, restarted: bool):
+        s = self.settings
+        z = torch.zeros(s.values)
+        r = 0
+        if restarted:
+            r, z = yield from self.join(peer, z)
+        while r < s.rounds:
+            r, z = yield from self.maybe_catch_up(peer, r, z)
+            if r >= s.rounds:
+                break
+            z = yield from self.round(peer, r, z)
+            r += 1
+            self.finished[peer.pid] = r
+        if peer.pid in self.gave_up:
+            return
+        peer.node.current_round = s.rounds  # as the runtime tells the others it is done
+        self.note(f"{peer.pid} finished")
+
+    def round(self, peer: SimPeer, r: int, z: torch.Tensor):
+        peer.node.current_round = r
+        peer.snapshot = (r, z.clone())
+        self.snapshots[(peer.pid, r)] = z.clone()
+        mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
+        yield ("sleep", peer.now + self.settings.inner_s)
+        delta = torch.randn(self.settings.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
+        delta_hat = yield from self.mix(peer, "mix2", r, delta, self.settings.mix2)
+        yield ("join", mix1)
+        x = mix1.result if mix1.error is None else z
+        return x + 0.1 * delta_hat  # the outer step's shape: x - lr * (-delta_hat); its math is not under test here
+
+    def mix(self, peer: SimPeer, label: str, r: int, value: torch.Tensor, kind: str):
+        key, began = f"{label}/{r}", peer.now
+        before = value.clone()
+        deadline_s = None
+        try:
+            call = peer.node.group_call(key, r, peer.now)
+            if call is None:
+                return value
+            group = yield from peer.run_call(call)
+            if len(group) == 1:
+                return value
+            self._mixed(peer.pid, r)  # back in a group (an unmatched gossip peer takes part too)
+            deadlines = self.deadlines[peer.pid]
+            deadline_s = deadlines.deadline_s(key)
+            if kind == "global":
+                self.checker.started(key, peer.pid, value, members=group)
+                data = RingAllReduce(key, peer.pid, group, value.clone(), peer.node.chunk_elems, peer.now, peer.now + deadline_s)
+                out = yield from peer.run_call(data)
+            else:
+                partner = pair_matching(self.seed, r, label, group).get(peer.pid)
+                if partner is None:
+                    return value
+                self.checker.started(key, peer.pid, value, partner)
+                start = peer.now
+                theirs = yield from peer.run_call(Swap(key, peer.pid, partner, value.reshape(-1), peer.node.chunk_elems,
+                                                       start, start + deadline_s))
+                out = (value + theirs) / 2
+            deadlines.observe(key, peer.now - began)
+            return out
+        except ExchangeError as exc:
+            self.note(f"{peer.pid} {key} failed: {exc}")
+            self.checker.identity_kept(peer.pid, key, before, value, peer.now)
+            return value
+        finally:
+            if deadline_s is not None:
+                self.checker.exchange_ended(peer, key, began, peer.now, deadline_s)
+
+    def _mixed(self, pid: int, r: int) -> None:
+        if pid in self.returned and pid not in self.mixed_after:
+            self.mixed_after[pid] = r
+
+    # -- joining and catching up (the runtime's rules) ------------------------------------------
+
+    def ask_rounds(self, peer: SimPeer):
+        node = peer.node
+        peer.act(node.announce(PROBE))
+        deadline = peer.now + self.settings.hello_s
+        while peer.now < deadline and not set(node.peers.connected) <= node.peers.reported.keys():
+            yield ("wait", deadline)
+        return dict(node.peers.reported)
+
+    def join(self, peer: SimPeer, z: torch.Tensor):
+        deadline, peers = peer.now + self.settings.hello_s, peer.node.peers
+        while peer.now < deadline and len(peers.connected) < len(peers.known) - 1:  # the runtime's wait_connected
+            yield ("wait", deadline)
+        peers.drop_unconnected()  # as the runtime does: they join with a hello when they come
+        rounds = yield from self.ask_rounds(peer)
+        ahead = {p: k for p, k in rounds.items() if k >= 1}  # the runtime's rule: round 0 is joined, not caught up
+        if not ahead:
+            peer.act(peer.node.announce(0))
+            return 0, z
+        return (yield from self.catch_up(peer, ahead, z))
+
+    def maybe_catch_up(self, peer: SimPeer, r: int, z: torch.Tensor):
+        node = peer.node
+        lost = node.peers.recently_lost(RECENT_LOSS_S, peer.now)
+        alone = node.members(r) == [peer.pid] and bool(node.peers.pending() or lost)
+        left_behind = any(k >= r + CATCH_UP_LAG for k in node.peers.leader_rounds.values())
+        straggling = node.straggling(r)
+        if not (alone or left_behind or straggling):
+            return r, z
+        if lost:
+            yield ("sleep", peer.now + 0.05)
+        rounds = yield from self.ask_rounds(peer)
+        ahead = {p: k for p, k in rounds.items() if k >= r + (0 if straggling else CATCH_UP_LAG)}
+        if ahead:
+            return (yield from self.catch_up(peer, ahead, z, r))
+        if alone:
+            peer.act(node.announce(r))
+        return r, z
+
+    def catch_up(self, peer: SimPeer, ahead: dict[int, int], z: torch.Tensor, r: int = 0):
+        # The runtime's rule: wait for the swarm's next round boundary, then download that round's
+        # state and take part at once, in step with the others (``NetworkPeer._catch_up``).
+        if r > 0 or peer.node.peers.takes_part(0):  # not a fresh join: step out while catching up (as the runtime does)
+            peer.act(peer.node.announce(STEPPING_OUT, ask_reply=False))
+        latest = max(ahead.values())
+        deadline = peer.now + self.settings.exchange_s + 2 * self.settings.inner_s
+        while peer.now < deadline and latest < self.settings.rounds:  # a finished swarm begins no round
+            rounds = yield from self.ask_rounds(peer)
+            if max(rounds.values(), default=-1) > latest:
+                ahead = {p: k for p, k in rounds.items() if k > latest}
+                latest = max(ahead.values())
+                break
+            yield ("sleep", peer.now + BOUNDARY_POLL_S)
+        donors = sorted(p for p, k in ahead.items() if k == latest)
+        donors = donors[peer.pid % len(donors):] + donors[:peer.pid % len(donors)]
+        for donor in donors:
+            try:
+                began = peer.now
+                k, flat = yield from peer.run_call(FetchState(donor, f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}",
+                                                              peer.node.chunk_elems, began, began + self.settings.exchange_s))
+            except ExchangeError as exc:
+                self.note(f"{peer.pid} state from {donor} failed: {exc}")
+                continue
+            reference = self.snapshots.get((donor, k))
+            if reference is None or not torch.equal(reference, flat):
+                self.checker.flag("recovery.state", peer.now, peer.pid, f"state of round {k} from {donor} differs from the donor's")
+            peer.act(peer.node.announce(k, caught_up=True))
+            self.note(f"{peer.pid} caught up from {donor} at round {k}")
+            return k, flat.clone()
+        if not any(p != peer.pid and self.peers[p].running for p in self.peers):
+            # The runtime stops with "no peer gave its state"; with nobody left that is the right end.
+            self.note(f"{peer.pid} gives up: no live peer to download the state from")
+            self.gave_up.add(peer.pid)
+            return self.settings.rounds, z
+        return r, z
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def apply(self, fault: Fault) -> None:
+        net, pid = self.net, fault.peer
+        if fault.kind in ("crash", "restart"):
+            def crash() -> None:
+                peer = self.peers.get(pid)
+                if peer is None or not peer.running:
+                    return
+                self.note(f"CRASH {pid}")
+                peer.crash()
+                self.crashed.add(pid)
+                for other in self.ids:
+                    if other != pid:
+                        net.drop(pid, other, after=net.latency_s)
+            net.at(fault.start, crash)
+            if fault.kind == "restart":
+                def restart() -> None:
+                    old = self.peers.get(pid)
+                    if old is not None and old.running:
+                        return  # an overlapping restart window: this one's crash found it already down
+                    self.note(f"RESTART {pid}")
+                    self.crashed.discard(pid)
+                    self.returned[pid] = (net.now, max(self.finished.values(), default=0), fault)
+                    self.mixed_after.pop(pid, None)
+                    self.start_peer(pid, None, (old.incarnation + 1) if old else 1)
+                net.at(fault.end, restart)
+        elif fault.kind == "pause":
+            def pause() -> None:
+                peer = self.peers.get(pid)
+                if peer is None or not peer.running:
+                    return
+                self.note(f"PAUSE {pid}")
+                peer.freeze()
+                for other in self.ids:
+                    if other != pid:
+                        net.watch_heartbeats(pid, other)
+
+            def resume() -> None:
+                peer = self.peers.get(pid)
+                if peer is None or not peer.running or not peer.frozen:
+                    return
+                self.note(f"RESUME {pid}")
+                self.returned[pid] = (net.now, max(self.finished.values(), default=0), fault)
+                self.mixed_after.pop(pid, None)
+                peer.thaw()
+                for other in self.ids:
+                    if other != pid:
+                        net.try_connect(pid, other)
+            net.at(fault.start, pause)
+            net.at(fault.end, resume)
+        else:
+            net.faults.append(fault.link())
+            if fault.kind in ("partition", "oneway"):
+                a, b = fault.peers
+                net.at(fault.start, lambda: net.watch_heartbeats(a, b))
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def run(self, faults: list[Fault]) -> SimResult:
+        s = self.settings
+        for pid in self.ids:
+            self.start_peer(pid, 0, 0)
+        for fault in faults:
+            self.apply(fault)
+        worst_round = s.inner_s + 2 * (2 * s.grace_s + 1.0 + s.exchange_s) + s.exchange_s + s.hello_s
+        horizon = max((f.end for f in faults), default=0.0) + (s.rounds + 2) * worst_round
+        self.net.run_until(horizon, stop=lambda: all(self.finished.get(p, 0) >= s.rounds or p in self.crashed for p in self.ids)
+                           and not any(f.end > self.net.now for f in faults))
+        self.net.run_until(self.net.now + 2 * s.exchange_s)  # let stragglers' last calls end
+        self._final_checks(faults)
+        stats = {"messages": self.net.messages, "completed_calls": self.checker.completed,
+                 "failed_calls": self.checker.failed, "virtual_s": round(self.net.now, 3)}
+        return SimResult(self.seed, s, self.checker.violations, faults, dict(self.finished), stats, self.log)
+
+    def _final_checks(self, faults: list[Fault]) -> None:
+        s, now = self.settings, self.net.now
+        for pid in self.ids:
+            if pid in self.crashed or pid in self.gave_up:
+                continue
+            if self.finished.get(pid, 0) < s.rounds:
+                self.checker.flag("liveness.unfinished", now, pid, f"finished {self.finished.get(pid, 0)} of {s.rounds} rounds")
+        alive = [p for p in self.ids if p not in self.crashed]
+        window = 3 * (s.inner_s + 2 * s.grace_s + 1.0)  # about 2 rounds after coming back, and the round it came back in
+        for pid, (when, swarm_round, cause) in self.returned.items():
+            if pid in self.crashed or len(alive) < 2 or swarm_round + 2 >= s.rounds:
+                continue  # nobody to mix with, or too few rounds left to tell
+            aftermath = s.exchange_s + 2 * s.grace_s + 1.0  # a fault's effects last until the exchanges it hit time out
+            if any(f is not cause and f.start < when + window and f.end + aftermath > cause.start for f in faults):
+                continue  # another fault during the recovery: the property is about recovering from one
+            mixed = self.mixed_after.get(pid)
+            if mixed is None or mixed > swarm_round + 2:
+                self.checker.flag("recovery.not_mixing", now, pid,
+                                  f"came back at t={when:.2f}s (swarm in round {swarm_round}); mixed again in round {mixed}")
+
+
+def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False) -> SimResult:
+    """One seeded run: the peer count (2 to 8 unless given), the faults and all timings follow from ``seed``."""
+    rng = random.Random(f"schedule-{seed}")
+    settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
+    faults = draw_faults(rng, settings)
+    return SimSwarm(seed, settings, log=log).run(faults)

@@ -1,0 +1,41 @@
+"""bench/chaos_real.py end to end: a baseline, the leader-kill scenario and one kill trial of real
+DHT-joined peers, reported in JSON and markdown, with no process left behind (slow: about 2 minutes)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_chaos_real_bench_runs_the_scenario_and_a_trial_and_reports_them(tmp_path):
+    out = tmp_path / "chaos"
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos_real.py"), "--trials", "1", "--faults", "kill",
+                          "--rounds", "4", "--inner-steps", "40", "--monitor-every", "20", "--out", str(out)],
+                         capture_output=True, text=True, timeout=560, cwd=ROOT)
+    assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out / "chaos-real.json").read_text())
+    runs = report["runs"]
+    assert [r["label"] for r in runs] == ["baseline-globalm1-localm2-4p", "scenario-leader-kill-mid-mix2", "trial-000-kill"]
+    assert runs[0]["pass"], runs[0]["problems"]  # fault-free: every peer finishes without a long stall
+    assert runs[0]["val_loss"] is not None and runs[0]["max_survivor_stall_s"] < report["limits"]["bound_s"]
+    assert report["limits"]["bound_s"] == report["limits"]["grace_s"] + report["limits"]["exchange_s"]
+    for r in runs[1:]:
+        assert r["injected_at_s"] is not None, r["events"]  # the fault fired
+        assert len(r["orphan_checks"]) == 1  # the killed peer's process tree was looked for
+        assert sum(p["role"] == "survivor" for p in r["peers"]) == 3
+        assert all(p["records"] > 0 for p in r["peers"])
+    assert runs[1]["fault"]["target"] == 1 and runs[1]["fault"]["leader"]
+    assert (run.returncode == 1) == any(not r["pass"] for r in runs)  # exit code = the target
+    assert len(run.stdout.strip().splitlines()) >= 5 and run.stdout.startswith("command: ")
+    table = (out / "chaos-real.md").read_text()
+    assert "| run | fault |" in table and "scenario-leader-kill-mid-mix2" in table
+    leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
+    assert leftover == [], "no process of the bench outlives it"

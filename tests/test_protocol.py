@@ -1,0 +1,147 @@
+"""The sans-I/O protocol on its own: no sockets, threads or clocks; messages passed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gossiploco.errors import MalformedMessage
+from gossiploco.protocol.agreement import Follow
+from gossiploco.protocol.collectives import RingAllReduce, Swap
+from gossiploco.protocol.mailbox import Mailbox
+from gossiploco.protocol.messages import Abort, Data, Decision, Hello, Ready, Send, StateRequest, from_wire, to_wire
+from gossiploco.protocol.node import PeerNode
+from gossiploco.protocol.ring import ring_steps
+
+
+def _nodes(n: int, **options) -> list[PeerNode]:
+    return [PeerNode(r, range(n), grace_s=1.0, chunk_elems=options.get("chunk_elems", 5), mailbox_bytes=1 << 20)
+            for r in range(n)]
+
+
+def _run_ring(values: list[torch.Tensor], chunk_elems: int) -> list[torch.Tensor]:
+    """Every member's ring machine, messages delivered in FIFO order by hand (no network)."""
+    n = len(values)
+    nodes = _nodes(n, chunk_elems=chunk_elems)
+    calls = [RingAllReduce("mix1/0", r, list(range(n)), values[r].clone(), chunk_elems, 0.0, 10.0) for r in range(n)]
+    queue: list[tuple[int, Send]] = []
+    for r in range(n):
+        queue += [(r, s) for s in calls[r].start(nodes[r])]
+    while queue:
+        src, send = queue.pop(0)
+        nodes[send.peer].receive(src, send.message, 0.0)
+        call, node = calls[send.peer], nodes[send.peer]
+        while True:
+            step = call.poll(node, 0.0)
+            if step.mail is None:
+                break
+            queue += [(send.peer, s) for s in call.feed(step.mail)]
+    assert all(c.poll(node, 0.0).done for c, node in zip(calls, nodes))
+    return [c.outcome() for c in calls]
+
+
+@pytest.mark.parametrize("n, total, chunk", [(2, 7, 3), (3, 10_007, 250), (5, 64, 1), (8, 100, 64)])
+def test_the_ring_gives_every_member_the_mean_eq7(n, total, chunk):
+    values = [torch.randn(total, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    # Paper eq. (7) with W = (1/M) 1 1^T: every worker gets x_m <- sum_n (1/M) x_n.
+    W = torch.full((n, n), 1.0 / n, dtype=torch.float64)
+    reference = (W @ torch.stack([v.double() for v in values]))[0].float()
+    out = _run_ring(values, chunk)
+    for o in out:
+        assert torch.allclose(o, reference, atol=1e-6)
+        assert torch.equal(o, out[0])  # each segment was summed once: every member has the same bits
+
+
+def test_the_ring_schedule_sends_each_segment_once_per_phase():
+    n = 5
+    for me in range(n):
+        steps = ring_steps(n, me)
+        assert len(steps) == 2 * (n - 1)
+        assert sorted(s.send_segment for s in steps[: n - 1]) == sorted((me - s) % n for s in range(n - 1))
+        assert all(s.reduce for s in steps[: n - 1]) and not any(s.reduce for s in steps[n - 1:])
+        assert steps[n - 2].recv_segment == (me + 1) % n  # after reduce-scatter it holds the sum of segment me + 1
+
+
+def test_a_chunk_from_a_peer_that_is_not_the_partner_is_refused_at_once():
+    node = _nodes(4)[1]
+    swap = Swap("mix2/3", 1, 2, torch.ones(4), 5, 0.0, 10.0)
+    swap.start(node)
+    actions = node.receive(3, Data("mix2/3", 0, (4, 0, 1), torch.zeros(4)), 0.1)
+    assert actions == [Send(3, Abort("mix2/3"))]  # peer 3 learns at once that 1 is not its partner
+    assert node.receive(3, Data("mix2/3", 1, (4, 0, 1), torch.zeros(4)), 0.2) == []  # told once
+    assert node.mailbox.senders("mix2/3") == set()
+
+
+def test_early_chunks_from_strangers_are_refused_when_the_call_starts():
+    node = _nodes(4)[0]
+    node.receive(3, Data("mix2/0", 0, (4, 0, 0), torch.zeros(4)), 0.0)
+    node.receive(2, Data("mix2/0", 0, (4, 0, 0), torch.zeros(4)), 0.0)
+    sends = Swap("mix2/0", 0, 2, torch.ones(4), 5, 0.0, 10.0).start(node)
+    assert Send(3, Abort("mix2/0")) in sends and node.mailbox.senders("mix2/0") == {2}
+
+
+def test_a_follower_that_gives_up_tells_its_whole_view():
+    node = _nodes(4)[2]
+    follow = node.group_call("mix1/0", 0, 0.0)
+    assert isinstance(follow, Follow) and follow.leader == 0
+    node.disconnected(0, 0.5) if 0 in node.peers.connected else node.peers.on_leave(0, 0.5)
+    step = follow.poll(node, 0.6)
+    assert step.error is not None and "leader" in str(step.error)
+    assert sorted(s.peer for s in step.sends) == [0, 1, 3] and all(s.message == Abort("mix1/0") for s in step.sends)
+
+
+def test_a_restarted_peers_ready_gets_the_group_without_it():
+    leader = _nodes(3)[0]
+    for p in (1, 2):
+        leader.connected(p, 0.0)
+    lead = leader.group_call("mix1/0", 0, 0.0)
+    leader.receive(1, Ready("mix1/0", 0), 0.1)
+    leader.receive(2, Ready("mix1/0", 0), 0.1)
+    assert lead.poll(leader, 0.2).done and lead.outcome() == [0, 1, 2]
+    assert leader.receive(1, Ready("mix1/0", 0), 0.3)[0].message.group == (0, 1, 2)  # a duplicate: same answer
+    leader.disconnected(2, 0.5)  # peer 2 crashed; its new incarnation asks again
+    answer = leader.receive(2, Ready("mix1/0", 0), 0.9)[0].message
+    assert answer.group == (0, 1)
+
+
+def test_the_mailbox_evicts_idle_keys_then_drops_and_stays_bounded():
+    box = Mailbox(limit_bytes=100)
+    for i in range(6):  # 20 bytes each: the sixth does not fit
+        box.put(1, Data(f"k{i}", 0, (5, 0), torch.zeros(5)), float(i), active=())
+    assert box.bytes == 100 and box.senders("k0") == set() and box.dropped == 1  # the oldest idle key went
+    notes = box.put(1, Data("big", 0, (30, 0), torch.zeros(30)), 9.0, active={f"k{i}" for i in range(1, 6)})
+    assert box.dropped == 2 and notes and box.bytes == 100  # nothing idle to evict: the newcomer is dropped
+
+
+@pytest.mark.parametrize("message", [
+    Data("mix1/3", 2, (10, 0, 77), torch.arange(4.0)), Hello(5, 4, ask=3), Hello(-2, 9), Hello(-1, 2, echo=7), Ready("mix2/1", 1),
+    Decision("mix2/1", 3, (0, 2, 5)), Decision("mix2/1", 3, ()), Abort("monitor/2/0"), StateRequest("abc123")])
+def test_every_message_survives_the_wire(message):
+    header, tensors = to_wire(message, sender=4, run_id="r")
+    back = from_wire(header, tensors)
+    if isinstance(message, Data):
+        assert (back.key, back.chunk, back.meta) == (message.key, message.chunk, message.meta)
+        assert torch.equal(back.data, message.data)
+    else:
+        assert back == message
+
+
+def test_only_answers_to_the_latest_question_count_as_reported_rounds():
+    node = _nodes(3)[0]
+    node.connected(1, 0.0)
+    stale_probe = Hello(-1, -1, ask=5)  # peer 1 asked us on its handshake, before we asked it
+    node.announce(-1)
+    asked = node.probe_id
+    assert node.receive(1, stale_probe, 0.1)[0].message == Hello(0, -1, echo=5)  # answered, echoing its id
+    assert node.peers.reported == {}  # its own question says nothing about our latest one
+    node.receive(1, Hello(0, 7, echo=asked - 1), 0.2)
+    assert node.peers.reported == {}  # an answer to an older question
+    node.receive(1, Hello(0, 7, echo=asked), 0.3)
+    assert node.peers.reported == {1: 7}
+
+
+def test_a_decision_with_a_wrong_digest_is_malformed():
+    header, tensors = to_wire(Decision("k", 0, (1, 2)), sender=1, run_id="r")
+    tensors[0][2] += 1
+    with pytest.raises(MalformedMessage, match="digest"):
+        from_wire(header, tensors)

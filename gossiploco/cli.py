@@ -105,7 +105,10 @@ def simulate(
 def peer(
     config: str = CONFIG,
     join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`); repeat for several."),
-    rank: Optional[int] = typer.Option(None, "--rank", help="Peer id: with --peers its index there (required); with --join any int below 2**31, also choosing its data stream (default: random)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="With --peers: this peer's index there (required). With --join: the index of its data stream (default: its peer id, which comes from --identity)."),
+    swarm_key: Optional[str] = typer.Option(None, "--swarm-key", help="The run's swarm key: the file `gossiploco dht` or `gossiploco keygen` wrote, or its gsk1-... text. Runs are private: without it, only --open runs can be joined."),
+    open_run: bool = typer.Option(False, "--open", help="Take part in a public run (no swarm key): anyone can join and affect the model."),
+    identity: Optional[Path] = typer.Option(None, "--identity", help="With --join: this peer's key file (created if missing, mode 0600); its public key fixes the peer id (default: OUT/identity.key, or runs/identity.key without --out)."),
     peers: Optional[str] = typer.Option(None, "--peers", help="Instead of --join: every peer's address, comma-separated, in rank order: tcp://HOST:PORT,..."),
     host: str = typer.Option("0.0.0.0", "--host", help="With --join: address to listen on."),
     port: int = typer.Option(0, "--port", help="With --join: data-plane TCP port (0: any free port)."),
@@ -125,22 +128,20 @@ def peer(
 ) -> None:
     """Run one peer: it joins a run through a DHT bootstrap address (--join) or a static list (--peers) and mixes over ZeroMQ."""
     import faulthandler
-    import secrets
     import signal
 
-    if rank is None and join:
-        rank = secrets.randbelow(2**31)
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = None
     try:
         from gossiploco.config import load_config
         from gossiploco.metrics import MetricsSink
         from gossiploco.runtime.peer import NetworkPeer, run_id_for
+        from gossiploco.security.options import peer_trust, swarm_key_option
 
         if bool(join) == bool(peers):
             raise ConfigError("--join", "give either --join BOOTSTRAP_MULTIADDR (the DHT) or --peers LIST (a static list)")
-        if rank is None:
+        if rank is None and peers:
             raise ConfigError("--rank", "required with --peers: this peer's index in the list")
         endpoints = [e.strip() for e in peers.split(",") if e.strip()] if peers else None
         if endpoints is not None:
@@ -148,12 +149,18 @@ def peer(
             bad = [e for e in endpoints if not e.startswith("tcp://") or ":" not in e.removeprefix("tcp://")]
             if bad:
                 raise ConfigError("--peers", f"expected tcp://HOST:PORT entries, got {bad}")
+            if not 0 <= rank < workers:
+                raise ConfigError("--rank", f"must be in 0..{workers - 1} (an index in --peers), got {rank}")
+        swarm = swarm_key_option(swarm_key, open_run)
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
         if join:
-            node = _joined_peer(cfg, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port)
+            trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
+            node = _joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port)
+            rank = trust.peer_id
         else:
-            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id)
+            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id,
+                               trust=peer_trust(swarm, static_rank=rank, static_count=len(endpoints)))
     except GossiplocoError as exc:
         _fail(exc)
     except KeyboardInterrupt:  # during start-up (loading data, starting the DHT node): nothing to keep
@@ -200,8 +207,8 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce: str | None, run_id: str,
-                 dht_port: int = 0):
+def _joined_peer(cfg, trust, stream: int | None, join: list[str], host: str, port: int, announce: str | None,
+                 run_id: str, dht_port: int = 0):
     """A ``NetworkPeer`` that finds its run through the DHT at ``join``."""
     from gossiploco.membership.directory import DhtDirectory
     from gossiploco.runtime.peer import NetworkPeer
@@ -221,12 +228,25 @@ def _joined_peer(cfg, rank: int, join: list[str], host: str, port: int, announce
     directory = DhtDirectory(run_id, initial_peers=[a for item in join for a in item.split(",") if a.strip()],
                              host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host, port=dht_port,
                              announce_maddrs=dht_announce, ttl_s=t.announce_ttl_s, heartbeat_s=t.discovery_s,
-                             timeout_s=t.hello_s + 5)
+                             timeout_s=t.hello_s + 5, trust=trust)
     try:
-        return NetworkPeer(cfg, rank, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise, run_id=run_id)
+        return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
+                           run_id=run_id, trust=trust, stream=stream)
     except BaseException:
         directory.close()
         raise
+
+
+@app.command()
+def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the new swarm key to (mode 0600); never overwritten.")) -> None:
+    """Write a new swarm key: the secret that makes a run private. Give it to every peer (--swarm-key)."""
+    from gossiploco.security.swarm_key import SwarmKey
+
+    if out.exists():
+        _fail(ConfigError("--out", f"{out} exists; a swarm key is never overwritten (remove it first)"))
+    key = SwarmKey.generate()
+    key.save(out)
+    console.print(f"swarm key {key.fingerprint} written to {out}; peers join with --swarm-key {out}")
 
 
 @app.command()
@@ -235,22 +255,38 @@ def dht(
     port: int = typer.Option(0, "--port", help="TCP port (0: any free one; give a fixed one for an address that survives restarts)."),
     announce: Optional[list[str]] = typer.Option(None, "--announce", help="Multiaddr to advertise instead, e.g. /ip4/PUBLIC_IP/tcp/PORT (behind NAT or a forwarded port); repeatable."),
     identity: Optional[Path] = typer.Option(None, "--identity", help="Private key file: keeps the same peer id (and so the same multiaddrs) across restarts; created if missing."),
+    swarm_key: Path = typer.Option(Path("swarm.key"), "--swarm-key", help="The run's swarm key file: used if it exists, else created (mode 0600)."),
+    open_run: bool = typer.Option(False, "--open", help="A public run: no swarm key; records are still signed."),
 ) -> None:
-    """Run a bootstrap DHT node for peers to --join; prints its multiaddrs; Ctrl+C stops it."""
+    """Run a bootstrap DHT node for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
     import signal
 
     from gossiploco.membership.bootstrap import serve_bootstrap
+    from gossiploco.security.swarm_key import SwarmKey
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    key = None
+    try:
+        if not open_run:
+            key = SwarmKey.load(swarm_key) if swarm_key.exists() else SwarmKey.generate()
+            if not swarm_key.exists():
+                key.save(swarm_key)
+                console.print(f"created swarm key {key.fingerprint} in {swarm_key}")
+    except GossiplocoError as exc:
+        _fail(exc)
 
     def ready(addresses: list[str]) -> None:
-        console.print("[bold]bootstrap DHT node ready.[/] Peers join with:")
+        console.print("[bold]bootstrap DHT node ready.[/] "
+                      + ("Public run: anyone can join." if key is None else
+                         f"Private run (swarm key {key.fingerprint}): the command carries the key, share it "
+                         f"privately (or copy {swarm_key} and pass --swarm-key FILE)."))
+        secret = "--open" if key is None else f"--swarm-key {key.text}"
         for address in addresses:
-            print(f"  gossiploco peer --config PRESET --join {address}", flush=True)
+            print(f"  gossiploco peer --config PRESET --join {address} {secret}", flush=True)
 
     try:
-        serve_bootstrap(host, port, announce, identity, on_ready=ready)
+        serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run)
     except GossiplocoError as exc:
         _fail(exc)
     console.print("bootstrap node stopped")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,14 +63,25 @@ def corpus():
     return load_corpus(tiny_config("diloco").data)
 
 
-@pytest.fixture
-def bootstrap():
-    """A real hivemind bootstrap DHT node on loopback; yields its multiaddr (shut down after the test)."""
-    from gossiploco.membership.bootstrap import start_bootstrap
+@dataclass(frozen=True)
+class Bootstrap:
+    address: str
+    """Its multiaddr, for ``--join``."""
+    swarm_key: Path
+    """The key file of its swarm (the peers' ``--swarm-key``)."""
 
-    dht, addresses = start_bootstrap("127.0.0.1", 0)
+
+@pytest.fixture
+def bootstrap(tmp_path_factory):
+    """A real hivemind bootstrap DHT node of a new private swarm on loopback (shut down after the test)."""
+    from gossiploco.membership.bootstrap import start_bootstrap
+    from gossiploco.security.swarm_key import SwarmKey
+
+    key = SwarmKey.generate()
+    key_file = key.save(tmp_path_factory.mktemp("swarm") / "swarm.key")
+    dht, addresses = start_bootstrap("127.0.0.1", 0, swarm=key)
     try:
-        yield addresses[0]
+        yield Bootstrap(addresses[0], key_file)
     finally:
         dht.shutdown()
 

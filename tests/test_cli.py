@@ -122,7 +122,8 @@ def test_peer_with_an_unreachable_bootstrap_address_says_what_to_check(tmp_path)
     port = free_ports(1)[0]
     proc = subprocess.run([sys.executable, "-m", "gossiploco", "peer", "--join",
                            f"/ip4/127.0.0.1/tcp/{port}/p2p/QmcgpsyWgH8Y8ajJz1Cu72KnS5uo2Aa2LpzU7kinSupGHp",
-                           "--host", "127.0.0.1", "--out", str(tmp_path)], capture_output=True, text=True, timeout=50)
+                           "--host", "127.0.0.1", "--open", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=50)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "error:" in proc.stderr and str(port) in proc.stderr
 
@@ -132,11 +133,16 @@ def test_peer_with_an_unreachable_bootstrap_address_says_what_to_check(tmp_path)
 def test_dht_command_prints_join_lines_and_stops_on_ctrl_c(tmp_path):
     import signal
 
+    from gossiploco.security.swarm_key import SwarmKey
+
     proc = subprocess.Popen([sys.executable, "-m", "gossiploco", "dht", "--host", "127.0.0.1", "--identity",
-                             str(tmp_path / "id.key")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             str(tmp_path / "id.key"), "--swarm-key", str(tmp_path / "swarm.key")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # blocks until the node is up (the test's timeout bounds it)
         assert "--join /ip4/127.0.0.1/tcp/" in line and "/p2p/" in line, line
+        key = SwarmKey.load(tmp_path / "swarm.key")  # created, and carried by the printed command
+        assert f"--swarm-key {key.text}" in line and (tmp_path / "swarm.key").stat().st_mode & 0o777 == 0o600
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
     finally:

@@ -100,7 +100,8 @@ def assert_tree_dies_with_sigkill(proc: subprocess.Popen, tree: dict[int, int]) 
 @pytest.mark.timeout(120)
 def test_a_sigkilled_peer_leaves_no_process_behind(tmp_path, bootstrap):
     out = tmp_path / "peer"
-    command = [sys.executable, "-m", "gossiploco", "peer", "--rank", "0", "--join", bootstrap, "--host", "127.0.0.1",
+    command = [sys.executable, "-m", "gossiploco", "peer", "--rank", "0", "--join", bootstrap.address,
+               "--swarm-key", str(bootstrap.swarm_key), "--host", "127.0.0.1",
                "--workers", "1", "--out", str(out), *tiny_peer_args("diloco", rounds=100_000)]
     with open(tmp_path / "peer.log", "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)

@@ -66,7 +66,7 @@ def assert_exit(peers: LocalPeers, codes: dict[int, int | None], ranks) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("preset", preset_names())
 def test_peers_found_through_one_bootstrap_address_train_every_preset_like_the_virtual_swarm(preset, tmp_path, bootstrap):
-    with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV, join=bootstrap) as peers:
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start()
         codes = peers.wait(180)
     assert_matches_virtual_swarm(peers, codes, preset)

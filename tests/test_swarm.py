@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow  # real peer processes and DHT nodes, tens of seco
 def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path, bootstrap):
     # Rounds long enough (24 real inner steps) that the swarm is still training when the newcomer is up.
     args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=24, **{"monitor.every": 0, "timeouts.startup_s": 3.0})
-    with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap) as peers:
+    with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start([0, 1, 2])  # they wait 3 s for a fourth, then start without it
         assert wait_until(lambda: reached_round(peers, 0, 2), 120), peers.log(0)[-2000:]
         peers.start([3])
@@ -45,7 +45,7 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
 @pytest.mark.timeout(240)
 def test_a_killed_peer_and_a_frozen_peer_while_the_rest_finish(tmp_path, bootstrap):
     args = tiny_peer_args("globalm1-localm2", rounds=5, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0})
-    with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap) as peers:
+    with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start(env={1: {FAULT_ENV: "KILL:mix1/1:2"}, 2: {FAULT_ENV: "STOP:mix2/2:0"}})
         codes = peers.wait(180, ranks=[0, 1, 3])
         assert wait_stopped(peers.procs[2].pid, 1), "the frozen peer must still exist, stopped"
@@ -63,17 +63,20 @@ def test_a_restarted_bootstrap_node_does_not_stop_a_running_swarm(tmp_path):
     from gossiploco.membership.bootstrap import start_bootstrap
     from gossiploco.runtime.launch import free_ports
 
-    identity = tmp_path / "bootstrap.key"
+    from gossiploco.security.swarm_key import SwarmKey
+
+    identity, key = tmp_path / "bootstrap.key", SwarmKey.generate()
+    key_file = key.save(tmp_path / "swarm.key")
     port = free_ports(1)[0]
-    dht, addresses = start_bootstrap("127.0.0.1", port, identity_file=identity)
+    dht, addresses = start_bootstrap("127.0.0.1", port, identity_file=identity, swarm=key)
     args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=24, **{"monitor.every": 0, "timeouts.startup_s": 3.0})
     try:
-        with LocalPeers(4, tmp_path, args, env=ENV, join=addresses[0]) as peers:
+        with LocalPeers(4, tmp_path, args, env=ENV, join=addresses[0], swarm_key=key_file) as peers:
             peers.start([0, 1, 2])
             assert wait_until(lambda: reached_round(peers, 0, 1), 120), peers.log(0)[-2000:]
             dht.shutdown()  # the bootstrap node goes away mid-run ...
             assert wait_until(lambda: reached_round(peers, 0, 2), 120), "the swarm stopped without its bootstrap node"
-            dht, again = start_bootstrap("127.0.0.1", port, identity_file=identity)  # ... and comes back
+            dht, again = start_bootstrap("127.0.0.1", port, identity_file=identity, swarm=key)  # ... and comes back
             assert again == addresses, "same identity file and port: the same address"
             peers.start([3])  # a newcomer finds the running swarm through the restarted node
             codes = peers.wait(200)
@@ -87,8 +90,8 @@ def test_a_restarted_bootstrap_node_does_not_stop_a_running_swarm(tmp_path):
 @pytest.mark.timeout(240)
 def test_two_runs_on_one_dht_never_mix(tmp_path, bootstrap):
     args = tiny_peer_args("globalm1-localm2", rounds=3)
-    with LocalPeers(2, tmp_path / "a", [*args, "--run-id", "run-a"], env=ENV, join=bootstrap) as a, \
-            LocalPeers(2, tmp_path / "b", [*args, "--run-id", "run-b", "--set", "seed=1"], env=ENV, join=bootstrap) as b:
+    with LocalPeers(2, tmp_path / "a", [*args, "--run-id", "run-a"], env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as a, \
+            LocalPeers(2, tmp_path / "b", [*args, "--run-id", "run-b", "--set", "seed=1"], env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as b:
         a.start()
         b.start([10, 11])
         codes_a, codes_b = a.wait(180), b.wait(180)
@@ -106,7 +109,7 @@ def test_two_runs_on_one_dht_never_mix(tmp_path, bootstrap):
 @pytest.mark.timeout(120)
 def test_ctrl_c_makes_a_peer_leave_and_the_others_drop_it_at_once(tmp_path, bootstrap):
     args = tiny_peer_args("globalm1-localm2", rounds=40, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
-    with LocalPeers(3, tmp_path, args, env=ENV, join=bootstrap) as peers:
+    with LocalPeers(3, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start()
         assert wait_until(lambda: reached_round(peers, 0, 2), 90), peers.log(0)[-2000:]
         peers.signal(2, signal.SIGINT)

@@ -43,11 +43,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gossiploco.errors import ConfigError
 from gossiploco.membership.directory import (
+    BEACON_TTL_S,
     DirectoryError,
+    beacon_key,
     check_announce_maddrs,
     check_initial_peers,
     host_maddr,
@@ -58,6 +60,8 @@ from gossiploco.membership.directory import (
 
 if TYPE_CHECKING:
     import hivemind
+
+    from gossiploco.security.swarm_key import SwarmKey
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +195,8 @@ def usable_maddrs(addresses: Sequence[str]) -> list[str]:
 
 
 def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] | None = None,
-                    identity_file: Path | None = None, *,
-                    timeout_s: float = STARTUP_TIMEOUT_S) -> tuple[hivemind.DHT, list[str]]:
+                    identity_file: Path | None = None, *, timeout_s: float = STARTUP_TIMEOUT_S,
+                    swarm: SwarmKey | None = None, open_run: bool = False) -> tuple[hivemind.DHT, list[str]]:
     """Start a bootstrap DHT node without blocking on it; return it and its multiaddrs for ``--join``.
 
     The caller owns the returned ``hivemind.DHT`` and must ``shutdown()`` it. ``port`` 0 picks a
@@ -202,6 +206,11 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     ``timeout_s`` (port taken, address not of this machine, bad identity file). With
     ``identity_file``, the peers saved by the previous run (``serve_bootstrap``) are pinged before
     returning, for at most ``RECONNECT_TIMEOUT_S``.
+
+    ``swarm``: the node stores only records signed by their peer and sealed with this key
+    (``SwarmRecordValidator``) and publishes the swarm's beacon (``store_beacon``), by which a peer
+    that joins with another key learns at once that its key is wrong. ``open_run``: only signed
+    records. Neither: any record (unit tests of the DHT mechanics).
     """
     from hivemind.dht.routing import DHTID
     from hivemind.p2p import PeerID
@@ -214,17 +223,39 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
         identity_path = str(identity_file)
         node_id = DHTID.generate(source=PeerID.from_base58(peer_id).to_bytes())
     started = time.monotonic()
+    from gossiploco.security.identity import Identity
+    from gossiploco.security.records import SwarmRecordValidator
+
+    signer = Identity.generate() if swarm is not None else None  # signs this node's beacon
+    validator = SwarmRecordValidator(signer, swarm) if swarm is not None or open_run else None
     dht = start_dht(initial_peers=[], host_maddrs=[listen], announce_maddrs=announce, timeout_s=timeout_s,
-                    identity_path=identity_path, node_id=node_id)
+                    identity_path=identity_path, node_id=node_id, record_validator=validator)
     try:
         addresses = usable_maddrs(visible_maddrs(dht, timeout_s))
     except BaseException:
         dht.shutdown()
         raise
+    if swarm is not None and signer is not None:
+        dht.gossiploco_beacon = (swarm, signer.peer_id)  # serve_bootstrap refreshes it
+        store_beacon(dht, swarm, signer.peer_id, timeout_s)
     log.info("bootstrap DHT node up in %.2f s at %s", time.monotonic() - started, ", ".join(addresses))
     if identity_file is not None:
         _reconnect_saved_peers(dht, peers_file_for(Path(identity_file)))
     return dht, addresses
+
+
+def store_beacon(dht: hivemind.DHT, swarm: SwarmKey, signer_id: int, timeout_s: float) -> bool:
+    """Publish the swarm's beacon: a record under ``beacon_key(swarm)`` that only holders of the key
+    can write or read, valid for ``BEACON_TTL_S``. Logs, never raises; True if a node stored it."""
+    from hivemind.utils import get_dht_time
+
+    try:
+        future = dht.store(beacon_key(swarm), {"fingerprint": swarm.fingerprint}, subkey=signer_id,
+                           expiration_time=get_dht_time() + BEACON_TTL_S, return_future=True)
+        return bool(future.result(timeout=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a missing beacon is reported by the peers that look for it
+        log.warning("could not publish the swarm's beacon: %r", exc)
+        return False
 
 
 def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:
@@ -244,7 +275,8 @@ def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:
 
 def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] | None = None,
                     identity_file: Path | None = None, *, on_ready: Callable[[list[str]], None],
-                    stop: threading.Event | None = None) -> None:
+                    stop: threading.Event | None = None, swarm: SwarmKey | None = None,
+                    open_run: bool = False) -> None:
     """Run a bootstrap node until ``stop`` is set or Ctrl+C; always shut it down before returning.
 
     ``on_ready(addresses)`` is called once the node is up, with multiaddrs ready to paste into
@@ -253,15 +285,20 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     reconnect to. Raises what ``start_bootstrap`` raises, and ``DirectoryError`` if the DHT process
     dies while serving. KeyboardInterrupt ends serving normally (no exception).
     """
-    dht, addresses = start_bootstrap(host, port, announce, identity_file)
+    dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run)
     stop = stop if stop is not None else threading.Event()
     peers_file = peers_file_for(Path(identity_file)) if identity_file is not None else None
     next_save = time.monotonic() + PEERS_SAVE_S
+    next_beacon = time.monotonic() + BEACON_TTL_S / 4
+    beacon = getattr(dht, "gossiploco_beacon", None)
     try:
         on_ready(addresses)
         while not stop.wait(LIVENESS_POLL_S):
             if not dht.is_alive():
                 raise DirectoryError(f"the bootstrap DHT process exited unexpectedly (exit code {dht.exitcode})")
+            if beacon is not None and time.monotonic() >= next_beacon:
+                store_beacon(dht, *beacon, STARTUP_TIMEOUT_S)
+                next_beacon = time.monotonic() + BEACON_TTL_S / 4
             if peers_file is not None and time.monotonic() >= next_save:
                 save_known_peers(dht, peers_file)
                 next_save = time.monotonic() + PEERS_SAVE_S

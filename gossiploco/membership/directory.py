@@ -67,9 +67,15 @@ retries, ``peers()`` returns what it knows.
         └── DirectoryClosed     the directory was closed; the call cannot proceed (local)
 
 hivemind is imported on first use of the DHT (about 1.3 s), so code that only uses
-``MemoryDirectory`` does not pay for it. Known limits: hivemind's DHT has no authentication, so
-any node of the swarm can overwrite or tombstone any record (the validation here only keeps
-malformed data out of the runtime). A ``DHT`` node runs in a process forked from this one, which
+``MemoryDirectory`` does not pay for it.
+
+Trust (``trust``, always given by ``gossiploco peer``): the run's records live under a key derived
+from the swarm key, every node validates every record with ``SwarmRecordValidator``
+(``gossiploco.security.records``: signed by the peer whose entry it is, sealed with the swarm key
+in a private run), and a record counts only if its data-plane ``key`` is that of its peer id. So
+nobody without the swarm key can read, write, overwrite, tombstone or replace the run's records,
+and no member can write another member's. Without ``trust`` records are unauthenticated (unit
+tests of the directory mechanics only). A ``DHT`` node runs in a process forked from this one, which
 runs ``p2pd``; both die with this process, even when it is SIGKILLed, and p2pd dies with the DHT
 process when that one has to be killed (it did not shut down within 3 s); see
 ``gossiploco.membership.lifeline``.
@@ -91,14 +97,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gossiploco.errors import ConfigError, DirectoryClosed, DirectoryError
+from gossiploco.security.identity import peer_id_of
 
 if TYPE_CHECKING:
     import hivemind
 
+    from gossiploco.security.swarm_key import SwarmKey
+    from gossiploco.security.trust import Trust
+
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
-"""Version of ``PeerRecord``'s wire format; records of another version are ignored."""
+PROTOCOL_VERSION = 2
+"""Version of ``PeerRecord``'s wire format; records of another version are ignored (2: the ``key`` field)."""
 MAX_PEER_ID = 2**31
 """Peer ids are in ``0 .. MAX_PEER_ID - 1`` (the data plane's limit, ``zmq_exchange.MAX_PEER_ID``)."""
 MAX_COUNT = 2**63
@@ -107,7 +117,8 @@ MAX_ENDPOINT_CHARS = 256
 MAX_RUN_ID_CHARS = 256
 ENDPOINT_PATTERN = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})")
 """A data-plane endpoint, matched whole: ``tcp://HOST:PORT`` (no path, no whitespace, ASCII port digits)."""
-WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version"})
+WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version", "key"})
+KEY_BYTES = 32
 MAX_REPORTED = 4096
 """How many distinct bad records a ``DhtDirectory`` remembers having warned about."""
 CLOSE_WITHDRAW_S = 3.0
@@ -147,8 +158,14 @@ class PeerRecord:
     """Tokens the peer has processed so far."""
     version: int = PROTOCOL_VERSION
     """Wire-format version of the record."""
+    key: bytes = b""
+    """The peer's Curve25519 public key (its data-plane identity; ``peer`` is derived from it), or
+    empty where no key is used (unit tests of the directory)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or len(self.key) not in (0, KEY_BYTES):
+            raise ValueError(f"key must be {KEY_BYTES} bytes (or empty), got {type(self.key).__name__} "
+                             f"of length {len(self.key) if isinstance(self.key, (bytes, str)) else '?'}")
         _check_int("peer", self.peer, 0, MAX_PEER_ID)
         if not isinstance(self.endpoint, str):
             raise ValueError(f"endpoint must be a str, got {type(self.endpoint).__name__}")
@@ -166,7 +183,7 @@ class PeerRecord:
     def to_wire(self) -> dict[str, Any]:
         """The record as a plain dict of str and int (msgpack-able)."""
         return {"version": self.version, "peer": self.peer, "endpoint": self.endpoint,
-                "round": self.round, "tokens": self.tokens}
+                "round": self.round, "tokens": self.tokens, "key": self.key}
 
     @classmethod
     def from_wire(cls, obj: Any) -> PeerRecord:
@@ -194,7 +211,7 @@ class PeerRecord:
             raise ValueError(f"record has wrong fields ({'; '.join(problems)}); version {PROTOCOL_VERSION} "
                              f"records have exactly {', '.join(sorted(WIRE_FIELDS))}")
         return cls(peer=obj["peer"], endpoint=obj["endpoint"], round=obj["round"], tokens=obj["tokens"],
-                   version=version)
+                   version=version, key=obj["key"])
 
 
 class Directory(ABC):
@@ -396,6 +413,15 @@ def dht_key(run_id: str) -> str:
     return f"gossiploco/{_check_run_id(run_id)}/peers"
 
 
+BEACON_TTL_S = 24 * 3600.0
+"""How long a swarm's beacon stays in the DHT after its bootstrap node last published it."""
+
+
+def beacon_key(swarm: SwarmKey) -> str:
+    """The DHT key of a swarm's beacon (``gossiploco.membership.bootstrap.store_beacon``)."""
+    return swarm.dht_key("*", "beacon")
+
+
 def host_maddr(host: str, port: int) -> str:
     """``/ip4/HOST/tcp/PORT`` (or ``/ip6/...``) for a numeric ``host`` (``ConfigError`` otherwise)."""
     try:
@@ -452,11 +478,13 @@ def check_announce_maddrs(announce_maddrs: Sequence[str] | None) -> list[str] | 
 
 
 def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
-              timeout_s: float, identity_path: str | None = None, node_id: Any = None) -> hivemind.DHT:
+              timeout_s: float, identity_path: str | None = None, node_id: Any = None,
+              record_validator: Any = None) -> hivemind.DHT:
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
     The process and its p2pd die with this process, even when it is SIGKILLed
-    (``gossiploco.membership.lifeline``).
+    (``gossiploco.membership.lifeline``). ``record_validator``: the node's record validator
+    (``gossiploco.security.records.SwarmRecordValidator``; None: every record is accepted).
 
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
@@ -470,6 +498,8 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         options["identity_path"] = identity_path
     if node_id is not None:
         options["node_id"] = node_id
+    if record_validator is not None:
+        options["record_validators"] = [record_validator]
     dht = TiedDHT(initial_peers=list(initial_peers) or None, start=True, await_ready=False,
                   shutdown_timeout=min(3.0, timeout_s), **options)
     try:
@@ -551,12 +581,13 @@ class DhtDirectory(Directory):
 
     def __init__(self, run_id: str, *, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
                  announce_maddrs: Sequence[str] | None = None, ttl_s: float = 15.0, heartbeat_s: float = 5.0,
-                 timeout_s: float = 10.0):
+                 timeout_s: float = 10.0, trust: Trust | None = None):
         _check_ttl(ttl_s, heartbeat_s)
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
         self.run_id = _check_run_id(run_id)
-        self.key = dht_key(run_id)
+        self.trust = trust
+        self.key = trust.swarm.dht_key(run_id) if trust is not None and trust.swarm is not None else dht_key(run_id)
         self.ttl_s, self.heartbeat_s, self.timeout_s = float(ttl_s), float(heartbeat_s), float(timeout_s)
         self.initial_peers = check_initial_peers(initial_peers)
         announce_maddrs = check_announce_maddrs(announce_maddrs)
@@ -580,8 +611,13 @@ class DhtDirectory(Directory):
         self._stop = threading.Event()
 
         started = time.monotonic()
+        validator = None
+        if trust is not None:
+            from gossiploco.security.records import SwarmRecordValidator
+
+            validator = SwarmRecordValidator(trust.identity, trust.swarm)
         self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
-                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s)
+                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator)
         try:
             self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
         except BaseException:
@@ -720,8 +756,31 @@ class DhtDirectory(Directory):
             if subkey != record.peer:
                 self._report(tag, "malformed", f"ignoring a record of peer {record.peer} stored under subkey {tag[0]}")
                 continue
+            if self.trust is not None and (not record.key or peer_id_of(record.key) != record.peer):
+                self._report(tag, "malformed", f"ignoring the record of peer {record.peer}: its key is not that peer's")
+                continue
             records[record.peer] = (record, float(expiration))
         return records
+
+    def confirm_swarm(self) -> None:
+        """Check that the DHT joined holds this run's swarm beacon, which only a bootstrap node holding
+        the same swarm key publishes; ``DirectoryError`` saying so if it does not (a wrong key).
+        Nothing to check in an open run or without ``trust``."""
+        if self.trust is None or self.trust.swarm is None:
+            return
+        try:
+            with self._dht_lock:
+                future = self._dht.get(beacon_key(self.trust.swarm), latest=True, return_future=True)
+            found = future.result(timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported as the error below
+            found, cause = None, f" ({type(exc).__name__})"
+        else:
+            cause = ""
+        if found is None or not isinstance(found.value, dict) or not found.value:
+            raise DirectoryError(
+                f"the DHT at {', '.join(self.initial_peers) or '(none)'} does not know this peer's swarm key "
+                f"{self.trust.swarm.fingerprint}{cause}: the --swarm-key differs from the one its bootstrap node "
+                "was started with (`gossiploco dht` printed the right one), or the bootstrap node is not running")
 
     def _report(self, tag: tuple[str, float], kind: str, message: str) -> None:
         """Count and log a bad entry once."""

@@ -2,9 +2,14 @@
 
 ``LocalPeers`` runs ``python -m gossiploco peer`` once per rank, each with its own output
 directory and log file: with a static peer list on loopback ports, or (``join``) through a DHT
-bootstrap address, each peer binding a free port of its own. ``stop()`` asks every process still running to leave
-(SIGINT, like Ctrl+C), waits a bounded time, then kills what is left, so no process outlives
-its owner; it is also what the context manager runs on exit.
+bootstrap address, each peer binding a free port of its own. The run is private: a swarm key
+(``swarm_key``, default: a new one in ``out_dir/swarm.key``) goes to every peer; with ``join``
+each rank gets an identity file whose peer ids increase with the rank (``ordered_identities``),
+and ``--rank`` picks its data stream, so a local run matches the virtual swarm's order.
+
+``stop()`` asks every process still running to leave (SIGINT, like Ctrl+C), waits a bounded time,
+then kills what is left, so no process outlives its owner; it is also what the context manager
+runs on exit.
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ class LocalPeers:
 
     def __init__(self, count: int, out_dir: str | Path, args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  per_rank: dict[int, Sequence[str]] | None = None, env: dict[str, str] | None = None,
-                 join: str | None = None):
+                 join: str | None = None, swarm_key: Path | None = None):
         """``env``: extra environment for every peer (``start`` adds per-rank extras). ``join``: a
-        bootstrap multiaddr; the peers find each other through the DHT instead of a static list."""
+        bootstrap multiaddr; the peers find each other through the DHT instead of a static list.
+        ``swarm_key``: the run's key file (default: created in ``out_dir``)."""
         self.count = count
         self.out_dir = Path(out_dir)
         self.args = list(args)
@@ -51,6 +57,11 @@ class LocalPeers:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[int, subprocess.Popen] = {}
         self._logs: dict[int, object] = {}
+        self.swarm_key = Path(swarm_key) if swarm_key is not None else self.out_dir / "swarm.key"
+        if swarm_key is None and not self.swarm_key.exists():
+            from gossiploco.security.swarm_key import SwarmKey
+
+            SwarmKey.generate().save(self.swarm_key)
 
     def peer_dir(self, rank: int) -> Path:
         return self.out_dir / f"peer-{rank}"
@@ -58,18 +69,26 @@ class LocalPeers:
     def log_path(self, rank: int) -> Path:
         return self.out_dir / f"peer-{rank}.log"
 
+    def identity_path(self, rank: int) -> Path:
+        return self.peer_dir(rank) / "identity.key"
+
     def command(self, rank: int) -> list[str]:
         if self.join:  # found through the DHT; the first round waits for ``count`` peers
-            where = ["--join", self.join, "--host", self.host, "--workers", str(self.count)]
+            where = ["--join", self.join, "--host", self.host, "--workers", str(self.count),
+                     "--identity", str(self.identity_path(rank))]
         else:
             where = ["--peers", ",".join(self.endpoints)]
-        return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), *where,
+        return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), *where, "--swarm-key", str(self.swarm_key),
                 "--out", str(self.peer_dir(rank)), *self.args, *self.per_rank.get(rank, ())]
 
     def start(self, ranks: Sequence[int] | None = None, env: dict[int, dict[str, str]] | None = None) -> LocalPeers:
         """Start ``ranks`` (default: ``range(count)``; with ``join`` any peer id), with extra environment ``env[rank]``. A rank started again
         (a restart) appends to its log."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.join:
+            from gossiploco.security.options import ordered_identities
+
+            ordered_identities(self.count, self.out_dir)
         for rank in range(self.count) if ranks is None else ranks:
             old = self._logs.pop(rank, None)
             if old is not None:

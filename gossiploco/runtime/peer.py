@@ -62,6 +62,7 @@ from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
+from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
 from gossiploco.transport.zmq_exchange import MAX_PEER_ID, ZmqExchange
@@ -102,18 +103,34 @@ class PeerResult:
     records: list[dict] = field(default_factory=list)
 
 
+def corroborated(rounds: dict[int, int]) -> dict[int, int]:
+    """The round claims another member backs: peer ``p``'s round ``k`` stands if some other peer reports
+    round ``k - 1`` or later (a round boundary may fall between two answers). Where one peer answered,
+    its claim stands. So a lone member claiming a far later round (a bug, or a lie) cannot make the
+    others download its state; honest peers differ by at most one round at a boundary."""
+    if len(rounds) < 2:
+        return dict(rounds)
+    return {p: k for p, k in rounds.items() if any(q != p and j >= k - 1 for q, j in rounds.items())}
+
+
 class NetworkPeer:
     """Peer ``rank`` of a run, found either through a static list ``endpoints`` (``tcp://HOST:PORT``,
     one per rank) or through a ``directory`` (the hivemind DHT): then this peer binds ``bind``
     (``tcp://HOST:PORT``, port 0 for any), tells the others ``advertise`` (default: the bound
-    address), and ``rank`` is its peer id (any int below 2**31; it also picks its data stream).
+    address), and ``rank`` is its peer id (``trust.peer_id``: derived from its identity key).
+    ``stream``: the index of its data stream (default ``rank``).
+
+    ``trust`` (``gossiploco.security``): its identity and the run's swarm key; the data plane is
+    encrypted and admits members only, and its DHT records are signed and sealed. ``gossiploco
+    peer`` always gives it; None (plaintext, unauthenticated) is for in-process unit tests.
 
     Build, then ``run()``. ``close()`` (idempotent) leaves the run and releases sockets and threads.
     """
 
     def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str] | None = None, *,
                  directory: Directory | None = None, bind: str | None = None, advertise: str | None = None,
-                 run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None):
+                 run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None,
+                 trust: Trust | None = None, stream: int | None = None):
         if (endpoints is None) == (directory is None):
             raise ConfigError("peers", "give either a static peer list or a directory to join, not both or neither")
         if endpoints is not None:
@@ -131,7 +148,9 @@ class NetworkPeer:
         self.rank = rank
         self.device = resolve_device(device or cfg.device)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
-        self.trainer = build_trainer(cfg, self.corpus, self.device, rank)
+        self.stream = rank if stream is None else stream
+        """The index of this peer's data stream (its rank in a static list; with a directory, its peer id unless given)."""
+        self.trainer = build_trainer(cfg, self.corpus, self.device, self.stream)
         self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
         self.names = self.trainer.names
         self.groups = group_by_block(self.names)
@@ -142,9 +161,11 @@ class NetworkPeer:
         t = cfg.timeouts
         deadlines = AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor)
         self.directory = directory
+        self.trust = trust
         self.exchange = ZmqExchange(rank, known, self.run_id, t.exchange_s, grace_s=t.grace_s, deadlines=deadlines,
                                     max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
-                                    bind=bind, join_round=None, heartbeat_s=t.heartbeat_s)  # decided in _join
+                                    bind=bind, join_round=None, heartbeat_s=t.heartbeat_s,  # join round: decided in _join
+                                    trust=trust)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self._stop_discovery = threading.Event()
@@ -243,6 +264,7 @@ class NetworkPeer:
         ``workers`` peers of the run are known or the run is found already going."""
         ex, t, directory = self.exchange, self.cfg.timeouts, self.directory
         assert directory is not None
+        directory.confirm_swarm()  # a wrong swarm key stops here, with the reason
         if not ex.check_reachable(t.hello_s):
             host_port = self.endpoint.removeprefix("tcp://")
             raise ExchangeError(
@@ -253,8 +275,10 @@ class NetworkPeer:
         taken = directory.peers().get(self.rank)
         if taken is not None and taken.endpoint != self.endpoint:
             log.warning("rank %d: peer id %d was announced by %s (a previous run of this peer?); taking it over. "
-                        "If another live peer uses this id, restart with another --rank", self.rank, self.rank, taken.endpoint)
-        directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0))
+                        "If another live peer uses this identity, give one of them another --identity",
+                        self.rank, self.rank, taken.endpoint)
+        key = self.trust.identity.curve_public if self.trust is not None else b""
+        directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0, key=key))
         deadline = time.monotonic() + t.startup_s
         while True:
             records = self._sync_peers()
@@ -275,7 +299,7 @@ class NetworkPeer:
         records = self.directory.peers()
         for peer, record in records.items():
             if peer != self.rank:
-                self.exchange.add_peer(peer, record.endpoint)
+                self.exchange.add_peer(peer, record.endpoint, record.key or None)
         return records
 
     def _discovery_loop(self) -> None:
@@ -291,9 +315,15 @@ class NetworkPeer:
                 log.exception("rank %d: peer discovery failed; retrying", self.rank)
 
     def _ask_rounds(self) -> dict[int, int]:
+        """The rounds members report (over their authenticated connections), less uncorroborated claims."""
         ex = self.exchange
         ex.announce(-1)  # a probe: changes no membership, asks every peer for its round
-        return ex.peer_rounds(self.cfg.timeouts.hello_s)
+        rounds = ex.peer_rounds(self.cfg.timeouts.hello_s)
+        kept = corroborated(rounds)
+        if kept != rounds:
+            log.warning("rank %d: ignoring round claims no other member backs: %s (all reported: %s)", self.rank,
+                        {p: k for p, k in rounds.items() if p not in kept}, rounds)
+        return kept
 
     def _maybe_catch_up(self, r: int) -> int:
         """At a round start: the swarm went on without us when we are alone while others are
@@ -550,6 +580,8 @@ class NetworkPeer:
             "bytes_sent": self.exchange.bytes_sent,
             "bytes_received": self.exchange.bytes_received,
             "malformed_messages": self.exchange.malformed_messages,
+            "security": {"private": self.trust is not None and not self.trust.open,
+                         "encrypted": self.trust is not None, **self.exchange.security_counts()},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self._final_params is not None else "own",
         }

@@ -52,10 +52,16 @@ class LocalSwarm:
         """Run to completion (or ``timeout_s``, then stop the peers); returns the swarm summary."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
-        dht, self.bootstrap = start_bootstrap("127.0.0.1", 0)
+        from gossiploco.security.swarm_key import SwarmKey
+
+        key_file = self.out_dir / "swarm.key"  # this local run's own key, made once
+        key = SwarmKey.load(key_file) if key_file.exists() else SwarmKey.generate()
+        key.save(key_file)
+        dht, self.bootstrap = start_bootstrap("127.0.0.1", 0, swarm=key)
         interrupted = False
         try:
-            with LocalPeers(self.count, self.out_dir, self.peer_args, join=self.bootstrap[0], env=self.env) as peers:
+            with LocalPeers(self.count, self.out_dir, self.peer_args, join=self.bootstrap[0], env=self.env,
+                            swarm_key=key_file) as peers:
                 peers.start()
                 try:
                     while True:

@@ -38,10 +38,12 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -58,7 +60,9 @@ from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, PROBE, Data, Hel
 from gossiploco.protocol.node import PeerNode
 from gossiploco.transport import codec
 from gossiploco.transport.deadlines import AdaptiveDeadlines
-from gossiploco.transport.zmq_sockets import ZmqSockets, parse_routing_id
+from gossiploco.security.identity import peer_id_of
+from gossiploco.security.trust import Trust, parse_routing_id
+from gossiploco.transport.zmq_sockets import ZmqSockets
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +77,14 @@ exchange. Unset in normal use."""
 PROBE_REPEAT_S = 1.0
 """``peer_rounds`` asks a peer that has not answered again after this long."""
 _FLOAT_BYTES = 4
+
+_VARIABLE = re.compile(r"-?[0-9]+|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|b'[^']*'")
+
+
+def _reason(message: str) -> str:
+    """A rejection's reason without its particulars, to count alike rejections together."""
+    return _VARIABLE.sub("#", message)[:80]
+
 
 StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
 """Returns (round, flat fp32 state) to hand a catching-up peer, or None when there is none yet."""
@@ -101,7 +113,7 @@ class ZmqExchange(Exchange):
     def __init__(self, rank: int, endpoints: Sequence[str] | Mapping[int, str], run_id: str, timeout_s: float,
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
-                 join_round: int | None = 0, heartbeat_s: float | None = None):
+                 join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -121,6 +133,8 @@ class ZmqExchange(Exchange):
         self.chunk_bytes = chunk_bytes
         self.bytes_sent = 0
         self.dropped_messages = 0
+        self.rejections: Counter[str] = Counter()
+        """Messages refused after decoding, by reason (numbers and quoted values masked)."""
         self._cond = threading.Condition()  # guards the node
         self._node = PeerNode(rank, endpoints, grace_s=grace_s, chunk_elems=max(1, chunk_bytes // _FLOAT_BYTES),
                               mailbox_bytes=mailbox_bytes, join_round=join_round)
@@ -130,14 +144,19 @@ class ZmqExchange(Exchange):
         self._tasks: queue.Queue = queue.Queue(maxsize=1024)  # Send / ServeState for the service thread
         self._fault = _parse_fault(os.environ.get(FAULT_ENV))
 
+        self.trust = trust
+        if trust is not None and trust.peer_id != rank:
+            raise ValueError(f"rank {rank} is not the peer id of this identity ({trust.peer_id})")
+        if trust is not None and any(trust.key_of(p) is None for p in endpoints if p != rank):
+            raise ValueError("a static peer list needs every rank's key (Trust.static)")
         self._sockets = ZmqSockets(rank, bind or self.endpoints[rank], self.endpoints[rank], heartbeat_s=heartbeat_s,
-                                   max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes)
+                                   max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust)
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers
         self._incarnations: dict[int, tuple[bytes, float]] = {}  # peer -> (its process's incarnation, when pinned)
         for peer, endpoint in endpoints.items():
             if peer != rank:
-                self._sockets.connect(peer, endpoint)
+                self._sockets.connect(peer, endpoint, trust.key_of(peer) if trust is not None else None)
         self._receiver = threading.Thread(target=self._guarded, args=(self._receive_loop, "receiver"),
                                           name=f"zmq-exchange-{rank}-recv", daemon=True)
         self._service = threading.Thread(target=self._guarded, args=(self._service_loop, "service"),
@@ -256,12 +275,18 @@ class ZmqExchange(Exchange):
 
     # -- membership --------------------------------------------------------------------------------
 
-    def add_peer(self, peer: int, endpoint: str) -> bool:
+    def add_peer(self, peer: int, endpoint: str, key: bytes | None = None) -> bool:
         """Connect to ``peer`` at ``endpoint`` (a peer found by discovery); it stays pending until its
         hello (a probe goes out once its connection is up). A known peer at a new endpoint (it
-        restarted elsewhere) is reconnected. Returns True if anything changed."""
+        restarted elsewhere) is reconnected. ``key``: the peer's Curve25519 public key, from its
+        signed record (required with ``trust``; it must be the key of id ``peer``). Returns True if anything changed."""
         if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
             return False
+        if self.trust is not None:
+            key = key if key is not None else self.trust.key_of(peer)
+            if key is None or (self.trust.static_keys is None and peer_id_of(key) != peer):
+                log.warning("rank %d: not connecting to %d: no key, or not the key of that peer id", self.rank, peer)
+                return False
         with self._cond:
             if self._closed:
                 return False
@@ -271,7 +296,7 @@ class ZmqExchange(Exchange):
             self.endpoints[peer] = endpoint
             self._node.add_peer(peer)
             if old is None:
-                self._sockets.connect(peer, endpoint)
+                self._sockets.connect(peer, endpoint, key)
         if old is not None:
             self._sockets.reconnect(peer, old, endpoint)
             log.info("rank %d: peer %d moved from %s to %s", self.rank, peer, old, endpoint)
@@ -370,6 +395,14 @@ class ZmqExchange(Exchange):
         with self._cond:
             return self._node.pending_state()
 
+    def security_counts(self) -> dict[str, dict[str, int]]:
+        """Connections the ZAP handler refused and messages the receiver rejected, by reason."""
+        auth = self._sockets.auth
+        with self._cond:
+            rejected = dict(self.rejections)
+        refused = {**self._sockets.handshake_failures, **(auth.refused if auth is not None else {})}
+        return {"refused_connections": refused, "rejected_messages": rejected}
+
     def _wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -447,18 +480,28 @@ class ZmqExchange(Exchange):
                 self._cond.notify_all()
         finally:
             if name == "receiver":
-                self._sockets.router.close(linger=0)  # the monitors are closed by close(), after their dealers stop them
+                self._sockets.close_router()  # the DEALERs' monitors are closed by close(), after their dealers stop them
 
     def _receive_loop(self) -> None:
         poller = zmq.Poller()
         router = self._sockets.router
         poller.register(router, zmq.POLLIN)
+        poller.register(self._sockets.router_monitor, zmq.POLLIN)
         while not self._closed:
             while not self._sockets.new_monitors.empty():  # peers added since the last poll
                 poller.register(self._sockets.new_monitors.get(), zmq.POLLIN)
+            auth = self._sockets.auth
+            if auth is not None and not auth.is_alive():
+                raise ExchangeError("the ZAP (authentication) thread died: no peer could connect any more")
+            if self._sockets.retry_at:
+                with self._cond:
+                    endpoints = dict(self.endpoints)
+                self._sockets.retry_refused(time.monotonic(), endpoints)
             for sock, _ in poller.poll(POLL_MS):
                 if sock is router:
                     self._drain_router()
+                elif sock is self._sockets.router_monitor:
+                    self._sockets.count_handshake_failures()
                 else:
                     self._drain_monitor(sock)
 
@@ -471,9 +514,14 @@ class ZmqExchange(Exchange):
             try:
                 self._file(frames)
             except MalformedMessage as exc:
+                reason = _reason(str(exc))
                 with self._cond:
                     self._node.malformed_messages += 1
-                log.warning("rank %d: dropped a malformed message: %s", self.rank, exc)
+                    self.rejections[reason] += 1
+                    count = self.rejections[reason]
+                if count <= 3 or count & (count - 1) == 0:  # the first few, then at powers of two
+                    log.warning("rank %d: dropped a malformed message (%d so far for this reason): %s",
+                                self.rank, count, exc)
         self._flush_notes()
 
     def _file(self, frames: list) -> None:
@@ -487,6 +535,9 @@ class ZmqExchange(Exchange):
         claimed = parse_routing_id(identity)
         if claimed is None or claimed[0] != header.sender or claimed[2] != isinstance(message, CONTROL):
             raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
+        if self.trust is not None and frames[1].get("User-Id") != str(header.sender):  # what ZAP authenticated
+            raise MalformedMessage(f"sender {header.sender} arrived on a connection authenticated as "
+                                   f"{frames[1].get('User-Id')!r}")
         with self._cond:
             self._check_incarnation(header.sender, claimed[1])
             actions = self._node.receive(header.sender, message, time.monotonic())
@@ -514,10 +565,16 @@ class ZmqExchange(Exchange):
                 break
             with self._cond:
                 if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._sockets.refusals.pop(peer, None)
                     actions = self._node.connected(peer, time.monotonic())
                 elif event["event"] == zmq.EVENT_DISCONNECTED:
                     actions = self._node.disconnected(peer, time.monotonic())
-                else:
+                else:  # a failed handshake: libzmq gives up on the connection, so we retry ourselves
+                    delay = self._sockets.refused_by(peer, time.monotonic())
+                    if self._sockets.refusals[peer] in (4, 16, 64):  # the first few are expected while a peer joins
+                        self._node.notes.append(f"peer {peer} refused the handshake ({self._sockets.refusals[peer]} "
+                                                f"time(s); it may not have read this peer's record yet, or the keys "
+                                                f"differ); trying again in {delay:g} s")
                     actions = []
                 self._cond.notify_all()
             self._dispatch(actions)

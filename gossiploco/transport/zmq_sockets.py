@@ -8,6 +8,12 @@ timeout) and a control DEALER (routing id ``"i.<incarnation>/control"``) for ``R
 incarnation is random per process, so the receiver can tell a restarted peer from another
 connection of the same process (see ``ROUTER_HANDOVER`` below).
 
+Security (``trust``, always given by ``gossiploco peer``): every socket speaks CurveZMQ
+(encrypted and authenticated with the peers' Curve25519 keys); the ROUTER admits a client only
+if its key is a member's (its ZAP handler, ``zmq_auth``), so a stranger's connection is
+closed after the handshake, before any of its messages is read. ``trust=None`` is plaintext, for
+the benchmarks that measure what encryption costs.
+
 Thread rules (zmq sockets are not thread-safe): the ROUTER and the monitors belong to the one
 thread that receives; each DEALER has a lock, and any thread may send on it while holding it.
 Sends never block for long: ``NOBLOCK`` with a poll/retry loop bounded by the caller's deadline,
@@ -23,9 +29,12 @@ import uuid
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.security.trust import Trust, routing_id
 from gossiploco.transport import codec
+from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 
 SEND_RETRY_S = 0.05
 """Longest wait between two tries of a send whose queue is full."""
@@ -34,22 +43,14 @@ HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
 queued on the connection, so it must exceed the time one chunk takes on the slowest link: a
 4 MiB chunk needs 0.7 s at 50 Mbit/s but over 5 s below about 7 Mbit/s."""
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
+"""After a refused handshake: the first new try, and the longest wait between tries."""
+HANDSHAKE_MS = 5000
+"""A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
 """TCP keepalive of inbound connections: a dead machine's connection is dropped after about 16 s."""
-
-
-def routing_id(rank: int, incarnation: str, control: bool) -> bytes:
-    """``b"<rank>.<incarnation>"`` for a data connection, plus ``b"/control"`` for a control one."""
-    return f"{rank}.{incarnation}{'/control' if control else ''}".encode()
-
-
-def parse_routing_id(identity: bytes) -> tuple[int, bytes, bool] | None:
-    """(rank, incarnation, is control) of a routing id made by ``routing_id``; None for anything else."""
-    head, dot, rest = identity.partition(b".")
-    if not dot or not head.isdigit() or len(identity) > 64:
-        return None
-    control = rest.endswith(b"/control")
-    return int(head), rest.removesuffix(b"/control"), control
 
 
 class ZmqSockets:
@@ -60,12 +61,18 @@ class ZmqSockets:
     """
 
     def __init__(self, rank: int, bind: str, advertised: str, *, heartbeat_s: float | None, max_message_bytes: int,
-                 chunk_bytes: int):
+                 chunk_bytes: int, trust: Trust | None):
         self.rank = rank
+        self.trust = trust
         self.incarnation = uuid.uuid4().hex[:12]
         """Random per process (see the module docstring)."""
         self.heartbeat_ms = HEARTBEAT_TIMEOUT_MS if heartbeat_s is None else max(1, int(1000 * heartbeat_s))
         self.ctx = zmq.Context(io_threads=1)
+        self.ctx.setsockopt(zmq.LINGER, 0)
+        self.auth: SwarmAuthenticator | None = None
+        if trust is not None:  # the ZAP handler must run before the first client connects
+            self.auth = SwarmAuthenticator(self.ctx, trust, f"rank {rank}")
+            self.auth.start()
         self.sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes))
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -73,9 +80,11 @@ class ZmqSockets:
         # ROUTER_HANDOVER: a new connection with a routing id the ROUTER still holds (a peer that
         # reconnects before its old, dead connection is torn down: after a freeze, a partition, or
         # in a race with a restart) takes the id over. Without it libzmq parks the new connection
-        # unread for good (seen: a resumed peer never heard the others again). Another process
-        # claiming a peer is refused by ``ZmqExchange`` (each peer is pinned to its incarnation);
-        # authenticating routing ids is the trust issue's work.
+        # unread for good (seen: a resumed peer never heard the others again). Only members get
+        # this far (CurveZMQ + ZAP); a message whose routing id names another peer than the one its
+        # key authenticated is refused by ``ZmqExchange``, and each peer is pinned to one process
+        # (incarnation). Known limit: a misbehaving member could still take over another member's
+        # routing id (ZAP does not see routing ids), costing that peer its connection until it reconnects.
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # No ZMTP heartbeats on the ROUTER: libzmq 4.3.4/4.3.5 (and master) abort the whole process
         # (``Assertion failed: !_io_error (stream_engine_base.cpp:310)``) when a connection whose
@@ -90,12 +99,22 @@ class ZmqSockets:
         self.router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_COUNT)
         # Frames far beyond any valid message make zmq drop the connection before buffering them.
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
+        # A client that connects and never completes the handshake is dropped after HANDSHAKE_S.
+        self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        if trust is not None:
+            secure_server(self.router, trust)
         try:
             self.router.bind(bind)
         except zmq.ZMQError as exc:
             self.router.close(linger=0)
+            if self.auth is not None:
+                self.auth.stop()
             self.ctx.term()
             raise ExchangeError(f"rank {rank}: cannot bind {bind}: {exc}") from exc
+        # Handshakes that fail (wrong server key, a key of no member, garbage) are counted by reason.
+        self.router_monitor = self.router.get_monitor_socket(HANDSHAKE_FAILURES)
+        self.router_monitor.setsockopt(zmq.LINGER, 0)
+        self.handshake_failures: dict[str, int] = {}
         host, _, port = advertised.rpartition(":")
         if port in ("0", "*"):  # the port the OS picked is the one peers must be told
             port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
@@ -103,30 +122,61 @@ class ZmqSockets:
         self.dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
+        self.refusals: dict[int, int] = {}
+        """How many handshakes each peer refused (reset when one succeeds)."""
+        self.retry_at: dict[int, float] = {}
+        """When to connect again to a peer that refused our handshake."""
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
 
-    def connect(self, peer: int, endpoint: str) -> None:
-        """A data DEALER to ``peer`` with its monitor, and a control DEALER."""
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+    def _client(self, server_key: bytes | None, control: bool, incarnation: str | None = None) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, incarnation or self.incarnation, control))
+        if self.trust is not None:
+            if server_key is None:
+                sock.close(linger=0)
+                raise ValueError("an encrypted connection needs the server's public key")
+            secure_client(sock, self.trust, server_key)
+        return sock
+
+    def connect(self, peer: int, endpoint: str, server_key: bytes | None) -> None:
+        """A data DEALER to ``peer`` with its monitor, and a control DEALER. ``server_key``: the
+        peer's Curve25519 public key (from its signed record, or derived), which is also admitted
+        to this peer's ROUTER as ``peer``'s; None only without ``trust``."""
+        if self.auth is not None and server_key is not None:
+            self.auth.allow(server_key, peer)
+        dealer = self._client(server_key, control=False)
         dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
-        dealer.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.incarnation, control=False))
         dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
         # TCP connections, but only a live peer completes the handshake.
-        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
         dealer.connect(endpoint)
         self.dealers[peer] = (dealer, threading.Lock())
         self.monitors[monitor] = peer
         self.new_monitors.put(monitor)
-        control = self.ctx.socket(zmq.DEALER)
-        control.setsockopt(zmq.LINGER, 0)
-        control.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, self.incarnation, control=True))
+        control = self._client(server_key, control=True)
         control.connect(endpoint)
         self.controls[peer] = (control, threading.Lock())
+
+    def refused_by(self, peer: int, now: float) -> float:
+        """``peer`` refused our handshake (libzmq then never retries): schedule new connections,
+        sooner at first (it may not have read our record yet), then backing off. Returns the delay."""
+        count = self.refusals.get(peer, 0) + 1
+        self.refusals[peer] = count
+        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (count - 1))
+        self.retry_at[peer] = now + delay
+        return delay
+
+    def retry_refused(self, now: float, endpoints: dict[int, str]) -> None:
+        """Connect again to the peers whose retry time has come (by the receiving thread)."""
+        for peer in [p for p, at in self.retry_at.items() if at <= now]:
+            del self.retry_at[peer]
+            if peer in endpoints and peer in self.dealers:
+                self.reconnect(peer, endpoints[peer], endpoints[peer])
 
     def reconnect(self, peer: int, old: str, new: str) -> None:
         """``peer`` moved from ``old`` to ``new`` (it restarted elsewhere)."""
@@ -180,17 +230,37 @@ class ZmqSockets:
 
     def check_reachable(self, timeout_s: float) -> bool:
         """True if a ZeroMQ handshake with ``endpoint`` (this peer's advertised address) succeeds within ``timeout_s``."""
-        probe = self.ctx.socket(zmq.DEALER)
+        own_key = self.trust.identity.curve_public if self.trust is not None else None
+        probe = self._client(own_key, control=True, incarnation=f"probe{uuid.uuid4().hex[:8]}")  # own key: admitted
         monitor = probe.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
-            probe.setsockopt(zmq.LINGER, 0)
-            probe.setsockopt(zmq.ROUTING_ID, f"probe-{uuid.uuid4().hex[:8]}".encode())
             probe.connect(self.endpoint)
             return bool(monitor.poll(int(1000 * timeout_s)))
         finally:
             probe.disable_monitor()
             monitor.close(linger=0)
             probe.close(linger=0)
+
+    def count_handshake_failures(self) -> None:
+        """Read the ROUTER's monitor (the receiving thread does, as it owns the ROUTER)."""
+        while True:
+            try:
+                event = recv_monitor_message(self.router_monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            name = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake protocol error"}.get(event["event"],
+                                                                                        "handshake failed")
+            self.handshake_failures[name] = self.handshake_failures.get(name, 0) + 1
+
+    def close_router(self) -> None:
+        """Close the ROUTER and its monitor (by the receiving thread, which owns them)."""
+        try:
+            self.router.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.router_monitor.close(linger=0)
+        self.router.close(linger=0)
 
     def close(self, linger_s: float) -> None:
         """Close every DEALER (messages already queued get ``linger_s``) and the context. The ROUTER
@@ -209,4 +279,6 @@ class ZmqSockets:
         for control, lock in self.controls.values():
             with lock:
                 control.close(linger=int(1000 * linger_s))
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()

@@ -1,0 +1,71 @@
+"""Who this peer is and whom it lets in: the one object the data plane asks (``Trust``).
+
+A connection to peer ``q``'s ROUTER is a CurveZMQ client whose handshake proves it holds the
+secret key of the public key it presents. ``q``'s ZAP handler (``gossiploco.transport.zmq_auth``)
+lets it in only if that key is a member's: a rank's key of a static list (derived from the swarm
+key), or a key taken from a peer's DHT record, which only swarm-key holders can write
+(``gossiploco.security.records``), and whose id is ``peer_id_of(key)``. The handler gives the
+connection the user id ``<peer>``, and the receiver refuses any message whose claimed sender (in
+its header and in the connection's routing id ``"<peer>.<incarnation>"``) differs from it. A
+client knows the server's key before it connects (from the same record, or derived), so nobody
+can impersonate a server either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gossiploco.security.identity import Identity
+from gossiploco.security.swarm_key import OPEN_KEY, SwarmKey
+
+MAX_ROUTING_ID = 64
+"""Longest routing id a peer makes; longer ones are refused."""
+
+
+def routing_id(peer: int, incarnation: str, control: bool) -> bytes:
+    """``b"<peer>.<incarnation>"`` for a data connection, plus ``b"/control"`` for a control one."""
+    return f"{peer}.{incarnation}{'/control' if control else ''}".encode()
+
+
+def parse_routing_id(identity: bytes) -> tuple[int, bytes, bool] | None:
+    """(peer, incarnation, is control) of a routing id made by ``routing_id``; None for anything else."""
+    if len(identity) > MAX_ROUTING_ID:
+        return None
+    control = identity.endswith(b"/control")
+    head, dot, incarnation = identity.removesuffix(b"/control").partition(b".")
+    if not dot or not head.isdigit() or not incarnation.isalnum():
+        return None
+    return int(head), incarnation, control
+
+
+@dataclass(frozen=True)
+class Trust:
+    """This peer's ``identity`` and the run's ``swarm`` key (None: an open run). ``static_keys``: the
+    Curve25519 public key of each rank of a static peer list (None when peers come from the DHT)."""
+
+    identity: Identity
+    swarm: SwarmKey | None
+    static_keys: tuple[bytes, ...] | None = None
+
+    @classmethod
+    def static(cls, swarm: SwarmKey | None, rank: int, count: int) -> Trust:
+        """Rank ``rank`` of a static list of ``count`` peers: every rank's identity is derived from the swarm key."""
+        key = swarm or OPEN_KEY
+        return cls(key.static_identity(rank), swarm, tuple(key.static_identity(r).curve_public for r in range(count)))
+
+    @property
+    def open(self) -> bool:
+        return self.swarm is None
+
+    @property
+    def peer_id(self) -> int:
+        """This peer's id: its rank in a static list, else derived from its key."""
+        if self.static_keys is not None:
+            return self.static_keys.index(self.identity.curve_public)
+        return self.identity.peer_id
+
+    def key_of(self, peer: int) -> bytes | None:
+        """The public key peer ``peer`` must present, where it is known without asking (static lists)."""
+        if self.static_keys is not None and 0 <= peer < len(self.static_keys):
+            return self.static_keys[peer]
+        return None

@@ -20,12 +20,19 @@ runs before the barrier (``step(require_trigger=True)`` until AWAITING_TRIGGER);
 covers only the all-reduce (``allow_allreduce()`` to the result), so hivemind is not charged
 for matchmaking.
 
+``--curve`` adds, next to each zmq backend listed, the same exchange with CurveZMQ on
+(``zmq-inplace-curve``, ``zmq-curve``: ``ZmqExchange(..., trust=Trust.static(key, rank, peers))``
+with a swarm key made for the run, what ``gossiploco peer`` always runs), alternating with the
+plaintext one in the same peer processes, and reports curve / plain (target: at most
+``TARGET_CURVE`` = 1.10x on loopback).
+
 ``--overlap`` times inner steps of a LocalTrainer with no communication and while Mix1
 all-reduces of its parameters are in flight, in three placements of training and communication
 (``bench/allreduce_overlap.py``), and the peak RSS a Mix1 in flight adds to a training process.
 
     python bench/allreduce.py                                  # the recorded configuration
     python bench/allreduce.py --values 10_000_000 --reps 3 --backends zmq,gloo --overlap none
+    python bench/allreduce.py --backends zmq-inplace --curve --reps 9 --overlap none   # what encryption costs
 
 Every wait has a deadline; on any error, timeout or Ctrl+C the driver kills every peer's process
 group (each peer leads its own session, so hivemind's helper processes go too). Debugging aids:
@@ -62,6 +69,8 @@ DEFAULT_ZMQ_IMPL = "gossiploco.transport.zmq_exchange:ZmqExchange"
 TARGET_VS_GLOO = 1.5  # zmq time at most 1.5x gloo's
 TARGET_VS_HIVEMIND = 10.0  # zmq at least 10x faster than hivemind
 TARGET_OVERLAP_PCT = 5.0
+TARGET_CURVE = 1.10  # CurveZMQ at most 10% slower than plaintext on loopback
+CURVE_SUFFIX = "-curve"
 TARGET_EXTRA_BUFFERS = 3.0
 MAX_ERR_OK = 1e-5  # float32 sums of 4 standard normals: the exact mean differs by a few 1e-7
 SUMS_DEV_OK = 1e-3
@@ -117,12 +126,19 @@ def check_result(result, world: int, rank: int, rep: int, total: int) -> dict:
 
 class ZmqPeer:
     inplace = False
+    curve = False
 
     def __init__(self, rank: int, world: int, cfg: dict, info_q):
         cls = load_impl(cfg["zmq_impl"])
         self.world = world
-        kind = "zmq-inplace" if self.inplace else "zmq"
-        self.ex = cls(rank, cfg["endpoints"][kind], f"{cfg['run_id']}-{kind}", cfg["timeout_s"], **cfg["zmq_kwargs"])
+        kind = ("zmq-inplace" if self.inplace else "zmq") + (CURVE_SUFFIX if self.curve else "")
+        kwargs = dict(cfg["zmq_kwargs"])
+        if self.curve:  # CurveZMQ with a static list's identities, derived from the run's swarm key
+            from gossiploco.security.swarm_key import SwarmKey
+            from gossiploco.security.trust import Trust
+
+            kwargs["trust"] = Trust.static(SwarmKey.parse(cfg["swarm_key"]), rank, world)
+        self.ex = cls(rank, cfg["endpoints"][kind], f"{cfg['run_id']}-{kind}", cfg["timeout_s"], **kwargs)
         if not self.ex.wait_connected(cfg["timeout_s"]):
             self.ex.close()
             raise RuntimeError(f"rank {rank}: zmq peers did not connect within {cfg['timeout_s']}s")
@@ -142,6 +158,18 @@ class ZmqInplacePeer(ZmqPeer):
     """``all_reduce_mean(..., inplace=True)``: the exchange reduces in the caller's tensor."""
 
     inplace = True
+
+
+class ZmqCurvePeer(ZmqPeer):
+    """The copying API over CurveZMQ (``trust=Trust.static``)."""
+
+    curve = True
+
+
+class ZmqInplaceCurvePeer(ZmqInplacePeer):
+    """``inplace=True`` over CurveZMQ (``trust=Trust.static``): the data plane as ``gossiploco peer`` runs it."""
+
+    curve = True
 
 
 class GlooPeer:
@@ -221,7 +249,8 @@ class HivemindPeer:
             self.dht.shutdown()
 
 
-BACKENDS = {"zmq": ZmqPeer, "zmq-inplace": ZmqInplacePeer, "gloo": GlooPeer, "hivemind": HivemindPeer}
+BACKENDS = {"zmq": ZmqPeer, "zmq-inplace": ZmqInplacePeer, "zmq-curve": ZmqCurvePeer,
+            "zmq-inplace-curve": ZmqInplaceCurvePeer, "gloo": GlooPeer, "hivemind": HivemindPeer}
 
 
 def peer_main(rank: int, world: int, cfg: dict, barrier, results, info_q, extra) -> None:
@@ -280,6 +309,10 @@ def bench_group(kinds: list[str], args, attempts: int = 3) -> dict[str, dict]:
         "hivemind_matchmaking_s": args.hivemind_matchmaking,
         "close_timeout_s": 15.0, "verify": not args.no_verify,
     }
+    if any(k.endswith(CURVE_SUFFIX) for k in kinds):
+        from gossiploco.security.swarm_key import SwarmKey
+
+        cfg["swarm_key"] = SwarmKey.generate().text  # this run's, shared by its peers (spawn pickles cfg)
     label = "+".join(kinds)
 
     def show(msg):
@@ -512,6 +545,16 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
             ratio = hm["median_s"] / res["median_s"]
             rows.append(f"| {label}: >= {TARGET_VS_HIVEMIND:.0f}x faster than hivemind | median hivemind / median "
                         f"{kind} = **{ratio:.1f}** | {verdict(ratio >= TARGET_VS_HIVEMIND)} |")
+    for plain in ("zmq-inplace", "zmq"):
+        curve = plain + CURVE_SUFFIX
+        if results.get(plain) and results.get(curve):
+            ratio = results[curve]["median_s"] / results[plain]["median_s"]
+            paired = paired_ratios(results, curve, plain)
+            rows.append(f"| CurveZMQ costs at most {100 * (TARGET_CURVE - 1):.0f}% ({plain}): time <= {TARGET_CURVE:.2f}x "
+                        f"plaintext's | median {curve} {results[curve]['median_s']:.3f} s / median {plain} "
+                        f"{results[plain]['median_s']:.3f} s = **{ratio:.3f}** (per repetition, back to back: "
+                        f"{', '.join(f'{r:.3f}' for r in paired)}; median {statistics.median(paired):.3f}) | "
+                        f"{verdict(ratio <= TARGET_CURVE)} |")
     for o in overlap:
         rows.append(f"| inner step with Mix1 in flight within {TARGET_OVERLAP_PCT:.0f}% of a quiet step "
                     f"({o['model']}, {o['mode']}) | **{o['overhead_pct']:+.1f}%** (without waiting for a core: "
@@ -633,7 +676,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--backends", default="zmq,zmq-inplace,gloo,hivemind",
-                   help="any of zmq, zmq-inplace, gloo, hivemind")
+                   help="any of zmq, zmq-inplace, zmq-curve, zmq-inplace-curve, gloo, hivemind")
+    p.add_argument("--curve", action="store_true",
+                   help="also run each zmq backend listed with CurveZMQ (zmq-curve, zmq-inplace-curve), alternating "
+                        "with the plaintext one, and report curve / plain")
     p.add_argument("--threads", type=int, default=1, help="torch threads per peer (the peers share the cores)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of one exchange, barrier or setup step (s)")
     p.add_argument("--zmq-impl", default=DEFAULT_ZMQ_IMPL, help="module:Class or /path/file.py:Class")
@@ -664,6 +710,9 @@ def main(argv=None) -> int:
     snap0 = cpu_snapshot()
     snap0["loadavg"] = os.getloadavg()[0]
     kinds = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if args.curve:  # each zmq backend's encrypted twin right after it (the order alternates per repetition)
+        kinds = list(dict.fromkeys(k for kind in kinds for k in
+                                   ([kind, kind + CURVE_SUFFIX] if kind in ("zmq", "zmq-inplace") else [kind])))
     unknown = sorted(set(kinds) - set(BACKENDS))
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(BACKENDS)}")

@@ -5,7 +5,8 @@
     sudo .venv/bin/python bench/chaos_real.py --trials 50 --netem # also network faults (root)
 
 What runs. One bootstrap DHT node (``gossiploco dht``) for the whole bench; per trial M peer processes
-``python -m gossiploco peer --rank I --join BOOTSTRAP --workers M`` with ranks 1..M, each in its own
+``python -m gossiploco peer --rank I --join BOOTSTRAP --swarm-key OUT/swarm.key --identity RUN/peer-I/identity.key
+--workers M`` with ranks 1..M (identities made so that peer ids increase with the rank), each in its own
 process group and output directory, a run id of their own (so no two trials ever mix) and the same
 training seed in every trial. The default config is ``globalm1-localm2`` scaled down like the tests'
 ``TINY`` (tiny model, 32-token sequences, batch 4, a 2 MB corpus slice), R = 12 rounds of H = 150
@@ -110,7 +111,7 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 SCENARIO = "leader-kill-mid-mix2"
 FAULT_ENV = "GOSSIPLOCO_FAULT"
@@ -554,6 +555,21 @@ class Life:
                     self.records.append((now, {"unparsable": line[:200].decode(errors="replace")}))
 
 
+def ordered_rank_identities(run_dir: Path, ranks: Iterable[int]) -> dict[int, Path]:
+    """An identity file ``run_dir/peer-I/identity.key`` per rank I, peer ids increasing with the rank (a
+    peer's id comes from its identity now, and the lowest id leads group agreement: rank 1 stays the
+    leader, as the scenario and the reports assume). Existing files are kept."""
+    from gossiploco.security.identity import Identity
+
+    ranks = sorted(ranks)
+    paths = {rank: run_dir / f"peer-{rank}" / "identity.key" for rank in ranks}
+    if not all(path.exists() for path in paths.values()):
+        identities = sorted((Identity.generate() for _ in ranks), key=lambda identity: identity.peer_id)
+        for rank, identity in zip(ranks, identities):
+            identity.save(paths[rank])
+    return paths
+
+
 class Swarm:
     """The peer processes of one run: start, restart, watch, fault, always stop."""
 
@@ -565,11 +581,17 @@ class Swarm:
         self.lives: list[Life] = []
         self.overrides = overrides_for(ctx.args, spec.peers)
         self._last_tree = 0.0
+        self.identities = ordered_rank_identities(run_dir, range(1, spec.peers + 1))
+
+    def identity(self, rank: int) -> Path:
+        """Rank ``rank``'s identity file: the same for every life of the rank (a restart keeps its peer id)."""
+        return self.identities[rank]
 
     def command(self, rank: int, out_dir: Path) -> list[str]:
         net = self.ctx.net
         host = net.address(rank) if net else "127.0.0.1"
         cmd = [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), "--join", self.ctx.bootstrap_addr,
+               "--swarm-key", str(self.ctx.swarm_key), "--identity", str(self.identity(rank)),
                "--host", host, "--workers", str(self.spec.peers), "--out", str(out_dir), "--config", self.spec.config,
                "--run-id", self.run_id, *peer_set_args(self.overrides)]
         return [*net.exec_prefix(rank), *cmd] if net else cmd
@@ -693,6 +715,9 @@ class Context:
         self.bootstrap_starts = 0
         self.baselines: dict[tuple[str, int], dict] = {}
         self.token = f"{os.getpid()}-{int(time.time()) % 100000}"
+        self.swarm_key: Path = args.out / "swarm.key"
+        """The bench's swarm key, made fresh per bench run; the bootstrap node and every peer use it."""
+        self._key_made = False
 
     def ensure_bootstrap(self) -> None:
         if self.bootstrap is not None and self.bootstrap.poll() is None:
@@ -701,7 +726,12 @@ class Context:
             print(f"  bootstrap node exited ({self.bootstrap.returncode}); starting another", flush=True)
             self.stop_bootstrap()
         host = BOOTSTRAP_HOST_NETNS if self.net else "127.0.0.1"
-        cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host, "--port", "0"]
+        if not self._key_made:
+            from gossiploco.security.swarm_key import SwarmKey
+
+            SwarmKey.generate().save(self.swarm_key)  # replaces an earlier bench's key in the same --out
+            self._key_made = True
+        cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host, "--port", "0", "--swarm-key", str(self.swarm_key)]
         if self.net:
             cmd = [*self.net.exec_prefix(None), *cmd]
         self.args.out.mkdir(parents=True, exist_ok=True)

@@ -35,19 +35,27 @@ such a link would; 0 (default) keeps the runtime's default. ``--swap-mb`` shows 
 
 Discovery (``--discovery``): ``dht`` (default) runs a bootstrap node (``gossiploco dht``) in peer 0's
 namespace and starts every peer with ``--join`` it, as users do; ``static`` gives them the list.
+Peers are always encrypted (CurveZMQ): each run gets a fresh swarm key (``RUN/swarm.key``, passed
+with ``--swarm-key`` to the peers and to the bootstrap node) and, with ``dht``, identity files
+``RUN/peer-I/identity.key`` whose peer ids increase with I (``--identity``).
 
 Per bandwidth it runs, in order:
 
 1. a raw TCP stream p0 -> p1 (probe ``tcp-server`` / ``tcp-client``): the goodput one flow gets;
 2. the ring all-reduce of the model's payload among the M peers (probe ``ring``, the project's
-   ``ZmqExchange.all_reduce_mean``): effective rate ``2 (M-1)/M * bytes * 8 / seconds`` against B;
+   ``ZmqExchange.all_reduce_mean``): effective rate ``2 (M-1)/M * bytes * 8 / seconds`` against B.
+   ``--ring-security plain,curve`` times it over both transports, alternating repeat by repeat in the
+   same processes: ``plain`` is ``ZmqExchange(trust=None)`` (plaintext, kept for benchmarks), ``curve``
+   is ``trust=Trust.static(swarm key, rank, M)`` (CurveZMQ, what ``gossiploco peer`` always runs);
+   the table then compares the two (what encryption costs on the link);
 3. with ``--swap-mb MB``, the heartbeat check (probe ``swap``): p0 and p1 swap MB with
    ``ZmqExchange.swap`` in ``--chunk-mb`` chunks, with the peers' heartbeat timeout
    (``--heartbeat-timeout-s``, else the runtime's). It shows whether a healthy connection survives
    one chunk's time on the wire: ``--bandwidths 5 --swap-mb 8`` fails with the runtime's 5 s and
    passes with ``--heartbeat-timeout-s 60`` or ``--chunk-mb 1`` (see "ZeroMQ heartbeats" above);
 4. every preset (``--presets``, default all of ``peers/``): M peers, each started as
-   ``ip netns exec PREFIX-pI python -m gossiploco peer --rank I --join BOOTSTRAP --host 10.77.0.I+1``.
+   ``ip netns exec PREFIX-pI python -m gossiploco peer --rank I --join BOOTSTRAP --swarm-key RUN/swarm.key
+   --identity RUN/peer-I/identity.key --host 10.77.0.I+1``.
    By default an inner step is a sleep of ``--step-time`` seconds (``inner.synthetic_step_s``: the
    machine's CPU may be shared, a sleep is not slowed down by it; the communication is real).
    ``--real-compute`` runs the model's real inner steps instead, and the prediction then uses the
@@ -72,6 +80,8 @@ with the same prefix apart. Every wait has a deadline; peer processes get SIGINT
     sudo .venv/bin/python bench/netem.py --heartbeat-timeout-s 60   # every preset at 16 and 60 Mbit/s
     sudo .venv/bin/python bench/netem.py --presets diloco,globalm1 --bandwidths 20 --rounds 3
     sudo .venv/bin/python bench/netem.py --real-compute --presets globalm1-localm2 --bandwidths 60
+    sudo .venv/bin/python bench/netem.py --presets none --bandwidths 50,200,1000 --ring-security plain,curve \
+        --ring-repeats 7                                       # what encryption costs on the link (ring probe)
     sudo .venv/bin/python bench/netem.py --workers 2 --bandwidths 5 --presets none --tcp-seconds 0 \
         --ring-repeats 0 --swap-mb 8                           # the heartbeat drop alone (then: --heartbeat-timeout-s 60)
     .venv/bin/python bench/netem.py --predict-only             # the predictions only (no root needed)
@@ -427,27 +437,48 @@ def probe_tcp(net: Network, out_dir: Path, seconds: float) -> dict:
     return json.loads(result_path.read_text())
 
 
-def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s: float, chunk_mb: float = 4.0) -> dict:
-    """The project's ring all-reduce of ``numel`` fp32 among all peers, ``repeats`` times."""
+SECURITIES = ("plain", "curve")
+"""Transports the ring probe can time: ``plain`` (``ZmqExchange(trust=None)``, plaintext, kept for
+benchmarks) and ``curve`` (``trust=Trust.static(swarm key, rank, M)``: CurveZMQ, what ``gossiploco
+peer`` always runs)."""
+
+
+def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s: float, chunk_mb: float = 4.0,
+               security: Sequence[str] = ("plain",)) -> dict:
+    """The project's ring all-reduce of ``numel`` fp32 among all peers, ``repeats`` times per transport in
+    ``security`` (``SECURITIES``). With several, every probe process holds one exchange per transport
+    (ports RING_PORT, RING_PORT + 1) and times them alternately, repeat by repeat (the order swaps each
+    repeat), so load and link state affect both alike. ``durations_s``: the first transport's."""
+    security = list(security)
     group = Group(out_dir)
-    peers = ",".join(f"tcp://{net.address(r)}:{RING_PORT}" for r in range(net.peers))
     paths = [out_dir / f"ring-{r}.json" for r in range(net.peers)]
+    key = ["--swarm-key", str(run_swarm_key(out_dir))] if "curve" in security else []
     try:
         for r, path in enumerate(paths):
             path.unlink(missing_ok=True)
-            group.start([*net.exec_prefix(r), sys.executable, str(SELF), "probe", "ring", "--rank", str(r), "--peers", peers,
+            group.start([*net.exec_prefix(r), sys.executable, str(SELF), "probe", "ring", "--rank", str(r),
+                         "--hosts", ",".join(net.address(q) for q in range(net.peers)), "--port", str(RING_PORT),
                          "--numel", str(numel), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
-                         "--chunk-mb", str(chunk_mb), "--out", str(path)], f"ring-{r}.log", child_env())
-        codes = group.wait(timeout_s * (repeats + 2) + 60)
+                         "--chunk-mb", str(chunk_mb), "--security", ",".join(security), *key, "--out", str(path)],
+                        f"ring-{r}.log", child_env())
+        codes = group.wait(timeout_s * (len(security) * repeats + 2) + 60)
     finally:
         group.stop()
     if any(c != 0 for c in codes) or not all(p.exists() for p in paths):
         logs = "\n".join(tail(out_dir / f"ring-{r}.log", 5) for r in range(net.peers))
         raise RuntimeError(f"ring probe failed (exit codes {codes}):\n{logs}")
-    per_rank = [json.loads(p.read_text())["seconds"] for p in paths]
-    # One collective's duration: the slowest rank of that repeat (all ranks started after a barrier).
-    durations = [max(rank[k] for rank in per_rank) for k in range(repeats)]
-    return {"numel": numel, "payload_bytes": 4 * numel, "seconds_per_rank": per_rank, "durations_s": durations}
+    sides = [json.loads(p.read_text()) for p in paths]
+    by: dict[str, dict] = {}
+    for mode in security:
+        per_rank = [side["seconds_by_security"][mode] for side in sides]
+        # One collective's duration: the slowest rank of that repeat (all ranks started after a barrier).
+        by[mode] = {"seconds_per_rank": per_rank, "durations_s": [max(rank[k] for rank in per_rank) for k in range(repeats)],
+                    # CPU seconds of one all-reduce, median over ranks and repeats (the probe process, all threads).
+                    "cpu_s": statistics.median(c for side in sides for c in side.get("cpu_s_by_security", {}).get(mode, []))
+                    if all(side.get("cpu_s_by_security") for side in sides) else None}
+    first = by[security[0]]
+    return {"numel": numel, "payload_bytes": 4 * numel, "seconds_per_rank": first["seconds_per_rank"],
+            "durations_s": first["durations_s"], "security": security, "by_security": by}
 
 
 def probe_swap(net: Network, out_dir: Path, mb: float, chunk_mb: float, heartbeat_s: float = 0.0,
@@ -544,14 +575,29 @@ def make_plan(preset: str, bandwidth_mbps: float, args: argparse.Namespace) -> P
     return Plan(preset, bandwidth_mbps, overrides, cfg, predict(cfg, bandwidth_mbps, args.step_time))
 
 
+def run_swarm_key(out_dir: Path) -> Path:
+    """A fresh swarm key for one run, ``out_dir/swarm.key`` (peers are always encrypted; the bootstrap
+    node reads the same file instead of writing ``swarm.key`` into the current directory)."""
+    from gossiploco.security.swarm_key import SwarmKey
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "swarm.key"
+    path.unlink(missing_ok=True)  # an earlier run's, in a reused --out
+    return SwarmKey.generate().save(path)
+
+
 def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, heartbeat_s: float = 0.0,
                  join: str | None = None) -> list[str]:
     """``ip netns exec PREFIX-pI python -m gossiploco peer ...``: found through the DHT at ``join``, else
-    through the static list of every peer's address."""
+    through the static list of every peer's address. Every peer uses the run's swarm key
+    (``out_dir/swarm.key``, from ``run_swarm_key``); a DHT peer keeps its identity in
+    ``out_dir/peer-I/identity.key`` (made by ``ordered_identities``: peer ids increase with the rank)."""
+    key = ["--swarm-key", str(out_dir / "swarm.key")]
     if join:
-        where = ["--join", join, "--host", net.address(rank), "--port", str(port), "--workers", str(net.peers)]
+        where = ["--join", join, "--host", net.address(rank), "--port", str(port), "--workers", str(net.peers),
+                 "--identity", str(out_dir / f"peer-{rank}" / "identity.key"), *key]
     else:
-        where = ["--peers", ",".join(f"tcp://{net.address(r)}:{port}" for r in range(net.peers))]
+        where = ["--peers", ",".join(f"tcp://{net.address(r)}:{port}" for r in range(net.peers)), *key]
     sets = []
     for key, value in plan.overrides.items():
         if key != "workers":  # the world size comes from --peers, or --workers with --join
@@ -563,9 +609,10 @@ def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, 
 
 
 def start_bootstrap(net: Network, group: Group, port: int, timeout_s: float = 60.0) -> str:
-    """``gossiploco dht`` in peer 0's namespace; returns the multiaddr it prints for ``--join``."""
+    """``gossiploco dht`` in peer 0's namespace with the run's swarm key (``group.out_dir/swarm.key``);
+    returns the multiaddr it prints for ``--join``."""
     proc = group.start([*net.exec_prefix(0), sys.executable, "-m", "gossiploco", "dht", "--host", net.address(0),
-                        "--port", str(port)], "bootstrap.log", child_env())
+                        "--port", str(port), "--swarm-key", str(group.out_dir / "swarm.key")], "bootstrap.log", child_env())
     log = group.out_dir / "bootstrap.log"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
@@ -645,6 +692,11 @@ def run_plan(net: Network, plan: Plan, args: argparse.Namespace, out_dir: Path, 
             sampler.start([*net.exec_prefix_switch(), sys.executable, str(SELF), "probe", "sample",
                            "--interval-s", str(args.sample_links), "--seconds", str(timeout_s + 30),
                            "--out", str(out_dir / "links.jsonl")], "sampler.log", child_env())
+        run_swarm_key(out_dir)
+        if args.discovery == "dht":
+            from gossiploco.security.options import ordered_identities
+
+            ordered_identities(net.peers, out_dir)  # out_dir/peer-I/identity.key, peer ids in rank order
         join = start_bootstrap(net, group, port + 1) if args.discovery == "dht" else None  # stopped with the group
         peers = [group.start(peer_command(net, plan, rank, port, out_dir, args.heartbeat_timeout_s, join),
                              f"peer-{rank}.log", child_env()) for rank in range(net.peers)]
@@ -768,6 +820,27 @@ def markdown(results: dict) -> str:
             rate = mix_rate(results, preset, b, key)
             cells.append(f"{rate:.2f} Mbit/s ({100 * rate / b:.1f}%)" if rate else "-")
         lines.append("| " + " | ".join(cells) + " |")
+    secured = [link for link in results["links"] if len(link.get("ring", {}).get("by_security", {})) > 1]
+    if secured:
+        lines += ["", "Ring all-reduce per transport (`--ring-security`), alternating repeat by repeat in the same "
+                  "probe processes; medians of the repeats, rates as above:", "",
+                  "| B (Mbit/s) | raw TCP goodput | plain: median s | plain: Mbit/s (% of B) | curve: median s | "
+                  "curve: Mbit/s (% of B) | curve / plain time (median) | curve / plain per repeat | "
+                  "CPU s per peer per all-reduce, plain / curve |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+        for link in secured:
+            b, by = link["bandwidth_mbps"], link["ring"]["by_security"]
+            tcp = link.get("tcp", {}).get("mbps")
+            plain, curve = by.get("plain"), by.get("curve")
+            if not (plain and curve):
+                continue
+            ratios = [c / p for p, c in zip(plain["durations_s"], curve["durations_s"])]
+            lines.append(f"| {b:g} | {f'{tcp:.2f} ({100 * tcp / b:.1f}%)' if tcp else '-'} | {plain['median_s']:.3f} | "
+                         f"{plain['mbps']:.2f} ({100 * plain['mbps'] / b:.1f}%) | {curve['median_s']:.3f} | "
+                         f"{curve['mbps']:.2f} ({100 * curve['mbps'] / b:.1f}%) | "
+                         f"{curve['median_s'] / plain['median_s']:.3f} | {', '.join(f'{r:.2f}' for r in ratios)} | "
+                         + (f"{plain['cpu_s']:.3f} / {curve['cpu_s']:.3f} |" if plain.get("cpu_s") is not None
+                            and curve.get("cpu_s") is not None else "- |"))
     swaps = [link for link in results["links"] if "swap" in link]
     if swaps:
         lines += ["", "Heartbeat check (`--swap-mb`): peers 0 and 1 swap a payload with `ZmqExchange.swap`:", ""]
@@ -803,45 +876,73 @@ def mix_rate(results: dict, preset: str, bandwidth: float, mix: str) -> float | 
 # Probes: ``bench/netem.py probe KIND``, one process inside each namespace
 
 
-def _exchange(rank: int, peers: str, run_id: str, timeout_s: float, chunk_mb: float, heartbeat_s: float | None = None):
-    """A ``ZmqExchange`` among ``peers`` (comma-separated endpoints) with the peers' transport settings."""
+def _exchange(rank: int, peers: str, run_id: str, timeout_s: float, chunk_mb: float, heartbeat_s: float | None = None,
+              swarm_key: str | None = None):
+    """A ``ZmqExchange`` among ``peers`` (comma-separated endpoints) with the peers' transport settings;
+    plaintext, or CurveZMQ with a static list's identities when ``swarm_key`` (a key file) is given."""
     from gossiploco.config import TransportConfig
     from gossiploco.transport.zmq_exchange import ZmqExchange
 
+    trust = None
+    if swarm_key:
+        from gossiploco.security.swarm_key import SwarmKey
+        from gossiploco.security.trust import Trust
+
+        trust = Trust.static(SwarmKey.load(swarm_key), rank, len(peers.split(",")))
     transport = TransportConfig(chunk_mb=chunk_mb)  # messages up to the peers' default 64 MiB
     return ZmqExchange(rank, peers.split(","), run_id, timeout_s, max_message_bytes=int(transport.max_message_mb * (1 << 20)),
-                       chunk_bytes=int(transport.chunk_mb * (1 << 20)) // 4 * 4, heartbeat_s=heartbeat_s)
+                       chunk_bytes=int(transport.chunk_mb * (1 << 20)) // 4 * 4, heartbeat_s=heartbeat_s, trust=trust)
 
 
 def ring_side(args: argparse.Namespace) -> int:
     """Time ``--repeats`` ring all-reduces of ``--numel`` fp32 (``ZmqExchange.all_reduce_mean``, the code
-    Mix1 and DiLoCo's Mix2 run), each after a tiny barrier all-reduce so every peer starts together;
-    check the mean; write the seconds per repeat to ``--out``."""
+    Mix1 and DiLoCo's Mix2 run) per transport of ``--security``, each after a tiny barrier all-reduce on
+    the same exchange so every peer starts together; check the mean; write the seconds per repeat to
+    ``--out``. Transport i listens on ``--port`` + i; with several they alternate, the order swapping
+    every repeat."""
     import torch
 
     torch.set_num_threads(1)
-    ex = _exchange(args.rank, args.peers, "netem-ring", args.timeout_s, args.chunk_mb)
-    members = list(range(len(args.peers.split(","))))
-    seconds: list[float] = []
+    security = [m for m in args.security.split(",") if m]
+    if "curve" in security and not args.swarm_key:
+        print("--security curve needs --swarm-key", file=sys.stderr)
+        return 2
+    hosts = args.hosts.split(",")
+    members = list(range(len(hosts)))
+    exchanges = {}
+    seconds: dict[str, list[float]] = {mode: [] for mode in security}
+    cpu: dict[str, list[float]] = {mode: [] for mode in security}  # this process's CPU seconds (all threads)
     try:
-        if not ex.wait_connected(args.timeout_s):
-            print(f"rank {args.rank}: peers not connected after {args.timeout_s}s", file=sys.stderr)
-            return 1
+        for i, mode in enumerate(security):
+            peers = ",".join(f"tcp://{h}:{args.port + i}" for h in hosts)
+            exchanges[mode] = _exchange(args.rank, peers, f"netem-ring-{mode}", args.timeout_s, args.chunk_mb,
+                                        swarm_key=args.swarm_key if mode == "curve" else None)
+        for mode, ex in exchanges.items():
+            if not ex.wait_connected(args.timeout_s):
+                print(f"rank {args.rank}: peers not connected ({mode}) after {args.timeout_s}s", file=sys.stderr)
+                return 1
         flat = torch.full((args.numel,), float(args.rank + 1))
         expected = sum(r + 1 for r in members) / len(members)
         tiny = torch.zeros(1)
         for k in range(args.repeats):
-            ex.all_reduce_mean(f"barrier/{k}", tiny, members)
-            start = time.perf_counter()
-            out = ex.all_reduce_mean(f"mix1/{k}", flat, members)
-            seconds.append(time.perf_counter() - start)
-            if abs(float(out[0]) - expected) > 1e-4 or abs(float(out[-1]) - expected) > 1e-4:
-                print(f"rank {args.rank}: wrong all-reduce result {float(out[0])} != {expected}", file=sys.stderr)
-                return 1
-        ex.all_reduce_mean("barrier/end", tiny, members)
+            for mode in (security if k % 2 == 0 else security[::-1]):
+                ex = exchanges[mode]
+                ex.all_reduce_mean(f"barrier/{k}", tiny, members)
+                start, cpu0 = time.perf_counter(), time.process_time()
+                out = ex.all_reduce_mean(f"mix1/{k}", flat, members)
+                seconds[mode].append(time.perf_counter() - start)
+                cpu[mode].append(time.process_time() - cpu0)
+                if abs(float(out[0]) - expected) > 1e-4 or abs(float(out[-1]) - expected) > 1e-4:
+                    print(f"rank {args.rank}: wrong all-reduce result ({mode}) {float(out[0])} != {expected}", file=sys.stderr)
+                    return 1
+        for ex in exchanges.values():
+            ex.all_reduce_mean("barrier/end", tiny, members)
     finally:
-        ex.close(linger_s=0.5)
-    Path(args.out).write_text(json.dumps({"rank": args.rank, "numel": args.numel, "workers": len(members), "seconds": seconds}))
+        for ex in exchanges.values():
+            ex.close(linger_s=0.5)
+    Path(args.out).write_text(json.dumps({"rank": args.rank, "numel": args.numel, "workers": len(members),
+                                          "seconds": seconds[security[0]], "seconds_by_security": seconds,
+                                          "cpu_s_by_security": cpu}))
     return 0
 
 
@@ -955,7 +1056,11 @@ def probe_main(argv: Sequence[str]) -> int:
     sub = parser.add_subparsers(dest="kind", required=True)
     p = sub.add_parser("ring", help="time the project's ring all-reduce among all peers")
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--peers", required=True, help="Comma-separated endpoints of every peer, tcp://HOST:PORT.")
+    p.add_argument("--hosts", required=True, help="Comma-separated addresses of every peer, in rank order.")
+    p.add_argument("--port", type=int, default=RING_PORT, help="Port of the first transport of --security (the next: +1).")
+    p.add_argument("--security", default="plain", help="Comma-separated transports to time, alternately: plain "
+                   "(trust=None) and/or curve (CurveZMQ, Trust.static from --swarm-key).")
+    p.add_argument("--swarm-key", help="Swarm key file (curve): the static identities derive from it.")
     p.add_argument("--numel", type=int, required=True, help="fp32 values to all-reduce.")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk-mb", type=float, default=4.0, help="transport.chunk_mb (every peer's must match).")
@@ -1024,6 +1129,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="Record every switch port's byte counters at this interval during each run (links.jsonl; 0: off).")
     parser.add_argument("--tolerance", type=float, default=5.0, help="Points of utilization a median may differ from the prediction.")
     parser.add_argument("--ring-repeats", type=int, default=3, help="Ring all-reduce probes per bandwidth (0: skip).")
+    parser.add_argument("--ring-security", type=lambda t: [m.strip() for m in t.split(",") if m.strip()],
+                        default=["plain"], metavar="plain[,curve]",
+                        help="Transports the ring probe times: plain (ZmqExchange with trust=None) and/or curve "
+                             "(CurveZMQ with Trust.static, what `gossiploco peer` runs); with both they alternate repeat "
+                             "by repeat in the same processes and the table compares them. The main table's ring "
+                             "column is the first one's.")
     parser.add_argument("--tcp-seconds", type=float, default=3.0, help="Raw TCP probe length per bandwidth (0: skip).")
     parser.add_argument("--swap-mb", type=float, default=0.0,
                         help="Heartbeat check per bandwidth: peers 0 and 1 swap this many MB in --chunk-mb chunks with "
@@ -1098,6 +1209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNAVAILABLE
     bandwidths = [float(b) for b in args.bandwidths.split(",") if b.strip()]
     presets = presets_of(args.presets)
+    if not args.ring_security or any(m not in SECURITIES for m in args.ring_security):
+        print(f"error: --ring-security takes a comma-separated list of {', '.join(SECURITIES)}", file=sys.stderr)
+        return 1
 
     if args.report:
         table = markdown(json.loads(args.report.read_text()))
@@ -1183,11 +1297,14 @@ def run_all(net: Network, args: argparse.Namespace, presets: list[str], bandwidt
 
             cfg = load_config("globalm1", {"model.size": args.model})
             numel = sum(block_sizes(cfg.model.size, default_vocab_size(cfg)).values())
-            link["ring"] = probe_ring(net, link_dir, numel, args.ring_repeats, args.exchange_timeout_s, chunk_mb=args.chunk_mb)
-            seconds = statistics.median(link["ring"]["durations_s"])
-            link["ring_mbps"] = ring_rate_mbps(4 * numel, net.peers, seconds)
-            print(f"[{b:g} Mbit/s] ring all-reduce of {4 * numel / 1e6:.2f} MB among {net.peers}: {seconds:.2f} s = "
-                  f"{link['ring_mbps']:.2f} Mbit/s ({100 * link['ring_mbps'] / b:.1f}% of B)", flush=True)
+            link["ring"] = probe_ring(net, link_dir, numel, args.ring_repeats, args.exchange_timeout_s, chunk_mb=args.chunk_mb,
+                                      security=args.ring_security)
+            for mode, by in link["ring"]["by_security"].items():
+                by["median_s"] = statistics.median(by["durations_s"])
+                by["mbps"] = ring_rate_mbps(4 * numel, net.peers, by["median_s"])
+                print(f"[{b:g} Mbit/s] ring all-reduce ({mode}) of {4 * numel / 1e6:.2f} MB among {net.peers}: "
+                      f"{by['median_s']:.3f} s = {by['mbps']:.2f} Mbit/s ({100 * by['mbps'] / b:.1f}% of B)", flush=True)
+            link["ring_mbps"] = link["ring"]["by_security"][args.ring_security[0]]["mbps"]
         if args.swap_mb > 0:
             link["swap"] = probe_swap(net, link_dir, args.swap_mb, args.chunk_mb, args.heartbeat_timeout_s,
                                       args.exchange_timeout_s)

@@ -84,11 +84,16 @@ def test_shaped_link_rate_ring_probe_and_cleanup(tmp_path):
         tcp = netem.probe_tcp(net, tmp_path / "tcp", seconds=2.0)
         # One TCP flow carries at most 1448 / 1514 = 95.6% of the frame rate tc enforces.
         assert 0.80 * 20 < tcp["mbps"] < 0.99 * 20, tcp
-        # The project's ring all-reduce (the probe checks the mean itself): 2.5 MB, about 1 s at 20 Mbit/s.
+        # The project's ring all-reduce (the probe checks the mean itself): 2.5 MB, about 1 s at 20 Mbit/s,
+        # plaintext and over CurveZMQ (a swarm key of its own), alternately in the same probe processes.
         numel = 625_000
-        ring = netem.probe_ring(net, tmp_path / "ring", numel, repeats=1, timeout_s=30.0, chunk_mb=1.0)
-        (seconds,) = ring["durations_s"]
-        assert 0.5 * 20 < netem.ring_rate_mbps(4 * numel, 2, seconds) < 20, ring
+        ring = netem.probe_ring(net, tmp_path / "ring", numel, repeats=1, timeout_s=30.0, chunk_mb=1.0,
+                                security=("plain", "curve"))
+        assert ring["security"] == ["plain", "curve"] and (tmp_path / "ring" / "swarm.key").is_file()
+        assert ring["durations_s"] == ring["by_security"]["plain"]["durations_s"]
+        for mode in ("plain", "curve"):
+            (seconds,) = ring["by_security"][mode]["durations_s"]
+            assert 0.5 * 20 < netem.ring_rate_mbps(4 * numel, 2, seconds) < 20, (mode, ring)
     finally:
         net.destroy()
     assert netem.list_namespaces(net.prefix) == []
@@ -169,6 +174,9 @@ def test_short_run_measures_and_cleans_up(tmp_path):
     assert run["preset"] == "globalm1" and len(run["peers"]) == 2 and run["failures"] == 0
     assert 0 < run["measured_median_pct"] <= 100 and 0 < run["predicted_pct"] <= 100
     assert "| globalm1 | 50 |" in (tmp_path / "table.md").read_text()
+    # Peers are encrypted: the run's own swarm key, and with the DHT an identity per peer.
+    run_dir = tmp_path / "globalm1-50mbit"
+    assert (run_dir / "swarm.key").is_file() and all((run_dir / f"peer-{r}" / "identity.key").is_file() for r in range(2))
 
 
 @needs_netns

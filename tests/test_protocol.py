@@ -113,6 +113,20 @@ def test_the_mailbox_evicts_idle_keys_then_drops_and_stays_bounded():
     assert box.dropped == 2 and notes and box.bytes == 100  # nothing idle to evict: the newcomer is dropped
 
 
+def test_one_sender_cannot_fill_the_mailbox_and_stale_or_unasked_chunks_are_dropped_at_once():
+    box = Mailbox(limit_bytes=100, sender_limit_bytes=40)
+    for i in range(3):
+        box.put(7, Data(f"mix2/{i}", 0, (5, 0), torch.zeros(5)), float(i), active={"mix2/0", "mix2/1", "mix2/2"})
+    box.put(8, Data("mix2/0", 0, (5, 0), torch.zeros(5)), 3.0, active=())
+    assert box.bytes == 60 and box.senders("mix2/2") == set() and box.dropped == 1  # 7 holds its 40 bytes, 8 is in
+    node = PeerNode(0, {0: "a", 1: "b"}, grace_s=1.0, chunk_elems=4, mailbox_bytes=1 << 20)
+    node.current_round = 5
+    for key in ("mix1/3", "monitor/2/0", "state/rep/abc"):  # over long ago, or a state reply nobody asked for
+        assert node.receive(1, Data(key, 0, (4, 0), torch.zeros(4)), 0.0) == []
+    node.receive(1, Data("mix1/5", 0, (4, 0), torch.zeros(4)), 0.0)  # the current round: kept for its exchange
+    assert node.unexpected_chunks == 3 and len(node.mailbox) == 1
+
+
 @pytest.mark.parametrize("message", [
     Data("mix1/3", 2, (10, 0, 77), torch.arange(4.0)), Hello(5, 4, ask=3), Hello(-2, 9), Hello(-1, 2, echo=7), Ready("mix2/1", 1),
     Decision("mix2/1", 3, (0, 2, 5)), Decision("mix2/1", 3, ()), Abort("monitor/2/0"), StateRequest("abc123")])

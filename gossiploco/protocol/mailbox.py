@@ -3,7 +3,9 @@
 Chunks are keyed by ``(exchange key, sender, chunk index)``; a duplicate replaces the earlier
 copy (duplicates and reordering cost nothing). The total payload held is at most ``limit_bytes``:
 past that, whole keys nobody is waiting on (not ``active``) are evicted, oldest arrival first,
-and if that is not enough the incoming chunk is dropped. Both are counted and returned so the
+and if that is not enough the incoming chunk is dropped. One sender holds at most
+``sender_limit_bytes`` (so one peer cannot fill the mailbox and evict everyone else's chunks):
+past that its incoming chunks are dropped. Both are counted and returned so the
 owner can log them. Pure data structure: times are passed in, nothing blocks.
 """
 
@@ -32,9 +34,11 @@ class Mail:
 class Mailbox:
     """Chunks waiting for their taker; see the module docstring."""
 
-    def __init__(self, limit_bytes: int):
+    def __init__(self, limit_bytes: int, sender_limit_bytes: int | None = None):
         self.limit_bytes = limit_bytes
+        self.sender_limit_bytes = limit_bytes if sender_limit_bytes is None else sender_limit_bytes
         self.bytes = 0
+        self._by_sender: dict[int, int] = {}
         self.dropped = 0
         """Chunks dropped or evicted because the mailbox was full."""
         self._boxes: dict[str, dict[tuple[int, int], Mail]] = {}
@@ -45,6 +49,13 @@ class Mailbox:
         notes: list[str] = []
         if self.bytes + mail.nbytes > self.limit_bytes:
             notes += self._evict(mail.nbytes, active)
+        old = self._boxes.get(message.key, {}).get((sender, message.chunk))
+        held = self._by_sender.get(sender, 0) - (old.nbytes if old is not None else 0)
+        if held + mail.nbytes > self.sender_limit_bytes:
+            self.dropped += 1
+            notes.append(f"{sender} holds {held} bytes of early chunks already (at most {self.sender_limit_bytes}); "
+                         f"dropped chunk {message.chunk} of {message.key!r}")
+            return notes
         if self.bytes + mail.nbytes > self.limit_bytes:
             self.dropped += 1
             notes.append(f"mailbox full ({self.bytes} bytes); dropped chunk {message.chunk} of {message.key!r} from {sender}")
@@ -52,10 +63,19 @@ class Mailbox:
         box = self._boxes.setdefault(message.key, {})
         old = box.pop((sender, message.chunk), None)
         if old is not None:
-            self.bytes -= old.nbytes
+            self._forget(sender, old)
         box[(sender, message.chunk)] = mail
         self.bytes += mail.nbytes
+        self._by_sender[sender] = self._by_sender.get(sender, 0) + mail.nbytes
         return notes
+
+    def _forget(self, sender: int, mail: Mail) -> None:
+        self.bytes -= mail.nbytes
+        left = self._by_sender.get(sender, 0) - mail.nbytes
+        if left > 0:
+            self._by_sender[sender] = left
+        else:
+            self._by_sender.pop(sender, None)
 
     def take(self, key: str, sender: int, chunk: int) -> Data | None:
         """Remove and return chunk ``chunk`` of ``key`` from ``sender``, if it is here."""
@@ -63,7 +83,7 @@ class Mailbox:
         mail = box.pop((sender, chunk), None) if box else None
         if mail is None:
             return None
-        self.bytes -= mail.nbytes
+        self._forget(sender, mail)
         return mail.message
 
     def senders(self, key: str) -> set[int]:
@@ -77,7 +97,7 @@ class Mailbox:
             return 0
         gone = [slot for slot in box if senders is None or slot[0] in senders]
         for slot in gone:
-            self.bytes -= box.pop(slot).nbytes
+            self._forget(slot[0], box.pop(slot))
         if not box:
             del self._boxes[key]
         return len(gone)

@@ -32,7 +32,7 @@ from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, Mal
 from gossiploco.protocol import agreement
 from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Message, Ready,
-                                          Send, ServeState, StateRequest)
+                                          Send, ServeState, StateRequest, op_and_round)
 from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
 
 log = logging.getLogger(__name__)
@@ -77,12 +77,15 @@ class PeerNode:
     """One peer's protocol state machine; see the module docstring. Not thread-safe: the owner locks."""
 
     def __init__(self, rank: int, known, *, grace_s: float, chunk_elems: int, mailbox_bytes: int,
+                 sender_mailbox_bytes: int | None = None,
                  join_round: int | None = 0):
         self.rank = rank
         self.grace_s = grace_s
         self.chunk_elems = chunk_elems
         self.peers = PeerTable(rank, known, join_round)
-        self.mailbox = Mailbox(mailbox_bytes)
+        self.mailbox = Mailbox(mailbox_bytes, sender_mailbox_bytes)
+        self.unexpected_chunks = 0
+        """Chunks dropped on arrival because no exchange can use them (``_unexpected``)."""
         self.probe_id = 1
         """Id of this peer's latest question to the others (``announce``); only replies echoing it count."""
         self.current_round = -1
@@ -168,9 +171,24 @@ class PeerNode:
             return [Send(sender, Abort(key))]
         if not running and key in self.finished:
             return []  # a late duplicate of a chunk already used
-        for note in self.mailbox.put(sender, message, now, self._expected):
-            self.note(note)
+        if not running and self._unexpected(key):
+            self.unexpected_chunks += 1
+            if self.unexpected_chunks in (1, 10, 100, 1000) or self.unexpected_chunks % 10000 == 0:
+                self.note(f"dropped chunks no exchange can use ({self.unexpected_chunks} so far; the latest: "
+                          f"{key!r} from {sender}, this peer is in round {self.current_round})")
+            return []
+        dropped = self.mailbox.dropped
+        notes = self.mailbox.put(sender, message, now, self._expected)
+        if self.mailbox.dropped == dropped or self.mailbox.dropped & (self.mailbox.dropped - 1) == 0:
+            for note in notes:  # drops are logged at powers of two: a flood of them is one line a doubling
+                self.note(note)
         return []
+
+    def _unexpected(self, key: str) -> bool:
+        """Chunks of ``key`` can never be used: a state reply nobody asked for (replies find their
+        download running), or an exchange of a round before the previous one (those are over)."""
+        op, round_index = op_and_round(key)
+        return op == "state" or (self.current_round >= 1 and round_index < self.current_round - 1)
 
     def _hello(self, sender: int, message: Hello, now: float) -> list[Action]:
         if message.join_round == LEAVING:

@@ -72,6 +72,14 @@ class LocalPeers:
     def identity_path(self, rank: int) -> Path:
         return self.peer_dir(rank) / "identity.key"
 
+    def peer_id(self, rank: int) -> int:
+        """The peer id of rank ``rank``: the rank itself in a static list, else its identity's (made by ``start``)."""
+        if not self.join:
+            return rank
+        from gossiploco.security.identity import Identity
+
+        return Identity.load_or_create(self.identity_path(rank)).peer_id
+
     def command(self, rank: int) -> list[str]:
         if self.join:  # found through the DHT; the first round waits for ``count`` peers
             where = ["--join", self.join, "--host", self.host, "--workers", str(self.count),

@@ -103,6 +103,10 @@ class PeerResult:
     records: list[dict] = field(default_factory=list)
 
 
+MAILBOX_SLACK_BYTES = 64 << 20
+"""Mailbox room beyond four models' worth of early chunks (monitors, small models)."""
+
+
 def corroborated(rounds: dict[int, int]) -> dict[int, int]:
     """The round claims another member backs: peer ``p``'s round ``k`` stands if some other peer reports
     round ``k - 1`` or later (a round boundary may fall between two answers). Where one peer answered,
@@ -162,10 +166,15 @@ class NetworkPeer:
         deadlines = AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor)
         self.directory = directory
         self.trust = trust
+        # Early chunks: a partner ahead of this peer may send its Mix2 of this round, its Mix1 of the
+        # next and a monitor average before this peer starts any (measured: one model's worth was
+        # not enough), and the partners may differ; the mailbox holds that, plus room for small exchanges.
+        model_bytes = sum(p.numel() * 4 for p in self.trainer.model.parameters())
         self.exchange = ZmqExchange(rank, known, self.run_id, t.exchange_s, grace_s=t.grace_s, deadlines=deadlines,
                                     max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
                                     bind=bind, join_round=None, heartbeat_s=t.heartbeat_s,  # join round: decided in _join
-                                    trust=trust)
+                                    trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
+                                    sender_mailbox_bytes=3 * model_bytes + 2 * chunk)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self._stop_discovery = threading.Event()

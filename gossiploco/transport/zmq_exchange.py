@@ -113,7 +113,8 @@ class ZmqExchange(Exchange):
     def __init__(self, rank: int, endpoints: Sequence[str] | Mapping[int, str], run_id: str, timeout_s: float,
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
-                 join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None):
+                 join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None,
+                 sender_mailbox_bytes: int | None = None):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -137,7 +138,8 @@ class ZmqExchange(Exchange):
         """Messages refused after decoding, by reason (numbers and quoted values masked)."""
         self._cond = threading.Condition()  # guards the node
         self._node = PeerNode(rank, endpoints, grace_s=grace_s, chunk_elems=max(1, chunk_bytes // _FLOAT_BYTES),
-                              mailbox_bytes=mailbox_bytes, join_round=join_round)
+                              mailbox_bytes=mailbox_bytes, sender_mailbox_bytes=sender_mailbox_bytes,
+                              join_round=join_round)
         self._closed = False
         self._close_lock = threading.Lock()
         self._state_provider: StateProvider | None = None

@@ -47,10 +47,30 @@ HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
 """After a refused handshake: the first new try, and the longest wait between tries."""
+OPEN_FILES_WANTED = 65536
 HANDSHAKE_MS = 5000
 """A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
 """TCP keepalive of inbound connections: a dead machine's connection is dropped after about 16 s."""
+
+
+def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft limit on open files towards ``wanted`` (never above the hard limit):
+    every connection, including a stranger's until its handshake fails or times out, holds a file
+    descriptor, and the common default of 1,024 is easy to exhaust. Returns the limit now in force."""
+    try:
+        import resource
+    except ImportError:  # not on this OS
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):
+            pass
+    return soft
 
 
 class ZmqSockets:
@@ -67,6 +87,7 @@ class ZmqSockets:
         self.incarnation = uuid.uuid4().hex[:12]
         """Random per process (see the module docstring)."""
         self.heartbeat_ms = HEARTBEAT_TIMEOUT_MS if heartbeat_s is None else max(1, int(1000 * heartbeat_s))
+        raise_open_file_limit()
         self.ctx = zmq.Context(io_threads=1)
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: SwarmAuthenticator | None = None

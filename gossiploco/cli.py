@@ -136,6 +136,7 @@ def peer(
     try:
         from gossiploco.config import load_config
         from gossiploco.metrics import MetricsSink
+        from gossiploco.runtime.dht_peer import joined_peer
         from gossiploco.runtime.peer import NetworkPeer, run_id_for
         from gossiploco.security.options import peer_trust, swarm_key_option
 
@@ -156,7 +157,7 @@ def peer(
                                                      model=model, device=device, data=data, sets=set_))
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
-            node = _joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port)
+            node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port)
             rank = trust.peer_id
         else:
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id,
@@ -205,36 +206,6 @@ def peer(
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def _joined_peer(cfg, trust, stream: int | None, join: list[str], host: str, port: int, announce: str | None,
-                 run_id: str, dht_port: int = 0):
-    """A ``NetworkPeer`` that finds its run through the DHT at ``join``."""
-    from gossiploco.membership.directory import DhtDirectory
-    from gossiploco.runtime.peer import NetworkPeer
-
-    # Port 0 in the advertised address becomes the port the OS picks for the bind.
-    if announce:
-        advertise = f"tcp://{announce}" if ":" in announce else f"tcp://{announce}:{port}"
-    elif host in ("0.0.0.0", "::"):
-        advertise = f"tcp://127.0.0.1:{port}"
-        console.print("[yellow]warning:[/] no --announce: telling the others 127.0.0.1, so only peers on this machine "
-                      "can reach this one (pass --announce with your LAN or public address)")
-    else:
-        advertise = f"tcp://{host}:{port}"
-    t = cfg.timeouts
-    announce_host = announce.rsplit(":", 1)[0] if announce and ":" in announce else announce
-    dht_announce = [f"/ip4/{announce_host}/tcp/{dht_port}"] if announce_host and dht_port else None
-    directory = DhtDirectory(run_id, initial_peers=[a for item in join for a in item.split(",") if a.strip()],
-                             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host, port=dht_port,
-                             announce_maddrs=dht_announce, ttl_s=t.announce_ttl_s, heartbeat_s=t.discovery_s,
-                             timeout_s=t.hello_s + 5, trust=trust)
-    try:
-        return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
-                           run_id=run_id, trust=trust, stream=stream)
-    except BaseException:
-        directory.close()
-        raise
 
 
 @app.command()

@@ -38,7 +38,7 @@ from gossiploco.runtime.launch import free_ports
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
 from gossiploco.transport import codec
-from gossiploco.transport.codec import DTYPES, MAX_HEADER_BYTES, OPS, Header, decode, encode
+from gossiploco.transport.codec import DTYPES, OPS, Header, decode, encode
 from gossiploco.transport.zmq_exchange import ZmqExchange, _reason
 
 RUN = "fuzz-run"
@@ -142,7 +142,8 @@ keys = st.one_of(st.text(max_size=30), st.sampled_from(ODD_KEYS),
                  st.builds("{}/{}".format, st.sampled_from(["mix1", "mix2", "grad", "state", "monitor", "hello", "x"]),
                            st.text(max_size=6)))
 data_keys = keys.filter(lambda k: not k.startswith("state/req/"))  # those keys are state requests on the wire
-finite_chunks = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=40).map(lambda v: torch.tensor(v, dtype=torch.float32))
+finite_chunks = st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), max_size=40).map(
+    lambda v: torch.tensor(v, dtype=torch.float32))
 protocol_messages = st.one_of(
     st.builds(Data, key=data_keys, chunk=st.integers(0, 2**62), meta=st.lists(INT64, min_size=1, max_size=4).map(tuple),
               data=finite_chunks),
@@ -236,7 +237,8 @@ def near_valid_frames(draw) -> list:
             b[draw(st.integers(0, len(b) - 1))] ^= 1 << draw(st.integers(0, 7))
             payload[i] = bytes(b)
         elif kind == "version_run_op":
-            field, value = draw(st.sampled_from([("v", 0), ("v", 2), ("v", True), ("run", "other"), ("run", b"fuzz-run"),
+            field, value = draw(st.sampled_from([("v", 0), ("v", 2), ("v", True), ("run", "other"),
+                                                 ("run", b"fuzz-run"),
                                                  ("op", "MIX1"), ("op", ""), ("round", -1), ("chunk", -5),
                                                  ("sender", -(2**63)), ("round", 2**64 - 1), ("key", b"mix1/3")]))
             wire[field] = value
@@ -382,8 +384,9 @@ WEIGHTS = [6, 10, 8, 6, 4, 4, 4, 10, 4, 4, 6, 4, 4, 5, 3, 3, 2, 6, 6, 1, 2, 0.3]
 
 
 REASONS = {
-    "bitflip": ["not valid msgpack", "must be", "frame has", "non-finite", "unknown"], "truncate": ["frame has", "msgpack"],
-    "append": ["frame has", "extra data"], "drop_frame": ["payload frame(s) for"], "dup_frame": ["payload frame(s) for"],
+    "bitflip": ["not valid msgpack", "must be", "frame has", "non-finite", "unknown"],
+    "truncate": ["frame has", "msgpack"], "append": ["frame has", "extra data"],
+    "drop_frame": ["payload frame(s) for"], "dup_frame": ["payload frame(s) for"],
     "reorder": ["frame has", "not valid msgpack", "not a map", "meta vector"], "header_field": ["must be"],
     "drop_field": ["missing field"], "extra_field": ["unknown field"], "huge_shape": ["elements", "shape must be"],
     "bad_dtype": ["unknown dtype"], "tensor_count": ["payload frame(s) for"], "non_finite": ["non-finite"],
@@ -422,7 +425,8 @@ def random_value(rng: random.Random):
     return rng.choice([
         lambda: rng.choice([0, -1, 1, 2**31, 2**63 - 1, -(2**63), 2**64 - 1, rng.randrange(-1000, 1000)]),
         lambda: rng.random() < 0.5, lambda: rng.choice([float("nan"), float("inf"), 1.5]), lambda: None,
-        lambda: rng.randbytes(rng.randrange(8)), lambda: "".join(rng.choice("ab/0é\x00") for _ in range(rng.randrange(6))),
+        lambda: rng.randbytes(rng.randrange(8)),
+        lambda: "".join(rng.choice("ab/0é\x00") for _ in range(rng.randrange(6))),
         lambda: [rng.randrange(9)] * rng.randrange(4), lambda: {"dtype": "float32"}])()
 
 
@@ -632,11 +636,13 @@ def run_live_fuzz(count: int) -> None:
         peak = max(peak, rss_bytes())
         print(f"sent {sent} messages ({frames_sent} frames) in {sending_s:.1f} s; accepted {accepted}, "
               f"rejected {rejected()} (expected {total_expected}); RSS {rss_before >> 20} -> peak {peak >> 20} MiB")
-        print(f"{len(target.rejections)} distinct rejection reasons; the commonest:", dict(target.rejections.most_common(12)))
+        print(f"{len(target.rejections)} distinct rejection reasons; the commonest:",
+              dict(target.rejections.most_common(12)))
         print("security counts:", target.security_counts()["refused_connections"])
         print("protocol state:", target.protocol_state())
+        assert alive() and target._node.broken is None, \
+            f"seed {seed}: rank 0 broke: {target._node.broken}; " + "; ".join(unexpected[:3])
         assert not unexpected, f"seed {seed}: " + "; ".join(unexpected[:5])
-        assert alive() and target._node.broken is None, f"seed {seed}: rank 0 broke: {target._node.broken}"
         assert done, f"seed {seed}: rank 0 counted {rejected()} rejections of the {total_expected} expected"
         assert sent >= count * 0.99 and frames_sent >= 10_000
         # Each rejection counted once, with the reason predicted for it; every other message was taken.

@@ -693,4 +693,4 @@ def test_live_fuzz_rejects_each_mutation_with_its_reason_and_survives():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_live_fuzz_long():
-    run_live_fuzz(150_000)
+    run_live_fuzz(100_000)

@@ -68,6 +68,18 @@ def test_refuses_without_root(monkeypatch, capsys):
     assert "cannot run here" in err and ("root" in err or "Linux" in err)
 
 
+@pytest.mark.timeout(10)
+def test_ring_security_table_compares_plaintext_and_curve(capsys):
+    link = {"bandwidth_mbps": 50.0, "tcp": {"mbps": 47.9}, "ring_mbps": 47.2,
+            "ring": {"durations_s": [1.7, 1.8], "by_security": {
+                "plain": {"durations_s": [1.7, 1.8], "median_s": 1.75, "mbps": 47.2, "cpu_s": 0.03},
+                "curve": {"durations_s": [1.8, 1.8], "median_s": 1.8, "mbps": 45.9, "cpu_s": 0.05}}}}
+    table = netem.markdown({"runs": [], "links": [link]})
+    assert "| 50 | 47.90 (95.8%) | 1.750 | 47.20 (94.4%) | 1.800 | 45.90 (91.8%) | 1.029 | 1.06, 1.00 | 0.030 / 0.050 |" in table
+    assert netem.main(["--ring-security", "plain,tls", "--presets", "none"]) == 1
+    assert "--ring-security" in capsys.readouterr().err
+
+
 @needs_netns
 @pytest.mark.slow
 @pytest.mark.timeout(90)

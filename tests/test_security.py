@@ -23,7 +23,7 @@ from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import corroborated
 from gossiploco.security.identity import Identity, curve_public_of, peer_id_of
 from gossiploco.security.options import ordered_identities, swarm_key_option
-from gossiploco.security.records import SwarmRecordValidator
+from gossiploco.security.records import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
 from gossiploco.transport import codec
@@ -98,8 +98,8 @@ def test_round_claims_only_count_when_another_member_backs_them():
 # -- record validation (the paper trail every DHT node checks) ------------------------------------
 
 
-def signed(validator: SwarmRecordValidator, subkey: int, value: object, key: bytes = b"k", expiration: float = 1e10):
-    record = DHTRecord(key, msgpack.packb(subkey), msgpack.packb(value), expiration)
+def signed(validator: SwarmRecordValidator, peer: int, value: object, key: bytes = b"k", expiration: float = 1e10):
+    record = DHTRecord(key, msgpack.packb(entry_subkey(validator.swarm, peer)), msgpack.packb(value), expiration)
     return dataclasses.replace(record, value=validator.sign_value(record))
 
 
@@ -107,7 +107,8 @@ def test_a_signed_sealed_record_validates_and_strips_to_its_value():
     key, writer = SwarmKey.generate(), Identity.generate()
     validator = SwarmRecordValidator(writer, key)
     record = signed(validator, writer.peer_id, {"endpoint": "tcp://x:1"})
-    assert b"tcp://x:1" not in record.value  # sealed
+    assert b"tcp://x:1" not in record.value and writer.sign_public not in record.value  # sealed, writer's key too
+    assert msgpack.unpackb(record.subkey) != writer.peer_id  # the entry does not name the member either
     assert validator.validate(record) and msgpack.unpackb(validator.strip_value(record)) == {"endpoint": "tcp://x:1"}
     assert SwarmRecordValidator(None, key).validate(record)  # any holder of the key (a bootstrap node) checks it
 
@@ -124,7 +125,7 @@ def test_forged_records_are_refused_with_a_counted_reason(forgery):
         record = signed(SwarmRecordValidator(stranger, key), writer.peer_id, None)
     elif forgery == "tampered body":
         envelope = msgpack.unpackb(record.value)
-        envelope[2] = envelope[2][:-1] + bytes([envelope[2][-1] ^ 1])
+        envelope[1] = envelope[1][:-1] + bytes([envelope[1][-1] ^ 1])
         record = dataclasses.replace(record, value=msgpack.packb(envelope))
     elif forgery == "later expiration":  # a replay that would outlive the original
         record = dataclasses.replace(record, expiration_time=record.expiration_time + 100)

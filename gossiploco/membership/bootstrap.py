@@ -249,8 +249,10 @@ def store_beacon(dht: hivemind.DHT, swarm: SwarmKey, signer_id: int, timeout_s: 
     can write or read, valid for ``BEACON_TTL_S``. Logs, never raises; True if a node stored it."""
     from hivemind.utils import get_dht_time
 
+    from gossiploco.security.records import entry_subkey
+
     try:
-        future = dht.store(beacon_key(swarm), {"fingerprint": swarm.fingerprint}, subkey=signer_id,
+        future = dht.store(beacon_key(swarm), {"fingerprint": swarm.fingerprint}, subkey=entry_subkey(swarm, signer_id),
                            expiration_time=get_dht_time() + BEACON_TTL_S, return_future=True)
         return bool(future.result(timeout=timeout_s))
     except Exception as exc:  # noqa: BLE001 - a missing beacon is reported by the peers that look for it

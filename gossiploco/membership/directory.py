@@ -18,7 +18,8 @@ Records in the DHT
 ------------------
 
 All records of run ``R`` live under one DHT key, ``f"gossiploco/{R}/peers"``, as a hivemind
-*dictionary value*: subkey = the peer id (an int), value = ``PeerRecord.to_wire()`` (a plain
+*dictionary value*: subkey = the peer id (an int; with ``trust`` in a private run a keyed hash of
+it, ``entry_subkey``), value = ``PeerRecord.to_wire()`` (a plain
 msgpack-able dict; hivemind serializes with msgpack, never pickle). Every subkey carries its own
 expiration time (hivemind's ``get_dht_time()`` is wall-clock time, so peers' clocks must agree to
 within a few seconds). Runs with different ids use different keys, so they never see each
@@ -649,6 +650,13 @@ class DhtDirectory(Directory):
                       "or see changes, restart it", self.run_id, self._dht.exitcode)
         return False
 
+    def _subkey(self, peer: int) -> int:
+        if self.trust is None:
+            return peer
+        from gossiploco.security.records import entry_subkey
+
+        return entry_subkey(self.trust.swarm, peer)
+
     def _store(self, peer: int, value: dict | None, expiration: float, timeout_s: float | None = None) -> bool:
         """Store one subkey within ``timeout_s`` (default: the directory's); True when at least one
         DHT node accepted it. Logs, never raises."""
@@ -657,7 +665,8 @@ class DhtDirectory(Directory):
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
             with self._dht_lock:
-                future = self._dht.store(self.key, value, expiration_time=expiration, subkey=peer, return_future=True)
+                future = self._dht.store(self.key, value, expiration_time=expiration, subkey=self._subkey(peer),
+                                         return_future=True)
             return bool(future.result(timeout=timeout_s))
         except _TIMEOUTS:
             log.debug("run %s: storing the record of peer %d timed out after %g s", self.run_id, peer, timeout_s)
@@ -753,7 +762,7 @@ class DhtDirectory(Directory):
             except ValueError as exc:
                 self._report(tag, "malformed", f"ignoring a malformed record under subkey {tag[0]}: {exc}")
                 continue
-            if subkey != record.peer:
+            if subkey != self._subkey(record.peer):
                 self._report(tag, "malformed", f"ignoring a record of peer {record.peer} stored under subkey {tag[0]}")
                 continue
             if self.trust is not None and (not record.key or peer_id_of(record.key) != record.peer):

@@ -147,7 +147,7 @@ def op_and_round(key: str) -> tuple[str, int]:
     prefix, _, rest = key.partition("/")
     op = prefix if prefix in DATA_OPS else "monitor"
     number = rest.split("/", 1)[0]
-    return op, int(number) if number.isdigit() else 0
+    return op, int(number) if number.isascii() and number.isdigit() else 0  # not "²": isdigit alone admits it
 
 
 def to_wire(message: Message, sender: int, run_id: str) -> tuple[codec.Header, list[torch.Tensor]]:

@@ -113,5 +113,8 @@ class Identity:
     def sign(self, message: bytes) -> bytes:
         return self._signing.sign(message).signature
 
+    def __reduce__(self):  # rebuilt from the seed where a DHT process is spawned rather than forked
+        return Identity, (self.seed,)
+
     def __repr__(self) -> str:
         return f"Identity(peer {self.peer_id})"

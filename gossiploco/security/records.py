@@ -1,20 +1,23 @@
 """Signed, sealed DHT records: hivemind's record-validator hook, run by every node of the swarm.
 
-Every record gossiploco stores is a dictionary entry ``(key, subkey = the writer's peer id,
-value)``. ``sign_value`` (called by the writer's DHT node) wraps the value in an envelope
+Every record gossiploco stores is a dictionary entry ``(key, subkey, value)`` whose subkey names
+the writer: ``entry_subkey(swarm, peer id)``, a keyed hash of the peer id in a private run (so a
+node that only stores the run's records learns neither who the members are nor their keys), the
+peer id itself in an open run. ``sign_value`` (called by the writer's DHT node) signs the DHT key,
+the subkey, the value and the expiration time with the writer's Ed25519 key, and wraps them:
 
-    msgpack [ENVELOPE_VERSION, writer's Ed25519 public key, body, signature]
+    private run:  msgpack [ENVELOPE_VERSION, seal(msgpack [public key, value, signature])]
+    open run:     msgpack [ENVELOPE_VERSION, public key, value, signature]
 
-where ``body`` is the value sealed with the swarm key (``SwarmKey.seal``; the value itself in an
-open run) and the signature covers the DHT key, the subkey, the body and the expiration time.
 ``validate`` (called by every node before it stores a record and again on each record a search
-returns) accepts a record only if the envelope is well formed, the signature verifies, the subkey
-is the peer id of the signing key (so nobody writes, overwrites or tombstones another peer's
-entry), and, in a private run, the body unseals with the swarm key (so nobody without it writes
-at all). ``strip_value`` hands the application the unsealed value. Since the signature covers the
-expiration time, a record cannot be replayed with a later one. Regular (non-dictionary) values and
-any other key's records are refused, so a node of a private run stores nothing but its run's
-records, and a stranger cannot replace the run's dictionary with a value of their own.
+returns) accepts a record only if the envelope is well formed, it unseals with the swarm key
+(private runs: so nobody without it writes at all), the signature verifies, and the subkey is the
+one of the signing key's peer id (so nobody writes, overwrites or tombstones another peer's entry).
+``strip_value`` hands the application the value. Since the signature covers the expiration time,
+a record cannot be replayed with a later one. Regular (non-dictionary) values and any other key's
+records are refused, so a node of a private run stores nothing but its run's records, and a
+stranger cannot replace the run's dictionary with a value of their own. What an outsider's DHT
+node that holds replicas still sees: how many entries there are and when they expire.
 
 Rejections are counted by reason (``rejected``) in the process that runs the DHT node (hivemind's
 DHT child process); each reason is logged once.
@@ -40,8 +43,15 @@ MAX_ENVELOPE_BYTES = 16 << 10
 _DOMAIN = b"gossiploco-dht-record-v1|"
 
 
-def _signed_part(record: DHTRecord, body: bytes) -> bytes:
-    return b"|".join([_DOMAIN, record.key, record.subkey, body, struct.pack(">d", record.expiration_time)])
+def _signed_part(record: DHTRecord, value: bytes) -> bytes:
+    return b"|".join([_DOMAIN, record.key, record.subkey, value, struct.pack(">d", record.expiration_time)])
+
+
+def entry_subkey(swarm: SwarmKey | None, peer: int) -> int:
+    """The DHT subkey of peer ``peer``'s entry: a keyed hash of its id in a private run, the id in an open one."""
+    if swarm is None:
+        return peer
+    return int.from_bytes(swarm.derive(f"subkey/{peer}".encode(), 7), "big")
 
 
 class SwarmRecordValidator(RecordValidatorBase):
@@ -56,34 +66,45 @@ class SwarmRecordValidator(RecordValidatorBase):
     def sign_value(self, record: DHTRecord) -> bytes:
         if self.identity is None:
             raise ValueError("this DHT node has no identity to sign records with")
-        body = self.swarm.seal(record.value) if self.swarm is not None else record.value
-        signature = self.identity.sign(_signed_part(record, body))
-        return msgpack.packb([ENVELOPE_VERSION, self.identity.sign_public, body, signature], use_bin_type=True)
+        signature = self.identity.sign(_signed_part(record, record.value))
+        if self.swarm is None:
+            return msgpack.packb([ENVELOPE_VERSION, self.identity.sign_public, record.value, signature])
+        inner = msgpack.packb([self.identity.sign_public, record.value, signature])
+        return msgpack.packb([ENVELOPE_VERSION, self.swarm.seal(inner)])
+
+    @staticmethod
+    def _unpack(data: bytes, parts: int) -> list:
+        try:
+            obj = msgpack.unpackb(data, raw=False, max_bin_len=MAX_ENVELOPE_BYTES, max_str_len=64,
+                                  max_array_len=8, max_map_len=0)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise ValueError(f"not an envelope ({type(exc).__name__})") from None
+        if not (isinstance(obj, list) and len(obj) == parts and all(isinstance(p, bytes) for p in obj[-parts + 1:])):
+            raise ValueError("not an envelope of this version")
+        return obj
 
     def _open(self, record: DHTRecord) -> bytes:
         """The record's value if the record is valid, else ``ValueError`` saying why."""
         if len(record.value) > MAX_ENVELOPE_BYTES:
             raise ValueError("oversized")
-        try:
-            envelope = msgpack.unpackb(record.value, raw=False, max_bin_len=MAX_ENVELOPE_BYTES, max_str_len=64,
-                                       max_array_len=8, max_map_len=0)
-        except (ValueError, msgpack.UnpackException) as exc:
-            raise ValueError(f"not an envelope ({type(exc).__name__})") from None
-        if not (isinstance(envelope, list) and len(envelope) == 4 and envelope[0] == ENVELOPE_VERSION
-                and all(isinstance(part, bytes) for part in envelope[1:])):
+        if self.swarm is None:
+            version, sign_public, value, signature = self._unpack(record.value, 4)
+        else:
+            version, sealed = self._unpack(record.value, 2)
+            sign_public, value, signature = self._unpack(self.swarm.unseal(sealed), 3)
+        if version != ENVELOPE_VERSION or not isinstance(sign_public, bytes):
             raise ValueError("not an envelope of this version")
-        _, sign_public, body, signature = envelope
         try:
             subkey = msgpack.unpackb(record.subkey, raw=False)
         except (ValueError, msgpack.UnpackException):
             subkey = None
         if not isinstance(subkey, int) or isinstance(subkey, bool):
-            raise ValueError("not a peer entry (no peer-id subkey)")
-        if peer_id_of(curve_public_of(sign_public)) != subkey:
+            raise ValueError("not a peer entry (no peer subkey)")
+        if entry_subkey(self.swarm, peer_id_of(curve_public_of(sign_public))) != subkey:
             raise ValueError("signed by another peer than the entry's")
-        if not verify(sign_public, _signed_part(record, body), signature):
+        if not verify(sign_public, _signed_part(record, value), signature):
             raise ValueError("bad signature")
-        return self.swarm.unseal(body) if self.swarm is not None else body
+        return value
 
     def validate(self, record: DHTRecord) -> bool:
         try:

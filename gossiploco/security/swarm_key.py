@@ -113,6 +113,9 @@ class SwarmKey:
     def __hash__(self) -> int:
         return hash(self.fingerprint)
 
+    def __reduce__(self):  # rebuilt from the secret where a DHT process is spawned rather than forked
+        return SwarmKey, (self._secret,)
+
     def __repr__(self) -> str:
         return f"SwarmKey({self.fingerprint})"
 

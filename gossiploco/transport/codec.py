@@ -136,7 +136,10 @@ def encode(header: Header, tensors: Sequence[torch.Tensor]) -> list[bytes | memo
         _validate(wire, expect_run=header.run, n_payload=len(payload))
     except MalformedMessage as exc:
         raise ValueError(f"invalid header: {exc}") from None
-    packed = msgpack.packb(wire, use_bin_type=True)
+    try:
+        packed = msgpack.packb(wire, use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:  # e.g. a round beyond 2**64 - 1
+        raise ValueError(f"invalid header: {type(exc).__name__}: {exc}") from None
     if len(packed) > MAX_HEADER_BYTES:
         raise ValueError(f"header of {len(packed)} bytes exceeds {MAX_HEADER_BYTES}")
     return [packed, *payload]
@@ -196,7 +199,9 @@ def _validate(obj: Any, *, expect_run: str, n_payload: int) -> Header:
     """Check a header map field by field; raise ``MalformedMessage`` naming the first problem."""
     if not isinstance(obj, dict):
         raise MalformedMessage(f"header is a msgpack {type(obj).__name__}, not a map")
-    missing, extra = sorted(_FIELD_TYPES.keys() - obj.keys()), sorted(obj.keys() - _FIELD_TYPES.keys())
+    # repr: keys of mixed types (str and bytes) do not sort (found by the fuzzer: a TypeError here
+    # killed the receiving thread).
+    missing, extra = sorted(_FIELD_TYPES.keys() - obj.keys()), sorted(map(repr, obj.keys() - _FIELD_TYPES.keys()))
     if missing:
         raise MalformedMessage(f"header is missing field(s) {missing}")
     if extra:

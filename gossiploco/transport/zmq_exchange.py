@@ -78,7 +78,7 @@ PROBE_REPEAT_S = 1.0
 """``peer_rounds`` asks a peer that has not answered again after this long."""
 _FLOAT_BYTES = 4
 
-_VARIABLE = re.compile(r"-?[0-9]+|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|b'[^']*'")
+_VARIABLE = re.compile(r"0x[0-9a-fA-F]+|\\x[0-9a-fA-F]{2}|-?[0-9]+|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|b'[^']*'")
 
 
 def _reason(message: str) -> str:
@@ -515,6 +515,16 @@ class ZmqExchange(Exchange):
                 return
             try:
                 self._file(frames)
+            except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as exc:
+                # Validation itself failed on this input (a bug in it): the message is refused like
+                # a malformed one, loudly, instead of the receiving thread dying for every message.
+                reason = f"validation bug: {type(exc).__name__}"
+                with self._cond:
+                    self._node.malformed_messages += 1
+                    self.rejections[reason] += 1
+                    first = self.rejections[reason] == 1
+                log.error("rank %d: validating a message raised %s: %s (a bug; the message is dropped)", self.rank,
+                          type(exc).__name__, exc, exc_info=first)
             except MalformedMessage as exc:
                 reason = _reason(str(exc))
                 with self._cond:

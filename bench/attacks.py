@@ -145,17 +145,20 @@ def discovery(sw: Swarm, ids: dict[int, int], learnt: dict) -> Result:
             raw = bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else b""
             if b"tcp://" in raw or b"endpoint" in raw:
                 readable.append(name)
+            seen_ids.update(p for p in ids.values() if name.endswith(f"/{p!r}"))  # a subkey naming a member
             try:
                 envelope = msgpack.unpackb(raw)
-                seen_ids.add(peer_id_of(curve_public_of(envelope[1])))
+                seen_ids.add(peer_id_of(curve_public_of(envelope[1])))  # a signer's key in clear
                 learnt[peer_id_of(curve_public_of(envelope[1]))] = curve_public_of(envelope[1])
-            except Exception:  # noqa: BLE001 - not an envelope: nothing learnt
+            except Exception:  # noqa: BLE001 - not an envelope with a key in clear: nothing learnt
                 pass
+        named = seen_ids & set(ids.values())
         res.happened.append(f"{len(items)} entries stored/cached by the outsider node, {len(readable)} with a "
-                            f"readable endpoint; envelopes name {len(seen_ids & set(ids.values()))} of "
-                            f"{len(ids)} member ids (their public keys are in clear: metadata, not content)")
+                            f"readable endpoint; subkeys and envelopes name {len(named)} of {len(ids)} member ids")
         if readable:
             res.fail(f"readable records: {readable[:3]}")
+        if named:
+            res.fail(f"member ids (and their public keys) readable: {sorted(named)}")
     finally:
         out.shutdown()
     return res

@@ -201,7 +201,7 @@ def _validate(obj: Any, *, expect_run: str, n_payload: int) -> Header:
         raise MalformedMessage(f"header is a msgpack {type(obj).__name__}, not a map")
     # repr: keys of mixed types (str and bytes) do not sort (found by the fuzzer: a TypeError here
     # killed the receiving thread).
-    missing, extra = sorted(_FIELD_TYPES.keys() - obj.keys()), sorted(map(repr, obj.keys() - _FIELD_TYPES.keys()))
+    missing, extra = sorted(_FIELD_TYPES.keys() - obj.keys()), sorted(obj.keys() - _FIELD_TYPES.keys(), key=repr)
     if missing:
         raise MalformedMessage(f"header is missing field(s) {missing}")
     if extra:

@@ -43,6 +43,11 @@ class SwarmAuthenticator(ThreadAuthenticator):
         self._last_log = -LOG_EVERY_S
         self.configure_curve_callback(domain=DOMAIN, credentials_provider=self)
 
+    def refusals(self) -> dict[str, int]:
+        """A copy of ``refused`` (the ZAP thread updates it)."""
+        with self._lock:
+            return dict(self.refused)
+
     def allow(self, key: bytes, peer: int) -> None:
         """Let the holder of ``key`` in as peer ``peer`` (a key replaces any earlier one of the same peer)."""
         with self._lock:

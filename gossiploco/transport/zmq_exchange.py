@@ -5,9 +5,11 @@ lives in ``gossiploco.protocol`` as sans-I/O state machines; this module turns s
 ``time.monotonic()`` into its events and carries out its actions.
 
 Sockets (``zmq_sockets``): a ROUTER per peer, and per other peer a data DEALER with a monitor
-and a control DEALER (``Ready``, ``Decision``, ``Abort``: never behind megabytes of data). A
-message's claimed sender must match the routing id of the connection it came on, and each peer
-is pinned to one process at a time (``_check_incarnation``). Peer ids are
+and a control DEALER (``Ready``, ``Decision``, ``Abort``: never behind megabytes of data). With
+``trust`` every socket is CurveZMQ and only members' keys get in (``zmq_auth``); a message's
+claimed sender must match the routing id of the connection it came on and the peer its key
+authenticated, and each peer is pinned to one process at a time (``_check_incarnation``).
+Rejections are counted by reason (``security_counts``). Peer ids are
 ints below ``MAX_PEER_ID``, known from a static list or added by discovery (``add_peer``).
 
 Threads (zmq sockets are not thread-safe; one lock and condition guard the ``PeerNode``):
@@ -399,11 +401,9 @@ class ZmqExchange(Exchange):
 
     def security_counts(self) -> dict[str, dict[str, int]]:
         """Connections the ZAP handler refused and messages the receiver rejected, by reason."""
-        auth = self._sockets.auth
         with self._cond:
             rejected = dict(self.rejections)
-        refused = {**self._sockets.handshake_failures, **(auth.refused if auth is not None else {})}
-        return {"refused_connections": refused, "rejected_messages": rejected}
+        return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected}
 
     def _wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s

@@ -136,6 +136,7 @@ class ZmqSockets:
         self.router_monitor = self.router.get_monitor_socket(HANDSHAKE_FAILURES)
         self.router_monitor.setsockopt(zmq.LINGER, 0)
         self.handshake_failures: dict[str, int] = {}
+        self._failures_lock = threading.Lock()  # the receiving thread counts, any thread reads
         host, _, port = advertised.rpartition(":")
         if port in ("0", "*"):  # the port the OS picked is the one peers must be told
             port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
@@ -272,7 +273,16 @@ class ZmqSockets:
             name = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake protocol error"}.get(event["event"],
                                                                                         "handshake failed")
-            self.handshake_failures[name] = self.handshake_failures.get(name, 0) + 1
+            with self._failures_lock:
+                self.handshake_failures[name] = self.handshake_failures.get(name, 0) + 1
+
+    def refused_connections(self) -> dict[str, int]:
+        """Failed handshakes and ZAP refusals of inbound connections, by reason."""
+        with self._failures_lock:
+            counts = dict(self.handshake_failures)
+        if self.auth is not None:
+            counts.update(self.auth.refusals())
+        return counts
 
     def close_router(self) -> None:
         """Close the ROUTER and its monitor (by the receiving thread, which owns them)."""

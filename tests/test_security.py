@@ -244,3 +244,20 @@ def test_a_member_cannot_speak_for_another_member(pair):
         assert wait_until(lambda: any("authenticated as" in reason for reason in rejected()), 10), rejected()
     finally:
         ctx.destroy(linger=0)
+
+
+def test_an_open_static_list_is_still_encrypted_and_authenticated():
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    exchanges = [ZmqExchange(r, endpoints, "run", 5.0, trust=Trust.static(None, r, 2)) for r in range(2)]
+    try:
+        out = {}
+        threads = [threading.Thread(target=lambda r=r: out.update({r: exchanges[r].swap("k/0", 1 - r, torch.full((3,), 1.0 * r))}))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert out[0].tolist() == [1.0] * 3 and exchanges[0]._sockets.router.getsockopt(zmq.CURVE_SERVER) == 1
+    finally:
+        for ex in exchanges:
+            ex.close()

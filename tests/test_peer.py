@@ -154,7 +154,10 @@ def test_a_restarted_peer_downloads_the_state_and_ends_in_consensus(tmp_path):
     log = peers.log(3)
     assert "caught up from peer" in log, log[-3000:]
     rejoined = summary(peers, 3)
-    assert rejoined["catchups"] == 1
+    # Rounds here last about 0.1 s: the swarm may begin the next round before the download has
+    # landed, and the peer then re-aligns once more through the straggler path (seen once in a
+    # clean-clone CI run; it costs one grace window). More than that would be a bug.
+    assert 1 <= rejoined["catchups"] <= 2
     first = records(peers, 3)[0]  # the restarted process's own metrics start where it caught up
     assert first["round"] >= 2 and first["catchup_from"] in (0, 1, 2)
     finals = [model(peers, r) for r in range(4)]

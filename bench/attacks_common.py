@@ -18,26 +18,11 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85
 
+from gossiploco.config import TINY_OVERRIDES
 from gossiploco.protocol.messages import to_wire
 from gossiploco.transport import codec
 
-TINY = {
-    "model.size": "tiny",
-    "inner_steps": 4,
-    "rounds": 3,
-    "seed": 0,
-    "device": "cpu",
-    "data.seq_len": 32,
-    "data.batch_size": 4,
-    "data.heldout_batch_size": 4,
-    "data.val_batches": 2,
-    "data.max_corpus_mb": 2.0,
-    "monitor.every": 2,
-    "timeouts.exchange_s": 30.0,
-    "inner.warmup_steps": 2,
-    "inner.lr": 3e-3,
-}
-"""The tests' tiny configuration (``tests/conftest.py``'s ``TINY``, less ``workers``)."""
+TINY = TINY_OVERRIDES
 ENV = {"OMP_NUM_THREADS": "1"}
 
 

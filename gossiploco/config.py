@@ -26,6 +26,24 @@ from gossiploco.errors import ConfigError
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "peers"
 MIX_KINDS = ("identity", "global", "gossip")
 MODES = ("factored", "sync-dp")
+TINY_OVERRIDES: dict[str, Any] = {
+    "model.size": "tiny",
+    "inner_steps": 4,
+    "rounds": 3,
+    "seed": 0,
+    "device": "cpu",
+    "data.seq_len": 32,
+    "data.batch_size": 4,
+    "data.heldout_batch_size": 4,
+    "data.val_batches": 2,
+    "data.max_corpus_mb": 2.0,
+    "monitor.every": 2,
+    "timeouts.exchange_s": 30.0,
+    "inner.warmup_steps": 2,
+    "inner.lr": 3e-3,
+}
+"""Overrides that scale any preset down to seconds on a CPU (tiny model, short sequences, a 2 MB
+slice of the stdlib corpus): the tests' and the attack bench's configuration."""
 
 
 @dataclass

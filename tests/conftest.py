@@ -10,29 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossiploco.config import load_config
+from gossiploco.config import TINY_OVERRIDES, load_config
 
 torch.set_num_threads(2)
 
 
-TINY = {
-    "model.size": "tiny",
-    "workers": 4,
-    "inner_steps": 4,
-    "rounds": 3,
-    "seed": 0,
-    "device": "cpu",
-    "data.seq_len": 32,
-    "data.batch_size": 4,
-    "data.heldout_batch_size": 4,
-    "data.val_batches": 2,
-    "data.max_corpus_mb": 2.0,
-    "monitor.every": 2,
-    "timeouts.exchange_s": 30.0,
-    "inner.warmup_steps": 2,
-    "inner.lr": 3e-3,
-}
-"""Overrides that scale a preset down for tests: tiny model, short sequences, a 2 MB slice of the stdlib corpus."""
+TINY = {**TINY_OVERRIDES, "workers": 4}
+"""``config.TINY_OVERRIDES`` with 4 workers: what the tests scale presets down to."""
 
 
 def tiny_config(preset: str, **overrides):

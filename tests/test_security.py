@@ -192,6 +192,18 @@ def test_only_swarm_key_holders_see_or_change_a_runs_records_on_the_real_dht():
 # -- the authenticated data plane ----------------------------------------------------------------
 
 
+def swap_both(exchanges: list[ZmqExchange]) -> dict[int, torch.Tensor]:
+    """Ranks 0 and 1 swap (their rank, five times) at once; each one's result."""
+    out = {}
+    threads = [threading.Thread(target=lambda r=r: out.update({r: exchanges[r].swap("k/0", 1 - r, torch.full((5,), 1.0 * r))}))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
 @pytest.fixture
 def pair():
     key = SwarmKey.generate()
@@ -205,13 +217,7 @@ def pair():
 
 def test_members_mix_over_curve_and_strangers_are_refused_and_counted(pair):
     key, endpoints, exchanges = pair
-    out = {}
-    threads = [threading.Thread(target=lambda r=r: out.update({r: exchanges[r].swap("k/0", 1 - r, torch.full((5,), 1.0 * r))}))
-               for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
+    out = swap_both(exchanges)
     assert out[0].tolist() == [1.0] * 5 and out[1].tolist() == [0.0] * 5
     ctx = zmq.Context()
     try:
@@ -250,14 +256,8 @@ def test_an_open_static_list_is_still_encrypted_and_authenticated():
     endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
     exchanges = [ZmqExchange(r, endpoints, "run", 5.0, trust=Trust.static(None, r, 2)) for r in range(2)]
     try:
-        out = {}
-        threads = [threading.Thread(target=lambda r=r: out.update({r: exchanges[r].swap("k/0", 1 - r, torch.full((3,), 1.0 * r))}))
-                   for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
-        assert out[0].tolist() == [1.0] * 3 and exchanges[0]._sockets.router.getsockopt(zmq.CURVE_SERVER) == 1
+        out = swap_both(exchanges)
+        assert out[0].tolist() == [1.0] * 5 and exchanges[0]._sockets.router.getsockopt(zmq.CURVE_SERVER) == 1
     finally:
         for ex in exchanges:
             ex.close()

@@ -23,9 +23,8 @@ import nacl.exceptions
 import nacl.signing
 
 from gossiploco.errors import ConfigError
+from gossiploco.protocol.messages import MAX_PEER_ID
 
-MAX_PEER_ID = 2**31
-"""Peer ids are in ``0 .. MAX_PEER_ID - 1`` (the data plane's and the records' limit)."""
 KEY_HEADER = "gossiploco-identity-v1"
 _ID_PERSON = b"gossiploco-peer"
 

@@ -52,8 +52,8 @@ def peer_trust(swarm: SwarmKey | None, *, identity_file: Path | None = None,
 
 def ordered_identities(count: int, directory: Path, name: str = "identity.key") -> list[Path]:
     """``count`` identity files ``directory/peer-I/name`` whose peer ids increase with I (for
-    launchers and tests that compare a swarm with the virtual one, where order matters). Existing
-    files are kept."""
+    launchers and tests that compare a swarm with the virtual one, where order matters). When all
+    of them exist they are kept (a restart keeps its peer id); otherwise all are made anew."""
     paths = [directory / f"peer-{i}" / name for i in range(count)]
     if all(p.exists() for p in paths):
         return paths

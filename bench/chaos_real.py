@@ -113,6 +113,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+from gossiploco.config import TINY_OVERRIDES
+
 SCENARIO = "leader-kill-mid-mix2"
 FAULT_ENV = "GOSSIPLOCO_FAULT"
 """The runtime's fault-injection variable (``SIGNAL:KEY:CHUNK``); its name and format are stable."""
@@ -136,18 +138,9 @@ EXIT_INTERRUPTED = 130
 SUBNET = "10.78.0"
 BOOTSTRAP_HOST_NETNS = f"{SUBNET}.254"
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
-SMALL = {
-    "model.size": "tiny",
-    "device": "cpu",
-    "data.seq_len": 32,
-    "data.batch_size": 4,
-    "data.heldout_batch_size": 4,
-    "data.val_batches": 2,
-    "data.max_corpus_mb": 2.0,
-    "inner.warmup_steps": 2,
-    "inner.lr": 3e-3,
-    "timeouts.discovery_s": 1.0,
-}
+SMALL = {**{k: v for k, v in TINY_OVERRIDES.items()
+             if k not in ("inner_steps", "rounds", "seed", "monitor.every", "timeouts.exchange_s")},
+         "timeouts.discovery_s": 1.0}
 """tests/conftest.py's TINY scale-down (rounds, steps, monitor and timeouts come from the options)."""
 
 

@@ -20,6 +20,10 @@ misused the object; it is raised, not swallowed.
 
 from __future__ import annotations
 
+import re
+
+_PARTICULARS = re.compile(r"0x[0-9a-fA-F]+|\\x[0-9a-fA-F]{2}|-?[0-9]+|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|b'[^']*'")
+
 
 class GossiplocoError(Exception):
     """Base class of every error gossiploco raises on purpose."""
@@ -59,6 +63,11 @@ class PeerFailed(ExchangeError):
 
 class MalformedMessage(PeerFailed):
     """A peer sent a message that failed validation (remote fault: the exchange falls back to identity)."""
+
+    @property
+    def reason(self) -> str:
+        """The message without its particulars (numbers, quoted values, lists), to count alike rejections together."""
+        return _PARTICULARS.sub("#", str(self))[:80]
 
 
 class ExchangeClosed(ExchangeError):

@@ -39,7 +39,7 @@ from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
 from gossiploco.transport import codec
 from gossiploco.transport.codec import DTYPES, OPS, Header, decode, encode
-from gossiploco.transport.zmq_exchange import ZmqExchange, _reason
+from gossiploco.transport.zmq_exchange import ZmqExchange
 
 RUN = "fuzz-run"
 LIMIT = 1 << 16
@@ -512,7 +512,7 @@ def predict(frames: list[bytes], control: bool) -> tuple[str | None, object]:
         if header.sender != 1 or isinstance(message, CONTROL) != control:
             raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
     except MalformedMessage as exc:
-        return _reason(str(exc)), None
+        return exc.reason, None
     return None, message
 
 

@@ -17,7 +17,8 @@ from hivemind.dht.validation import DHTRecord
 from conftest import wait_until
 from gossiploco.errors import ConfigError, DirectoryError
 from gossiploco.membership.bootstrap import start_bootstrap
-from gossiploco.membership.directory import DhtDirectory, PeerRecord
+from gossiploco.membership.directory import DhtDirectory
+from gossiploco.membership.record import PeerRecord
 from gossiploco.protocol.messages import Hello, to_wire
 from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import corroborated

@@ -233,7 +233,7 @@ def test_state_download_is_chunked_exact_and_refused_when_there_is_none(groups):
 def test_fault_injection_spec_is_parsed_strictly():
     import signal
 
-    from gossiploco.transport.zmq_exchange import _parse_fault
+    from gossiploco.transport.fault_injection import parse_fault as _parse_fault
 
     assert _parse_fault(None) is None
     assert _parse_fault("KILL:mix1/2:3") == (int(signal.SIGKILL), "mix1/2", 3)

@@ -1,5 +1,6 @@
 """Membership: finding the peers of a run (the only package that imports hivemind).
 
+``record`` is what a peer tells its run about itself (``PeerRecord``, validated strictly);
 ``directory`` holds the ``Directory`` interface with its in-memory and hivemind-DHT
 implementations; ``bootstrap`` starts the DHT node new peers join through; ``lifeline`` makes the
 DHT's processes (hivemind's DHT process and its p2pd) die with the process that started them, even
@@ -9,16 +10,14 @@ cheap (``lifeline`` imports hivemind and is not imported here).
 
 from gossiploco.membership.bootstrap import load_or_create_identity, serve_bootstrap, start_bootstrap
 from gossiploco.membership.directory import (
-    PROTOCOL_VERSION,
     DhtDirectory,
     Directory,
     DirectoryClosed,
     DirectoryError,
-    IncompatibleRecord,
     MemoryDirectory,
     MemoryDirectoryHub,
-    PeerRecord,
 )
+from gossiploco.membership.record import PROTOCOL_VERSION, IncompatibleRecord, PeerRecord
 
 __all__ = [
     "PROTOCOL_VERSION",

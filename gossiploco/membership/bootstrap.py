@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gossiploco.errors import ConfigError
+from gossiploco.security.identity import write_secret_file
 from gossiploco.membership.directory import (
     BEACON_TTL_S,
     DirectoryError,
@@ -138,11 +139,7 @@ def save_known_peers(dht: hivemind.DHT, path: Path, timeout_s: float = RECONNECT
         addresses = dht.run_coroutine(_connected_dht_peers, return_future=True).result(timeout=timeout_s)
         if not addresses:
             return 0
-        temporary = path.with_name(path.name + ".tmp")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            json.dump(sorted(set(addresses)), file, indent=0)
-        os.replace(temporary, path)
+        write_secret_file(path, json.dumps(sorted(set(addresses)), indent=0))
         return len(addresses)
     except Exception as exc:  # a full disk or a dying DHT process must not stop the node
         log.warning("could not save the bootstrap node's peers to %s: %r", path, exc)

@@ -56,7 +56,8 @@ from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
-from gossiploco.membership.directory import Directory, DirectoryClosed, PeerRecord
+from gossiploco.membership.directory import Directory, DirectoryClosed
+from gossiploco.membership.record import PeerRecord
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import all_finite, pack, unpack

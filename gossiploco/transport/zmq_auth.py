@@ -37,7 +37,6 @@ class SwarmAuthenticator(ThreadAuthenticator):
         super().__init__(context, log=logging.getLogger(f"{__name__}.zap"))
         self.owner = owner
         self.refused: Counter[str] = Counter()
-        self.admitted = 0
         self._lock = threading.Lock()
         self._members: dict[bytes, int] = {trust.identity.curve_public: trust.peer_id}
         self._last_log = -LOG_EVERY_S
@@ -59,7 +58,6 @@ class SwarmAuthenticator(ThreadAuthenticator):
         key = zmq.utils.z85.decode(z85_key)
         with self._lock:
             if key in self._members:
-                self.admitted += 1
                 return True
             self.refused["key of no member"] += 1
             count = self.refused["key of no member"]

@@ -38,10 +38,7 @@ multiple of recent durations of that kind, at most ``timeout_s``); group agreeme
 from __future__ import annotations
 
 import logging
-import os
 import queue
-import re
-import signal
 import threading
 import time
 import uuid
@@ -62,6 +59,7 @@ from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, PROBE, Data, Hel
 from gossiploco.protocol.node import PeerNode
 from gossiploco.transport import codec
 from gossiploco.transport.deadlines import AdaptiveDeadlines
+from gossiploco.transport.fault_injection import FAULT_ENV, Fault
 from gossiploco.security.identity import peer_id_of
 from gossiploco.security.trust import Trust, parse_routing_id
 from gossiploco.transport.zmq_sockets import ZmqSockets
@@ -72,34 +70,12 @@ __all__ = ["ZmqExchange", "MAX_PEER_ID", "FAULT_ENV", "StateProvider"]
 
 POLL_MS = 100
 """How often the receiver thread wakes to notice ``close()``."""
-FAULT_ENV = "GOSSIPLOCO_FAULT"
-"""Fault injection for tests: ``SIGNAL:KEY:CHUNK`` (``KILL:mix1/2:3``) makes this process send
-itself SIGNAL just before it sends chunk CHUNK of exchange KEY, i.e. in the middle of a real
-exchange. Unset in normal use."""
 PROBE_REPEAT_S = 1.0
 """``peer_rounds`` asks a peer that has not answered again after this long."""
 _FLOAT_BYTES = 4
 
-_VARIABLE = re.compile(r"0x[0-9a-fA-F]+|\\x[0-9a-fA-F]{2}|-?[0-9]+|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\{[^}]*\}|b'[^']*'")
-
-
-def _reason(message: str) -> str:
-    """A rejection's reason without its particulars, to count alike rejections together."""
-    return _VARIABLE.sub("#", message)[:80]
-
-
 StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
 """Returns (round, flat fp32 state) to hand a catching-up peer, or None when there is none yet."""
-
-
-def _parse_fault(spec: str | None) -> tuple[int, str, int] | None:
-    if not spec:
-        return None
-    try:
-        name, key, chunk = spec.rsplit(":", 2)
-        return int(getattr(signal, f"SIG{name.upper()}")), key, int(chunk)
-    except (ValueError, AttributeError) as exc:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected SIGNAL:KEY:CHUNK, e.g. KILL:mix1/2:3") from exc
 
 
 class ZmqExchange(Exchange):
@@ -146,7 +122,7 @@ class ZmqExchange(Exchange):
         self._close_lock = threading.Lock()
         self._state_provider: StateProvider | None = None
         self._tasks: queue.Queue = queue.Queue(maxsize=1024)  # Send / ServeState for the service thread
-        self._fault = _parse_fault(os.environ.get(FAULT_ENV))
+        self._fault = Fault.from_env()
 
         self.trust = trust
         if trust is not None and trust.peer_id != rank:
@@ -444,10 +420,8 @@ class ZmqExchange(Exchange):
         """Queue one message for its peer, retrying a full queue until ``deadline``. By default zmq
         copies the payload; with ``zero_copy`` it reads it in place until the returned tracker is done."""
         message, peer = send.message, send.peer
-        if self._fault is not None and isinstance(message, Data) and self._fault[1:] == (message.key, message.chunk):
-            log.warning("rank %d: %s: raising signal %d before chunk %d of %r", self.rank, FAULT_ENV,
-                        self._fault[0], message.chunk, message.key)
-            os.kill(os.getpid(), self._fault[0])
+        if self._fault is not None:
+            self._fault.before_send(self.rank, message)
         header, tensors = to_wire(message, self.rank, self.run_id)
         tracker = self._sockets.send(peer, codec.encode(header, tensors), control=isinstance(message, CONTROL),
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
@@ -526,7 +500,7 @@ class ZmqExchange(Exchange):
                 log.error("rank %d: validating a message raised %s: %s (a bug; the message is dropped)", self.rank,
                           type(exc).__name__, exc, exc_info=first)
             except MalformedMessage as exc:
-                reason = _reason(str(exc))
+                reason = exc.reason
                 with self._cond:
                     self._node.malformed_messages += 1
                     self.rejections[reason] += 1

@@ -106,6 +106,22 @@ def test_ctrl_c_stops_a_simulation_cleanly(tmp_path):
         proc.kill()
 
 
+def test_keygen_writes_a_private_key_file_and_never_overwrites_one(tmp_path):
+    from gossiploco.security.swarm_key import SwarmKey
+
+    path = tmp_path / "swarm.key"
+    made = run(["keygen", "--out", str(path)])
+    key = SwarmKey.load(path)
+    assert made.exit_code == 0 and key.fingerprint in made.output and path.stat().st_mode & 0o777 == 0o600
+    again = run(["keygen", "--out", str(path)])
+    assert again.exit_code == 2 and "never overwritten" in again.output and SwarmKey.load(path) == key
+
+
+def test_a_peer_without_a_swarm_key_or_open_is_told_how_to_join(tmp_path):
+    result = run(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmNope", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--swarm-key" in result.output and "--open" in result.output
+
+
 def test_peer_needs_exactly_one_way_to_find_the_others(tmp_path):
     both = run(["peer", "--join", "/ip4/127.0.0.1/tcp/1/p2p/QmNope", "--peers", "tcp://127.0.0.1:1", "--rank", "0",
                 "--out", str(tmp_path)])

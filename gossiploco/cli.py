@@ -115,6 +115,8 @@ def peer(
     announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
     dht_port: int = typer.Option(0, "--dht-port", help="With --join: TCP port of this peer's own DHT node (0: any; give one, forwarded, with --announce behind NAT)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: peers to wait for before the first round (default: the preset's)."),
+    relay: Optional[list[str]] = typer.Option(None, "--relay", help="With --join: a relay multiaddr (/ip4/HOST/tcp/PORT/p2p/ID: a reachable DHT node) for when this peer is behind NAT; repeatable (default: the --join nodes)."),
+    reachability: str = typer.Option("auto", "--reachability", help="With --join: auto (a dial-back check at start), public (skip the check: others can dial --announce) or nat (behind NAT: reverse connections and relays)."),
     inner_steps: Optional[int] = INNER_STEPS,
     rounds: Optional[int] = ROUNDS,
     seed: Optional[int] = SEED,
@@ -157,7 +159,8 @@ def peer(
                                                      model=model, device=device, data=data, sets=set_))
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
-            node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port)
+            node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
+                               relays=relay or [], reachability=reachability)
             rank = trust.peer_id
         else:
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id,
@@ -261,6 +264,32 @@ def dht(
     except GossiplocoError as exc:
         _fail(exc)
     console.print("bootstrap node stopped")
+
+
+@app.command()
+def doctor(
+    join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`): check it answers, and this machine's reachability and clock; repeat or comma-separate for several."),
+    swarm_key: Optional[str] = typer.Option(None, "--swarm-key", help="With --join: the run's swarm key (file or gsk1-... text); check the bootstrap node holds the same one."),
+    host: str = typer.Option("0.0.0.0", "--host", help="Address the peer would listen on."),
+    port: int = typer.Option(0, "--port", help="Data-plane TCP port the peer would use (0: any free port)."),
+    dht_port: Optional[int] = typer.Option(None, "--dht-port", help="DHT port the peer would use: check it is free too."),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="Seconds for each network check (default: timeouts.hello_s + 5)."),
+    json_: bool = typer.Option(False, "--json", help="Print the checks as a JSON list of {name, status, detail, fix}."),
+) -> None:
+    """Check this machine before joining a swarm: Python, torch and device, packages, libzmq CURVE, ports, and with --join the bootstrap, swarm key, reachability and clock. Exit 1 if anything FAILs."""
+    import json
+
+    from gossiploco.runtime.doctor import format_checks, run_doctor, summary
+
+    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    checks = run_doctor(join=join, host=host, port=port, dht_port=dht_port, swarm_key=swarm_key, timeout_s=timeout)
+    if json_:
+        print(json.dumps([c.to_dict() for c in checks], indent=2))
+    else:
+        print(format_checks(checks))
+        print(summary(checks))
+    if any(c.status == "FAIL" for c in checks):
+        raise typer.Exit(code=1)
 
 
 @app.command()

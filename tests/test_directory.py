@@ -127,9 +127,15 @@ def test_record_round_trips_through_the_wire_format():
     original = PeerRecord(peer=7, endpoint="tcp://node-3.example:5555", round=12, tokens=1 << 40, key=bytes(range(32)))
     wire = original.to_wire()
     assert wire == {"version": PROTOCOL_VERSION, "peer": 7, "endpoint": "tcp://node-3.example:5555",
-                    "round": 12, "tokens": 1 << 40, "key": bytes(range(32))}
-    assert all(type(v) in (int, str, bytes) for v in wire.values())
+                    "round": 12, "tokens": 1 << 40, "key": bytes(range(32)), "reachable": True, "p2p": "",
+                    "relays": [], "reverse": []}
+    assert all(type(v) in (int, str, bytes, bool, list) for v in wire.values())
     assert PeerRecord.from_wire(wire) == original
+    relay = "/ip4/10.88.0.2/tcp/4001/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
+    nat = PeerRecord(peer=9, endpoint="tcp://192.168.1.2:5555", round=0, tokens=0, reachable=False,
+                     p2p=relay.rsplit("/", 1)[1], relays=(relay,), reverse=((4, 40001, 40002),))
+    assert PeerRecord.from_wire(nat.to_wire()) == nat
+    assert nat.reverse_for(4) == (40001, 40002) and nat.reverse_for(5) is None and nat.host == "192.168.1.2"
     assert PeerRecord.from_wire(record(0).to_wire()).round == -1
 
 
@@ -155,6 +161,16 @@ def test_record_round_trips_through_the_wire_format():
     ({"endpoint": "tcp://" + "a" * 100_000 + ":5555"}, "characters long"),
     ({"extra": "x" * 1_000_000}, "unknown 'extra'"),
     ({"version": "1"}, "version must be an int"),
+    ({"reachable": 1}, "reachable must be a bool"),
+    ({"p2p": "not base58 0OIl"}, "p2p must be"),
+    ({"relays": ["/ip4/1.2.3.4/tcp/1"]}, "relay must look like"),
+    ({"relays": "/ip4/1.2.3.4/tcp/1/p2p/x"}, "relays must be a list"),
+    ({"relays": ["/ip4/1.2.3.4/tcp/1/p2p/" + "a" * 40] * 9}, "at most 8"),
+    ({"reverse": [[1, 2]]}, "a reverse entry"),
+    ({"reverse": [[1, 0, 5]]}, "reverse port must be in"),
+    ({"reverse": [[-1, 5, 5]]}, "reverse peer must be in"),
+    ({"reverse": [5]}, "a reverse entry must be a list"),
+    ({"reverse": [[1, 5, 5]] * 513}, "at most 512"),
 ])
 def test_record_from_the_wire_rejects_invalid_data(change, reason):
     wire = {**record(3).to_wire(), **change}

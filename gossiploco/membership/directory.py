@@ -135,8 +135,8 @@ class Directory(ABC):
         the old one is withdrawn). The record stays visible until ``withdraw()`` or ``close()``."""
 
     @abstractmethod
-    def update(self, **fields: int) -> None:
-        """Change ``round`` and/or ``tokens`` of the announced record. Others see the change after
+    def update(self, **fields: Any) -> None:
+        """Change ``round``, ``tokens`` and/or ``reverse`` of the announced record. Others see the change after
         the next heartbeat. Raises ``TypeError`` for other fields, ``ValueError`` for invalid values,
         ``DirectoryError`` when nothing is announced."""
 
@@ -170,7 +170,7 @@ class Directory(ABC):
         old, self._record = self._record, record
         return old
 
-    def _updated_record(self, fields: dict[str, int]) -> PeerRecord:
+    def _updated_record(self, fields: dict[str, Any]) -> PeerRecord:
         """The announced record with ``fields`` changed (``update``'s checks)."""
         self._check_open()
         if self._record is None:
@@ -184,12 +184,15 @@ class Directory(ABC):
         self.close()
 
 
-def _updated(record: PeerRecord, fields: dict[str, int]) -> PeerRecord:
-    """``record`` with ``round``/``tokens`` replaced (``TypeError`` for any other field)."""
-    unknown = sorted(set(fields) - {"round", "tokens"})
+def _updated(record: PeerRecord, fields: dict[str, Any]) -> PeerRecord:
+    """``record`` with ``round``/``tokens``/``reverse`` replaced (``TypeError`` for any other field)."""
+    unknown = sorted(set(fields) - UPDATABLE)
     if unknown:
-        raise TypeError(f"update() can change round and tokens only, got {unknown}")
+        raise TypeError(f"update() can change {', '.join(sorted(UPDATABLE))} only, got {unknown}")
     return dataclasses.replace(record, **fields)
+
+
+UPDATABLE = frozenset({"round", "tokens", "reverse"})
 
 
 def _check_run_id(run_id: Any) -> str:
@@ -266,9 +269,24 @@ class MemoryDirectory(Directory):
                 self.hub._remove(self.run_id, old.peer)
             self.hub._put(self.run_id, record)
 
-    def update(self, **fields: int) -> None:
+    def update(self, **fields: Any) -> None:
         with self._lock:
             self._record = self._updated_record(fields)
+
+    def publish_now(self) -> None:
+        """Store the current record now instead of at the next heartbeat (bounded by the deadline)."""
+        self._publish()
+
+    def run_in_node(self, fn: Callable[[Any, Any], Any]) -> Any:
+        """Run ``fn(dht, node)`` (a picklable coroutine function) in the DHT process; its result.
+        Raises ``DirectoryError`` when it fails or takes longer than the deadline."""
+        try:
+            with self._dht_lock:
+                future = self._dht.run_coroutine(fn, return_future=True)
+            return future.result(timeout=self.timeout_s)
+        except Exception as exc:
+            raise DirectoryError(f"the DHT process could not run {getattr(fn, 'func', fn).__name__}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
             self.hub._put(self.run_id, self._record)
 
     def peers(self) -> dict[int, PeerRecord]:
@@ -382,12 +400,15 @@ def check_announce_maddrs(announce_maddrs: Sequence[str] | None) -> list[str] | 
 
 def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
               timeout_s: float, identity_path: str | None = None, node_id: Any = None,
-              record_validator: Any = None) -> hivemind.DHT:
+              record_validator: Any = None, behind_nat: bool = False, relays: Sequence[str] = ()) -> hivemind.DHT:
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
     The process and its p2pd die with this process, even when it is SIGKILLed
     (``gossiploco.membership.lifeline``). ``record_validator``: the node's record validator
-    (``gossiploco.security.records.SwarmRecordValidator``; None: every record is accepted).
+    (``gossiploco.security.records.SwarmRecordValidator``; None: every record is accepted). Every
+    node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client whose
+    libp2p daemon reserves a slot on ``relays`` (multiaddrs with ``/p2p/``; default its bootstrap
+    peers), so that others reach it through them.
 
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
@@ -395,6 +416,10 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     from gossiploco.membership.lifeline import TiedDHT
 
     options: dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=False, startup_timeout=timeout_s)
+    if behind_nat:  # nobody can dial this node: a DHT client, reachable through relays (circuit v2)
+        options.update(client_mode=True, use_auto_relay=True, force_reachability="private")
+        if relays:
+            options["trusted_relays"] = list(relays)
     if announce_maddrs:
         options["announce_maddrs"] = list(announce_maddrs)
     if identity_path is not None:
@@ -407,6 +432,9 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
                   shutdown_timeout=min(3.0, timeout_s), **options)
     try:
         dht.wait_until_ready(timeout=timeout_s)
+        from gossiploco.reach.dialback import serve_dialback
+
+        dht.run_coroutine(serve_dialback, return_future=True).result(timeout=timeout_s)
     except BaseException as exc:
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):
@@ -484,7 +512,8 @@ class DhtDirectory(Directory):
 
     def __init__(self, run_id: str, *, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
                  announce_maddrs: Sequence[str] | None = None, ttl_s: float = 15.0, heartbeat_s: float = 5.0,
-                 timeout_s: float = 10.0, trust: Trust | None = None):
+                 timeout_s: float = 10.0, trust: Trust | None = None, behind_nat: bool = False,
+                 relays: Sequence[str] = ()):
         _check_ttl(ttl_s, heartbeat_s)
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
@@ -520,7 +549,8 @@ class DhtDirectory(Directory):
 
             validator = SwarmRecordValidator(trust.identity, trust.swarm)
         self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
-                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator)
+                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator,
+                              behind_nat=behind_nat, relays=list(relays) or self.initial_peers)
         try:
             self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
         except BaseException:
@@ -623,9 +653,24 @@ class DhtDirectory(Directory):
             self._store(old.peer, None, tombstone)
         self._publish()
 
-    def update(self, **fields: int) -> None:
+    def update(self, **fields: Any) -> None:
         with self._lock:
             self._record = self._updated_record(fields)
+
+    def publish_now(self) -> None:
+        """Store the current record now instead of at the next heartbeat (bounded by the deadline)."""
+        self._publish()
+
+    def run_in_node(self, fn: Callable[[Any, Any], Any]) -> Any:
+        """Run ``fn(dht, node)`` (a picklable coroutine function) in the DHT process; its result.
+        Raises ``DirectoryError`` when it fails or takes longer than the deadline."""
+        try:
+            with self._dht_lock:
+                future = self._dht.run_coroutine(fn, return_future=True)
+            return future.result(timeout=self.timeout_s)
+        except Exception as exc:
+            raise DirectoryError(f"the DHT process could not run {getattr(fn, 'func', fn).__name__}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
     def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
         """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""

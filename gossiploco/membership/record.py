@@ -10,15 +10,24 @@ from typing import Any
 
 from gossiploco.protocol.messages import MAX_PEER_ID
 
-PROTOCOL_VERSION = 2
-"""Version of ``PeerRecord``'s wire format; records of another version are ignored (2: the ``key`` field)."""
+PROTOCOL_VERSION = 3
+"""Version of ``PeerRecord``'s wire format; records of another version are ignored (2: the ``key``
+field; 3: reachability, ``p2p``, ``relays`` and ``reverse``)."""
 MAX_COUNT = 2**63
 """``round`` and ``tokens`` fit a signed 64-bit integer."""
 MAX_ENDPOINT_CHARS = 256
 ENDPOINT_PATTERN = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})")
 """A data-plane endpoint, matched whole: ``tcp://HOST:PORT`` (no path, no whitespace, ASCII port digits)."""
-WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version", "key"})
+WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version", "key", "reachable", "p2p", "relays",
+                         "reverse"})
 KEY_BYTES = 32
+MAX_RELAYS = 8
+MAX_REVERSE = 512
+"""Reverse connections one reachable peer offers at most (one per member behind NAT)."""
+P2P_ID_PATTERN = re.compile(r"[1-9A-HJ-NP-Za-km-z]{32,64}")
+"""A libp2p peer id in base58."""
+RELAY_PATTERN = re.compile(r"/(ip4|ip6|dns|dns4|dns6)/[^\s/]+/tcp/[0-9]{1,5}/p2p/[1-9A-HJ-NP-Za-km-z]{32,64}")
+"""A relay's multiaddr with its peer id."""
 
 
 class IncompatibleRecord(ValueError):
@@ -54,6 +63,15 @@ class PeerRecord:
     key: bytes = b""
     """The peer's Curve25519 public key (its data-plane identity; ``peer`` is derived from it), or
     empty where no key is used (unit tests of the directory)."""
+    reachable: bool = True
+    """Whether others can dial ``endpoint`` (the peer's dial-back check, ``gossiploco.reach.dialback``)."""
+    p2p: str = ""
+    """The libp2p peer id of its DHT node (where its tunnel handler runs; empty: none)."""
+    relays: tuple[str, ...] = ()
+    """Relays (multiaddrs with ``/p2p/``) through which a peer behind NAT is reached."""
+    reverse: tuple[tuple[int, int, int], ...] = ()
+    """Reverse connections this (reachable) peer offers: ``(peer behind NAT, data port, control
+    port)``, ports on ``endpoint``'s host that the NAT'd peer dials (``gossiploco.reach.paths``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or len(self.key) not in (0, KEY_BYTES):
@@ -72,11 +90,44 @@ class PeerRecord:
         _check_int("round", self.round, -1, MAX_COUNT)
         _check_int("tokens", self.tokens, 0, MAX_COUNT)
         _check_int("version", self.version, 1, MAX_PEER_ID)
+        self._check_reach()
+
+    def _check_reach(self) -> None:
+        if not isinstance(self.reachable, bool):
+            raise ValueError(f"reachable must be a bool, got {type(self.reachable).__name__}")
+        if not isinstance(self.p2p, str) or (self.p2p and not P2P_ID_PATTERN.fullmatch(self.p2p)):
+            raise ValueError(f"p2p must be a base58 libp2p peer id, got {str(self.p2p)[:80]!r}")
+        if not isinstance(self.relays, tuple) or len(self.relays) > MAX_RELAYS:
+            raise ValueError(f"relays must be a tuple of at most {MAX_RELAYS} multiaddrs")
+        for relay in self.relays:
+            if not isinstance(relay, str) or len(relay) > MAX_ENDPOINT_CHARS or not RELAY_PATTERN.fullmatch(relay):
+                raise ValueError(f"relay must look like /ip4/HOST/tcp/PORT/p2p/ID, got {str(relay)[:80]!r}")
+        if not isinstance(self.reverse, tuple) or len(self.reverse) > MAX_REVERSE:
+            raise ValueError(f"reverse must be a tuple of at most {MAX_REVERSE} entries")
+        for entry in self.reverse:
+            if not isinstance(entry, tuple) or len(entry) != 3:
+                raise ValueError("a reverse entry must be (peer, data port, control port)")
+            _check_int("reverse peer", entry[0], 0, MAX_PEER_ID)
+            _check_int("reverse port", entry[1], 1, 65536)
+            _check_int("reverse port", entry[2], 1, 65536)
+
+    @property
+    def host(self) -> str:
+        """The host part of ``endpoint``."""
+        return self.endpoint.removeprefix("tcp://").rsplit(":", 1)[0]
+
+    def reverse_for(self, peer: int) -> tuple[int, int] | None:
+        """The (data, control) ports this peer offers ``peer`` to dial, if any."""
+        for entry in self.reverse:
+            if entry[0] == peer:
+                return entry[1], entry[2]
+        return None
 
     def to_wire(self) -> dict[str, Any]:
         """The record as a plain dict of str and int (msgpack-able)."""
         return {"version": self.version, "peer": self.peer, "endpoint": self.endpoint,
-                "round": self.round, "tokens": self.tokens, "key": self.key}
+                "round": self.round, "tokens": self.tokens, "key": self.key, "reachable": self.reachable,
+                "p2p": self.p2p, "relays": list(self.relays), "reverse": [list(entry) for entry in self.reverse]}
 
     @classmethod
     def from_wire(cls, obj: Any) -> PeerRecord:
@@ -103,5 +154,13 @@ class PeerRecord:
                 problems.append("unknown " + ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else ""))
             raise ValueError(f"record has wrong fields ({'; '.join(problems)}); version {PROTOCOL_VERSION} "
                              f"records have exactly {', '.join(sorted(WIRE_FIELDS))}")
+        relays, reverse = obj["relays"], obj["reverse"]
+        if not isinstance(relays, (list, tuple)) or len(relays) > MAX_RELAYS:
+            raise ValueError(f"relays must be a list of at most {MAX_RELAYS} multiaddrs")
+        if not isinstance(reverse, (list, tuple)) or len(reverse) > MAX_REVERSE:
+            raise ValueError(f"reverse must be a list of at most {MAX_REVERSE} entries")
+        if any(not isinstance(entry, (list, tuple)) for entry in reverse):
+            raise ValueError("a reverse entry must be a list (peer, data port, control port)")
         return cls(peer=obj["peer"], endpoint=obj["endpoint"], round=obj["round"], tokens=obj["tokens"],
-                   version=version, key=obj["key"])
+                   version=version, key=obj["key"], reachable=obj["reachable"], p2p=obj["p2p"],
+                   relays=tuple(relays), reverse=tuple(tuple(entry) for entry in reverse))

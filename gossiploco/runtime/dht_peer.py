@@ -1,43 +1,77 @@
-"""A network peer that finds its run through the hivemind DHT: its directory, the addresses it
-advertises (data plane and DHT node), and the ``NetworkPeer`` itself (what ``gossiploco peer
---join`` runs)."""
+"""A network peer that finds its run through the hivemind DHT: its reachability, its directory, the
+addresses it advertises (data plane and DHT node), and the ``NetworkPeer`` itself (what
+``gossiploco peer --join`` runs)."""
 
 from __future__ import annotations
 
 import logging
 
 from gossiploco.config import RunConfig
-from gossiploco.membership.directory import DhtDirectory
+from gossiploco.errors import ConfigError
+from gossiploco.membership.directory import DhtDirectory, check_initial_peers
+from gossiploco.reach.dialback import Reachability, check_reachability, describe, free_port
+from gossiploco.reach.paths import Reach
+from gossiploco.reach.tunnel import libp2p_identity
 from gossiploco.runtime.peer import NetworkPeer
 from gossiploco.security.trust import Trust
 
 log = logging.getLogger(__name__)
 
+REACHABILITY_CHOICES = ("auto", "public", "nat")
+
+
+def find_reachability(mode: str, join: list[str], host: str, port: int, timeout_s: float) -> Reachability:
+    """``auto``: the dial-back check (``reach.dialback``); ``public``/``nat``: as the user says."""
+    if mode not in REACHABILITY_CHOICES:
+        raise ConfigError("--reachability", f"must be one of {', '.join(REACHABILITY_CHOICES)}, got {mode!r}")
+    if mode != "auto":
+        return Reachability(mode == "public", None, None, f"--reachability {mode}", None, None, None)
+    return check_reachability(join, port, timeout_s=timeout_s, host=host)
+
 
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
-                announce: str | None, run_id: str, dht_port: int = 0) -> NetworkPeer:
+                announce: str | None, run_id: str, dht_port: int = 0, *, relays: list[str] | None = None,
+                reachability: str = "auto") -> NetworkPeer:
     """A ``NetworkPeer`` that finds its run through the DHT at ``join`` (bootstrap multiaddrs), listens
     on ``host:port``, and tells the others ``announce`` (``HOST`` or ``HOST:PORT``); ``dht_port``
-    fixes its DHT node's port. ``stream``: its data stream (default: its peer id)."""
-    # Port 0 in the advertised address becomes the port the OS picks for the bind.
+    fixes its DHT node's port. ``stream``: its data stream (default: its peer id).
+
+    First it finds out whether others can dial its data port (``reachability``: see
+    ``find_reachability``), prints it, and publishes it: a reachable peer without ``--announce``
+    advertises the address the checker reached; a peer behind NAT runs its DHT node as a client
+    holding relay reservations on ``relays`` (default: the ``join`` nodes) and is reached by reverse
+    connections and relayed streams (``gossiploco.reach.paths``)."""
+    t = cfg.timeouts
+    join = [a.strip() for item in join for a in item.split(",") if a.strip()]
+    relays = check_initial_peers(relays) if relays else []
+    check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
+    port = port or free_port(check_host)  # the check needs the port the data plane will use
+    found = find_reachability(reachability, join, check_host, port, t.hello_s)
+    behind_nat = found.reachable is not True
+    log.warning("peer %d: %s%s", trust.peer_id, describe(found), f" ({found.detail})" if found.detail else "")
     if announce:
         advertise = f"tcp://{announce}" if ":" in announce else f"tcp://{announce}:{port}"
+    elif found.reachable and found.address:
+        advertise = found.address
     elif host in ("0.0.0.0", "::"):
         advertise = f"tcp://127.0.0.1:{port}"
-        log.warning("no --announce: telling the others 127.0.0.1, so only peers on this machine can reach this one "
-                    "(pass --announce with your LAN or public address)")
+        if not behind_nat:
+            log.warning("no --announce: telling the others 127.0.0.1, so only peers on this machine can reach this "
+                        "one (pass --announce with your LAN or public address)")
     else:
         advertise = f"tcp://{host}:{port}"
-    t = cfg.timeouts
     announce_host = announce.rsplit(":", 1)[0] if announce and ":" in announce else announce
     dht_announce = [f"/ip4/{announce_host}/tcp/{dht_port}"] if announce_host and dht_port else None
-    directory = DhtDirectory(run_id, initial_peers=[a for item in join for a in item.split(",") if a.strip()],
-                             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host, port=dht_port,
-                             announce_maddrs=dht_announce, ttl_s=t.announce_ttl_s, heartbeat_s=t.discovery_s,
-                             timeout_s=t.hello_s + 5, trust=trust)
+    relay_list = relays or join
+    directory = DhtDirectory(run_id, initial_peers=join, host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host,
+                             port=dht_port, announce_maddrs=dht_announce, ttl_s=t.announce_ttl_s,
+                             heartbeat_s=t.discovery_s, timeout_s=t.hello_s + 5, trust=trust, behind_nat=behind_nat,
+                             relays=relay_list)
     try:
+        reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
+                      p2p=directory.run_in_node(libp2p_identity))
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
-                           run_id=run_id, trust=trust, stream=stream)
+                           run_id=run_id, trust=trust, stream=stream, reach=reach)
     except BaseException:
         directory.close()
         raise

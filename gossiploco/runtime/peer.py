@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -62,6 +63,8 @@ from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.protocol.messages import STEPPING_OUT
+from gossiploco.reach.paths import PathPlanner, Reach
+from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
 from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
@@ -135,7 +138,7 @@ class NetworkPeer:
     def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str] | None = None, *,
                  directory: Directory | None = None, bind: str | None = None, advertise: str | None = None,
                  run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None,
-                 trust: Trust | None = None, stream: int | None = None):
+                 trust: Trust | None = None, stream: int | None = None, reach: Reach | None = None):
         if (endpoints is None) == (directory is None):
             raise ConfigError("peers", "give either a static peer list or a directory to join, not both or neither")
         if endpoints is not None:
@@ -178,6 +181,8 @@ class NetworkPeer:
                                     sender_mailbox_bytes=3 * model_bytes + 2 * chunk)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
+        self.reach = reach or Reach()
+        self.paths = PathPlanner(rank, self.reach, self.exchange, getattr(directory, "run_in_node", None))
         self._stop_discovery = threading.Event()
         self._discovery: threading.Thread | None = None
         self._tokens = 0
@@ -224,13 +229,14 @@ class NetworkPeer:
             self._totals["rounds_s"] = time.perf_counter() - t
             self.exchange.current_round = cfg.rounds
             final = self._record(cfg.rounds, 0, val_loss=True, final=True)
+            reach = self._reach_summary()
         except BaseException:
             self.close()
             raise
         self.close(linger_s=LEAVE_LINGER_S)
         wall = time.perf_counter() - start
         summary = make_summary(self.cfg, self.sink.records, final.get("val_loss"), wall)
-        summary.update(self._peer_summary(wall))
+        summary.update(self._peer_summary(wall), reach=reach)
         return PeerResult(final_params=self._final_params or self._own_params(), summary=summary, records=self.sink.records)
 
     def close(self, linger_s: float = 0.0) -> None:
@@ -288,7 +294,12 @@ class NetworkPeer:
                         "If another live peer uses this identity, give one of them another --identity",
                         self.rank, self.rank, taken.endpoint)
         key = self.trust.identity.curve_public if self.trust is not None else b""
-        directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0, key=key))
+        reach = self.reach
+        if not reach.reachable and self.paths.run_in_node is not None:  # others' relayed streams end at our ROUTER
+            bind_host, port = self.exchange.bound.removeprefix("tcp://").rsplit(":", 1)
+            self.paths.run_in_node(partial(serve_tunnel, router_host=bind_host, router_port=int(port)))
+        directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0, key=key, reachable=reach.reachable,
+                                      p2p=reach.p2p, relays=reach.relays))
         deadline = time.monotonic() + t.startup_s
         while True:
             records = self._sync_peers()
@@ -307,9 +318,10 @@ class NetworkPeer:
         """The run's announced peers; connects to new ones (or ones that moved)."""
         assert self.directory is not None
         records = self.directory.peers()
-        for peer, record in records.items():
-            if peer != self.rank:
-                self.exchange.add_peer(peer, record.endpoint, record.key or None)
+        offers = self.paths.sync(records)
+        if offers is not None:  # reverse connections for peers behind NAT: they dial the ports in our record
+            self.directory.update(reverse=offers)
+            self.directory.publish_now()
         return records
 
     def _discovery_loop(self) -> None:
@@ -576,6 +588,16 @@ class NetworkPeer:
         if val_loss:
             out["val_loss"] = self.eval_trainer.evaluate(self.val_batches)
         return out
+
+    def _reach_summary(self) -> dict:
+        """Reachability, the path to each peer, and the tunnels' counters (from the DHT process, while it runs)."""
+        reach = self.paths.summary()
+        if self.paths.run_in_node is not None:
+            try:
+                reach["tunnels"] = self.paths.run_in_node(tunnel_stats)
+            except Exception as exc:  # noqa: BLE001 - a summary without the counters, saying why
+                reach["tunnels"] = {"error": str(exc)}
+        return reach
 
     def _peer_summary(self, wall: float) -> dict:
         totals = dict(self._totals)

@@ -6,16 +6,24 @@ peer's links or one pair: ``delay``, ``loss``, ``dup``, ``reorder``, ``slow`` (a
 ``partition`` (two-way, heals at ``end``) and ``oneway`` (one direction only). A crash can hit
 any peer at any instant, the agreement leader (the lowest id) included, and mid-agreement or
 mid-chunk alike, because its time is continuous and independent of the protocol's progress.
+
+In about a third of the seeds the swarm also has a reachability pattern (``draw_reachability``):
+some peers behind NAT, 1 or 2 relays, often data and time limits on relayed connections, and
+often ``relay_crash`` (a relay down for good) or ``relay_restart`` (down until ``end``), where
+``peer`` is the relay's id.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gossiploco.simulation.network import LinkFault
 
 KINDS = ("crash", "restart", "pause", "delay", "loss", "dup", "reorder", "slow", "partition", "oneway")
+RELAY_KINDS = ("relay_crash", "relay_restart")
+NAT_SHARE = 1 / 3
+"""The share of seeds whose swarm has peers behind NAT and relays."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +39,10 @@ class Fault:
         return LinkFault(self.kind, self.start, self.end, self.peers, self.amount)
 
     def __str__(self) -> str:
-        who = f"peer {self.peer}" if self.kind in ("crash", "restart", "pause") else f"link {self.peers or 'all'}"
+        if self.kind in RELAY_KINDS:
+            who = f"relay r{self.peer}"
+        else:
+            who = f"peer {self.peer}" if self.kind in ("crash", "restart", "pause") else f"link {self.peers or 'all'}"
         extra = f" amount={self.amount:g}" if self.amount else ""
         return f"{self.kind} {who} t={self.start:.3f}..{self.end:.3f}{extra}"
 
@@ -61,3 +72,24 @@ def draw_faults(rng: random.Random, settings) -> list[Fault]:
         else:
             faults.append(Fault(kind, start, end, peers=(a, b)))
     return faults
+
+
+def draw_reachability(rng: random.Random, settings):
+    """``settings`` with a reachability pattern in about a third of the seeds (else as they are), and
+    the relay faults: 1 to all peers behind NAT, 1 or 2 relays, each limit in half of them (small
+    enough to reset connections within the run), and in two thirds a relay that goes down mid-run,
+    for good in half of those."""
+    if rng.random() >= NAT_SHARE:
+        return settings, []
+    span = settings.rounds * (settings.inner_s + 0.3)
+    behind_nat = tuple(sorted(rng.sample(range(settings.peers), rng.randint(1, settings.peers))))
+    relays = rng.randint(1, 2)
+    data_limit = rng.randint(2_000, 20_000) if rng.random() < 0.5 else None
+    time_limit_s = rng.uniform(1.0, span) if rng.random() < 0.5 else None
+    settings = replace(settings, behind_nat=behind_nat, relays=relays, relay_bandwidth_bps=rng.uniform(1e5, 1e8),
+                       relay_data_limit=data_limit, relay_time_limit_s=time_limit_s)
+    if rng.random() >= 2 / 3:
+        return settings, []
+    start = rng.uniform(0.0, span)
+    kind = rng.choice(RELAY_KINDS)
+    return settings, [Fault(kind, start, start + rng.uniform(0.2, 3.0), peer=rng.randrange(relays))]

@@ -5,8 +5,10 @@ like the real carrier's: a connection is up only while both ends run and nothing
 them; a crash drops it at once (a TCP reset), a frozen peer or a partition drops it after the
 heartbeat timeout, and a dropped connection loses whatever was in flight on it. Messages on an
 up connection arrive after a latency (plus size over bandwidth), in order, unless a fault window
-adds delay, loss, duplication or reordering. Nothing here knows the protocol: it moves opaque
-messages and reports connection changes to ``on_*`` callbacks of whoever owns it.
+adds delay, loss, duplication or reordering. Each connection takes a path (``paths``): direct,
+reverse, or through a relay, which can go down (dropping every connection through it) and resets
+connections at its limits. Nothing here knows the protocol: it moves opaque messages and reports
+connection changes to ``on_*`` callbacks of whoever owns it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from gossiploco.simulation.paths import RELAYED, SETUP_LATENCIES, Connection, Relays, path_between
 
 
 @dataclass
@@ -56,14 +61,24 @@ class SimNetwork:
         self.faults: list[LinkFault] = []
         self._queue: list[_Event] = []
         self._seq = itertools.count()
-        self._up: dict[frozenset, int] = {}  # pair -> epoch of the live connection
-        self._epoch = itertools.count(1)
+        self._up: dict[frozenset, Connection] = {}  # pair -> its live connection
         self._last_arrival: dict[tuple[int, int], float] = {}
-        self.reachable: Callable[[int], bool] = lambda peer: True
+        self.behind_nat: frozenset[int] = frozenset()
+        """Peers nobody can dial (the others are reachable)."""
+        self.relays = Relays()
+        self.answers: Callable[[int], bool] = lambda peer: True
         """Whether a peer's process runs and answers (set by the owner: not crashed, not frozen)."""
         self.on_connect: Callable[[int, int], None] = lambda a, b: None
         self.on_disconnect: Callable[[int, int], None] = lambda a, b: None
+        self.note: Callable[[str], None] = lambda text: None
+        """Where connection events go in the owner's event log."""
         self.messages = 0
+        self.paths: Counter[str] = Counter()
+        """Connections opened, by path."""
+        self.relay_resets = 0
+        """Relayed connections reset at the relay's data or time limit."""
+        self.relay_drops = 0
+        """Relayed connections dropped because their relay went down."""
 
     # -- time ---------------------------------------------------------------------------------
 
@@ -86,17 +101,29 @@ class SimNetwork:
                    for f in self.faults)
 
     def try_connect(self, a: int, b: int) -> None:
-        """Connect ``a`` and ``b`` if both run and nothing separates them; else retry later while both exist."""
+        """``a`` dials ``b``: connect them if both run, nothing separates them and their path is open (a
+        relayed one needs a live relay); else retry every ``reconnect_s``."""
         pair = frozenset((a, b))
         if pair in self._up:
             return
-        if self.reachable(a) and self.reachable(b) and not self.partitioned(a, b):
-            self._up[pair] = next(self._epoch)
-            delay = 2 * self.latency_s
-            self.at(self.now + delay, lambda: self.on_connect(a, b))
-            self.at(self.now + delay, lambda: self.on_connect(b, a))
+        path = path_between(a not in self.behind_nat, b not in self.behind_nat)
+        relay = self.relays.pick() if path == RELAYED else None
+        if self.answers(a) and self.answers(b) and not self.partitioned(a, b) and (path != RELAYED or relay is not None):
+            self._open(a, b, Connection(path, relay))
         else:
             self.at(self.now + self.reconnect_s, lambda: self.try_connect(a, b))
+
+    def _open(self, a: int, b: int, connection: Connection) -> None:
+        """Bring up ``connection`` between ``a`` and ``b``; both ends hear of it once its path is set up."""
+        self._up[frozenset((a, b))] = connection
+        self.paths[connection.path] += 1
+        via = f" via r{connection.relay}" if connection.relay is not None else ""
+        self.note(f"PATH {a}-{b} {connection.path}{via}")
+        delay = SETUP_LATENCIES[connection.path] * self.latency_s
+        self.at(self.now + delay, lambda: self.on_connect(a, b))
+        self.at(self.now + delay, lambda: self.on_connect(b, a))
+        if connection.relay is not None and self.relays.time_limit_s is not None:
+            self.at(self.now + self.relays.time_limit_s, lambda: self._reset(a, b, connection, "time limit"))
 
     def drop(self, a: int, b: int, *, after: float = 0.0) -> None:
         """The connection between ``a`` and ``b`` drops (``after`` seconds from now); both ends are told."""
@@ -116,20 +143,49 @@ class SimNetwork:
     def watch_heartbeats(self, a: int, b: int) -> None:
         """Drop the connection after the heartbeat timeout unless both ends answer and nothing separates them."""
         def check() -> None:
-            if self.is_up(a, b) and (not self.reachable(a) or not self.reachable(b) or self.partitioned(a, b)):
+            if self.is_up(a, b) and (not self.answers(a) or not self.answers(b) or self.partitioned(a, b)):
                 self.drop(a, b)
         self.at(self.now + self.heartbeat_s, check)
+
+    # -- relays ---------------------------------------------------------------------------------
+
+    def relay_down(self, relay: int) -> None:
+        """Relay ``relay`` stops: every connection through it drops at once (they reconnect through another)."""
+        self.relays.down.add(relay)
+        through = [pair for pair, connection in self._up.items() if connection.relay == relay]
+        self.note(f"RELAY r{relay} DOWN: drops {' '.join('-'.join(map(str, sorted(pair))) for pair in through) or 'nothing'}")
+        self.relay_drops += len(through)
+        for pair in through:
+            self.drop(*sorted(pair))
+
+    def relay_up(self, relay: int) -> None:
+        """Relay ``relay`` runs again: connections waiting for one get it at their next retry."""
+        self.relays.down.discard(relay)
+        self.note(f"RELAY r{relay} UP")
+
+    def _reset(self, a: int, b: int, connection: Connection, why: str) -> None:
+        """The relay resets ``connection`` (if it is still up) at one of its limits; it reconnects."""
+        if self._up.get(frozenset((a, b))) is connection:
+            self.relay_resets += 1
+            self.note(f"RELAY r{connection.relay} RESET {a}-{b}: {why}")
+            self.drop(a, b)
 
     # -- messages -------------------------------------------------------------------------------
 
     def send(self, src: int, dst: int, nbytes: int, deliver: Callable[[], None]) -> None:
         """Carry a message of ``nbytes`` from ``src`` to ``dst``; ``deliver`` runs on arrival (if it arrives)."""
         pair = frozenset((src, dst))
-        epoch = self._up.get(pair)
-        if epoch is None:
+        connection = self._up.get(pair)
+        if connection is None:
             return  # no connection: lost
+        if connection.relay is not None and self.relays.over_data_limit(connection, nbytes):
+            self.at(self.now, lambda: self._reset(src, dst, connection, "data limit"))  # not inside the sender's step
+            return  # the relay did not carry it
         self.messages += 1
         delay, copies, reorder = self.latency_s + nbytes / self.bandwidth_bps, 1, False
+        if connection.relay is not None:
+            connection.carried += nbytes
+            delay += self.relays.transit_s(nbytes, self.latency_s)
         for f in self.faults:
             if not f.touches(src, dst, self.now):
                 continue
@@ -151,7 +207,7 @@ class SimNetwork:
             self._last_arrival[(src, dst)] = arrival
 
         def arrive() -> None:
-            if self._up.get(pair) == epoch:  # a connection that dropped lost what was in flight
+            if self._up.get(pair) is connection:  # a connection that dropped lost what was in flight
                 deliver()
         for i in range(copies):
             self.at(arrival + i * self.latency_s, arrive)

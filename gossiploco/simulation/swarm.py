@@ -26,9 +26,10 @@ from gossiploco.mixing.operators import pair_matching
 from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap
 from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Send
 from gossiploco.runtime.peer import BOUNDARY_POLL_S, CATCH_UP_LAG, RECENT_LOSS_S
-from gossiploco.simulation.faults import Fault, draw_faults
+from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
+from gossiploco.simulation.paths import PATHS, Relays
 from gossiploco.simulation.peer import SimPeer, payload_bytes
 from gossiploco.transport.deadlines import AdaptiveDeadlines
 
@@ -48,6 +49,15 @@ class Settings:
     chunk_elems: int = 8
     mailbox_bytes: int = 1 << 20
     mix2: str = "gossip"
+    behind_nat: tuple[int, ...] = ()
+    """Peers behind NAT (nobody can dial them); the others are reachable."""
+    relays: int = 0
+    """Relay nodes r0, r1, ...: what connects two peers behind NAT."""
+    relay_bandwidth_bps: float = 1e8
+    relay_data_limit: int | None = None
+    """Bytes after which a relay resets a connection it carries (None: no limit)."""
+    relay_time_limit_s: float | None = None
+    """Seconds after which a relay resets a connection it carries (None: no limit)."""
 
 
 @dataclass
@@ -68,6 +78,9 @@ class SimSwarm:
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         self.net = SimNetwork(self.rng, heartbeat_s=settings.heartbeat_s)
+        self.net.behind_nat = frozenset(settings.behind_nat)
+        self.net.relays = Relays(settings.relays, settings.relay_bandwidth_bps, settings.relay_data_limit,
+                                 settings.relay_time_limit_s)
         self.ids = list(range(settings.peers))
         self.checker = Checker(settings.grace_s, settings.mailbox_bytes,
                                incarnation=lambda p: self.peers[p].incarnation if p in self.peers else -1)
@@ -81,9 +94,10 @@ class SimSwarm:
         self.deadlines: dict[int, AdaptiveDeadlines] = {}
         self.logging = log
         self.log: list[str] = []
-        self.net.reachable = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
+        self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
         self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now))
         self.net.on_disconnect = lambda a, b: self._to(a, lambda node: node.disconnected(b, self.net.now))
+        self.net.note = self.note
 
     def note(self, text: str) -> None:
         if self.logging:
@@ -273,7 +287,11 @@ class SimSwarm:
 
     def apply(self, fault: Fault) -> None:
         net, pid = self.net, fault.peer
-        if fault.kind in ("crash", "restart"):
+        if fault.kind in RELAY_KINDS:
+            net.at(fault.start, lambda: net.relay_down(pid))
+            if fault.kind == "relay_restart":
+                net.at(fault.end, lambda: net.relay_up(pid))
+        elif fault.kind in ("crash", "restart"):
             def crash() -> None:
                 peer = self.peers.get(pid)
                 if peer is None or not peer.running:
@@ -341,7 +359,9 @@ class SimSwarm:
         self.net.run_until(self.net.now + 2 * s.exchange_s)  # let stragglers' last calls end
         self._final_checks(faults)
         stats = {"messages": self.net.messages, "completed_calls": self.checker.completed,
-                 "failed_calls": self.checker.failed, "virtual_s": round(self.net.now, 3)}
+                 "failed_calls": self.checker.failed, "virtual_s": round(self.net.now, 3),
+                 "paths": {path: self.net.paths[path] for path in PATHS},
+                 "relay_resets": self.net.relay_resets, "relay_drops": self.net.relay_drops}
         return SimResult(self.seed, s, self.checker.violations, faults, dict(self.finished), stats, self.log)
 
     def _final_checks(self, faults: list[Fault]) -> None:
@@ -366,8 +386,10 @@ class SimSwarm:
 
 
 def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False) -> SimResult:
-    """One seeded run: the peer count (2 to 8 unless given), the faults and all timings follow from ``seed``."""
+    """One seeded run: the peer count (2 to 8 unless given), the faults, the reachability pattern and all
+    timings follow from ``seed``."""
     rng = random.Random(f"schedule-{seed}")
     settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
     faults = draw_faults(rng, settings)
-    return SimSwarm(seed, settings, log=log).run(faults)
+    settings, relay_faults = draw_reachability(rng, settings)
+    return SimSwarm(seed, settings, log=log).run(faults + relay_faults)

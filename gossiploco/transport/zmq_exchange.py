@@ -129,7 +129,10 @@ class ZmqExchange(Exchange):
             raise ValueError(f"rank {rank} is not the peer id of this identity ({trust.peer_id})")
         if trust is not None and any(trust.key_of(p) is None for p in endpoints if p != rank):
             raise ValueError("a static peer list needs every rank's key (Trust.static)")
-        self._sockets = ZmqSockets(rank, bind or self.endpoints[rank], self.endpoints[rank], heartbeat_s=heartbeat_s,
+        self._bind = bind or self.endpoints[rank]
+        self._router_dials: queue.SimpleQueue = queue.SimpleQueue()  # (peer, endpoints) for the receiver thread
+        self._dialed: dict[int, tuple[str, ...]] = {}  # receiver thread only
+        self._sockets = ZmqSockets(rank, self._bind, self.endpoints[rank], heartbeat_s=heartbeat_s,
                                    max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust)
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers
@@ -255,11 +258,13 @@ class ZmqExchange(Exchange):
 
     # -- membership --------------------------------------------------------------------------------
 
-    def add_peer(self, peer: int, endpoint: str, key: bytes | None = None) -> bool:
+    def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False) -> bool:
         """Connect to ``peer`` at ``endpoint`` (a peer found by discovery); it stays pending until its
         hello (a probe goes out once its connection is up). A known peer at a new endpoint (it
-        restarted elsewhere) is reconnected. ``key``: the peer's Curve25519 public key, from its
-        signed record (required with ``trust``; it must be the key of id ``peer``). Returns True if anything changed."""
+        restarted elsewhere) or on a new path is reconnected. ``key``: the peer's Curve25519 public key, from its
+        signed record (required with ``trust``; it must be the key of id ``peer``). ``listen``: a
+        reverse connection (``peer`` is behind NAT): listen on ports of this peer's host for it to
+        dial (``reverse_offers``) instead of dialing ``endpoint``. Returns True if anything changed."""
         if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
             return False
         if self.trust is not None:
@@ -271,16 +276,39 @@ class ZmqExchange(Exchange):
             if self._closed:
                 return False
             old = self.endpoints.get(peer)
-            if old == endpoint:
+            was_listening = peer in self._sockets.offers
+            if old == endpoint and was_listening == listen:
                 return False
             self.endpoints[peer] = endpoint
             self._node.add_peer(peer)
+            where = self._listen_address() if listen else None
             if old is None:
-                self._sockets.connect(peer, endpoint, key)
+                self._sockets.connect(peer, endpoint, key, listen=where)
         if old is not None:
-            self._sockets.reconnect(peer, old, endpoint)
-            log.info("rank %d: peer %d moved from %s to %s", self.rank, peer, old, endpoint)
+            self._sockets.reattach(peer, old, endpoint, where)
+            log.info("rank %d: peer %d moved from %s to %s%s", self.rank, peer, old, endpoint,
+                     " (listening for it)" if listen else "")
         return True
+
+    @property
+    def bound(self) -> str:
+        """The address this peer's ROUTER listens on (``tcp://HOST:PORT``, the port the OS picked)."""
+        return self._sockets.bound
+
+    def _listen_address(self) -> str:
+        """Where reverse connections listen: this peer's bind host, any port."""
+        host = self._bind.removeprefix("tcp://").rsplit(":", 1)[0]
+        return f"tcp://{host}:0"
+
+    def reverse_offers(self) -> tuple[tuple[int, int, int], ...]:
+        """``(peer, data port, control port)`` of every reverse connection this peer listens for."""
+        with self._cond:
+            return tuple(sorted((peer, *ports) for peer, ports in self._sockets.offers.items()))
+
+    def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> None:
+        """This peer is behind NAT and ``peer`` offers it a reverse connection: its ROUTER dials
+        ``endpoints`` (``peer``'s listening DEALERs), replacing what it dialed for ``peer`` before."""
+        self._router_dials.put((peer, tuple(endpoints)))
 
     def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False) -> None:
         """Take part in exchanges from round ``join_round`` on, and tell every other peer so
@@ -469,6 +497,8 @@ class ZmqExchange(Exchange):
             auth = self._sockets.auth
             if auth is not None and not auth.is_alive():
                 raise ExchangeError("the ZAP (authentication) thread died: no peer could connect any more")
+            while not self._router_dials.empty():
+                self._dial_with_router(*self._router_dials.get())
             if self._sockets.retry_at:
                 with self._cond:
                     endpoints = dict(self.endpoints)
@@ -480,6 +510,18 @@ class ZmqExchange(Exchange):
                     self._sockets.count_handshake_failures()
                 else:
                     self._drain_monitor(sock)
+
+    def _dial_with_router(self, peer: int, endpoints: tuple[str, ...]) -> None:
+        """Receiver thread (it owns the ROUTER): dial a reverse connection's listening ports."""
+        router = self._sockets.router
+        for old in self._dialed.get(peer, ()):
+            try:
+                router.disconnect(old)
+            except zmq.ZMQError:
+                pass
+        for endpoint in endpoints:
+            router.connect(endpoint)
+        self._dialed[peer] = endpoints
 
     def _drain_router(self) -> None:
         for _ in range(1000):  # bounded, so close() and the monitors are not starved

@@ -137,6 +137,8 @@ class ZmqSockets:
         self.router_monitor.setsockopt(zmq.LINGER, 0)
         self.handshake_failures: dict[str, int] = {}
         self._failures_lock = threading.Lock()  # the receiving thread counts, any thread reads
+        self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        """The address the ROUTER listens on, with the port the OS picked."""
         host, _, port = advertised.rpartition(":")
         if port in ("0", "*"):  # the port the OS picked is the one peers must be told
             port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
@@ -148,6 +150,9 @@ class ZmqSockets:
         """How many handshakes each peer refused (reset when one succeeds)."""
         self.retry_at: dict[int, float] = {}
         """When to connect again to a peer that refused our handshake."""
+        self.offers: dict[int, tuple[int, int]] = {}
+        """Reverse connections: peer -> the (data, control) ports its DEALERs listen on for it to dial."""
+        self._bound: dict[int, tuple[str, str]] = {}
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
 
@@ -162,10 +167,12 @@ class ZmqSockets:
             secure_client(sock, self.trust, server_key)
         return sock
 
-    def connect(self, peer: int, endpoint: str, server_key: bytes | None) -> None:
+    def connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None = None) -> None:
         """A data DEALER to ``peer`` with its monitor, and a control DEALER. ``server_key``: the
         peer's Curve25519 public key (from its signed record, or derived), which is also admitted
-        to this peer's ROUTER as ``peer``'s; None only without ``trust``."""
+        to this peer's ROUTER as ``peer``'s; None only without ``trust``. ``listen``
+        (``tcp://HOST:0``): instead of dialing ``endpoint``, both DEALERs listen there for ``peer``'s
+        ROUTER to dial them (a reverse connection, ``gossiploco.reach.paths``; see ``offers``)."""
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
         dealer = self._client(server_key, control=False)
@@ -176,13 +183,51 @@ class ZmqSockets:
         # TCP connections, but only a live peer completes the handshake.
         monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
-        dealer.connect(endpoint)
+        control = self._client(server_key, control=True)
         self.dealers[peer] = (dealer, threading.Lock())
+        self.controls[peer] = (control, threading.Lock())
         self.monitors[monitor] = peer
         self.new_monitors.put(monitor)
-        control = self._client(server_key, control=True)
-        control.connect(endpoint)
-        self.controls[peer] = (control, threading.Lock())
+        self._attach(peer, endpoint, listen)
+
+    def _attach(self, peer: int, endpoint: str, listen: str | None) -> None:
+        """Dial ``endpoint`` with both DEALERs of ``peer``, or listen on ``listen`` (recording the ports)."""
+        (dealer, _), (control, _) = self.dealers[peer], self.controls[peer]
+        if listen is None:
+            dealer.connect(endpoint)
+            control.connect(endpoint)
+            self.offers.pop(peer, None)
+            return
+        bound = []
+        for sock in (dealer, control):
+            sock.bind(listen)
+            bound.append(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
+        self._bound[peer] = (bound[0], bound[1])
+        self.offers[peer] = (int(bound[0].rsplit(":", 1)[1]), int(bound[1].rsplit(":", 1)[1]))
+
+    def _detach(self, peer: int, endpoint: str) -> None:
+        """Undo ``_attach``: stop dialing ``endpoint`` or stop listening on the offered ports."""
+        bound = self._bound.pop(peer, None)
+        for index, sockets in enumerate((self.dealers, self.controls)):
+            sock, _ = sockets[peer]
+            try:
+                if bound is not None:
+                    sock.unbind(bound[index])
+                else:
+                    sock.disconnect(endpoint)
+            except zmq.ZMQError:
+                pass
+
+    def reattach(self, peer: int, old: str, new: str, listen: str | None) -> None:
+        """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial)."""
+        for sockets in (self.dealers, self.controls):
+            sockets[peer][1].acquire()
+        try:
+            self._detach(peer, old)
+            self._attach(peer, new, listen)
+        finally:
+            for sockets in (self.dealers, self.controls):
+                sockets[peer][1].release()
 
     def refused_by(self, peer: int, now: float) -> float:
         """``peer`` refused our handshake (libzmq then never retries): schedule new connections,
@@ -197,19 +242,8 @@ class ZmqSockets:
         """Connect again to the peers whose retry time has come (by the receiving thread)."""
         for peer in [p for p, at in self.retry_at.items() if at <= now]:
             del self.retry_at[peer]
-            if peer in endpoints and peer in self.dealers:
-                self.reconnect(peer, endpoints[peer], endpoints[peer])
-
-    def reconnect(self, peer: int, old: str, new: str) -> None:
-        """``peer`` moved from ``old`` to ``new`` (it restarted elsewhere)."""
-        for sockets in (self.dealers, self.controls):
-            sock, lock = sockets[peer]
-            with lock:
-                try:
-                    sock.disconnect(old)
-                except zmq.ZMQError:
-                    pass
-                sock.connect(new)
+            if peer in endpoints and peer in self.dealers and peer not in self.offers:  # a listener: it re-dials
+                self.reattach(peer, endpoints[peer], endpoints[peer], None)
 
     def send(self, peer: int, frames: list, *, control: bool, deadline: float, what: str, zero_copy: bool,
              closed: Callable[[], bool]) -> zmq.MessageTracker | None:

@@ -1,0 +1,66 @@
+"""How a simulated connection reaches the other peer: its path, and the relays that carry some of them.
+
+A peer is *reachable* (others can dial it) or behind NAT. The peer that dials (the one that calls
+``try_connect``) gets one of three paths to the other:
+
+    direct    the receiver is reachable: an ordinary dial
+    reverse   only the dialer is reachable: it asks the NAT'd receiver, through a rendezvous, to
+              dial it back; one more latency to set up, then one connection carries both ways
+    relayed   neither is reachable: the connection goes through a relay, a reachable third party
+              with its own id space (r0, r1, ...); up only while the relay runs, two hops of
+              latency, the relay's bandwidth on top of the link's, and reset by the relay once it
+              has carried ``data_limit`` bytes or been up ``time_limit_s`` seconds (when set)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DIRECT, REVERSE, RELAYED = "direct", "reverse", "relayed"
+PATHS = (DIRECT, REVERSE, RELAYED)
+
+SETUP_LATENCIES = {DIRECT: 2, REVERSE: 3, RELAYED: 4}
+"""Latencies a connection of each path takes to come up: a handshake, plus the rendezvous, or through the relay."""
+
+
+def path_between(dialer_reachable: bool, receiver_reachable: bool) -> str:
+    """The path a dial takes, from whether each end can be dialed."""
+    if receiver_reachable:
+        return DIRECT
+    return REVERSE if dialer_reachable else RELAYED
+
+
+@dataclass(eq=False)
+class Connection:
+    """One live connection between two peers; what is in flight on it is lost with it."""
+
+    path: str
+    relay: int | None = None
+    """The relay it goes through (relayed only)."""
+    carried: int = 0
+    """Bytes the relay has carried on it."""
+
+
+@dataclass
+class Relays:
+    """The relay nodes ``0 .. count - 1``, which of them are down, and what each relayed connection may use."""
+
+    count: int = 0
+    bandwidth_bps: float = 1e8
+    data_limit: int | None = None
+    """Bytes after which the relay resets a connection (None: no limit)."""
+    time_limit_s: float | None = None
+    """Seconds after which the relay resets a connection (None: no limit)."""
+    down: set[int] = field(default_factory=set)
+
+    def pick(self) -> int | None:
+        """The relay a new relayed connection goes through: the lowest id that runs (None: none runs)."""
+        return next((relay for relay in range(self.count) if relay not in self.down), None)
+
+    def over_data_limit(self, connection: Connection, nbytes: int) -> bool:
+        """Whether carrying ``nbytes`` more would take ``connection`` past the data limit."""
+        return self.data_limit is not None and connection.carried + nbytes > self.data_limit
+
+    def transit_s(self, nbytes: int, latency_s: float) -> float:
+        """The relay's share of a message's delay: its hop's latency and its bandwidth."""
+        return latency_s + nbytes / self.bandwidth_bps

@@ -231,8 +231,9 @@ def dht(
     identity: Optional[Path] = typer.Option(None, "--identity", help="Private key file: keeps the same peer id (and so the same multiaddrs) across restarts; created if missing."),
     swarm_key: Path = typer.Option(Path("swarm.key"), "--swarm-key", help="The run's swarm key file: used if it exists, else created (mode 0600)."),
     open_run: bool = typer.Option(False, "--open", help="A public run: no swarm key; records are still signed."),
+    join: Optional[list[str]] = typer.Option(None, "--join", help="Join an existing run's DHT (another bootstrap multiaddr): a second bootstrap node and relay for peers behind NAT; repeatable."),
 ) -> None:
-    """Run a bootstrap DHT node for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
+    """Run a bootstrap DHT node (which also relays for peers behind NAT) for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
     import signal
 
     from gossiploco.membership.bootstrap import serve_bootstrap
@@ -260,7 +261,7 @@ def dht(
             print(f"  gossiploco peer --config PRESET --join {address} {secret}", flush=True)
 
     try:
-        serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run)
+        serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run, join=join or [])
     except GossiplocoError as exc:
         _fail(exc)
     console.print("bootstrap node stopped")

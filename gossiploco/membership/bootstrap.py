@@ -193,7 +193,8 @@ def usable_maddrs(addresses: Sequence[str]) -> list[str]:
 
 def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] | None = None,
                     identity_file: Path | None = None, *, timeout_s: float = STARTUP_TIMEOUT_S,
-                    swarm: SwarmKey | None = None, open_run: bool = False) -> tuple[hivemind.DHT, list[str]]:
+                    swarm: SwarmKey | None = None, open_run: bool = False,
+                    join: Sequence[str] = ()) -> tuple[hivemind.DHT, list[str]]:
     """Start a bootstrap DHT node without blocking on it; return it and its multiaddrs for ``--join``.
 
     The caller owns the returned ``hivemind.DHT`` and must ``shutdown()`` it. ``port`` 0 picks a
@@ -207,7 +208,8 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     ``swarm``: the node stores only records signed by their peer and sealed with this key
     (``SwarmRecordValidator``) and publishes the swarm's beacon (``store_beacon``), by which a peer
     that joins with another key learns at once that its key is wrong. ``open_run``: only signed
-    records. Neither: any record (unit tests of the DHT mechanics).
+    records. Neither: any record (unit tests of the DHT mechanics). ``join``: bootstrap multiaddrs of
+    a running swarm, for a second bootstrap node (and relay, ``gossiploco.reach.tunnel``).
     """
     from hivemind.dht.routing import DHTID
     from hivemind.p2p import PeerID
@@ -225,7 +227,7 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
 
     signer = Identity.generate() if swarm is not None else None  # signs this node's beacon
     validator = SwarmRecordValidator(signer, swarm) if swarm is not None or open_run else None
-    dht = start_dht(initial_peers=[], host_maddrs=[listen], announce_maddrs=announce, timeout_s=timeout_s,
+    dht = start_dht(initial_peers=check_initial_peers(join) if join else [], host_maddrs=[listen], announce_maddrs=announce, timeout_s=timeout_s,
                     identity_path=identity_path, node_id=node_id, record_validator=validator)
     try:
         addresses = usable_maddrs(visible_maddrs(dht, timeout_s))
@@ -275,7 +277,7 @@ def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:
 def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] | None = None,
                     identity_file: Path | None = None, *, on_ready: Callable[[list[str]], None],
                     stop: threading.Event | None = None, swarm: SwarmKey | None = None,
-                    open_run: bool = False) -> None:
+                    open_run: bool = False, join: Sequence[str] = ()) -> None:
     """Run a bootstrap node until ``stop`` is set or Ctrl+C; always shut it down before returning.
 
     ``on_ready(addresses)`` is called once the node is up, with multiaddrs ready to paste into
@@ -284,7 +286,7 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     reconnect to. Raises what ``start_bootstrap`` raises, and ``DirectoryError`` if the DHT process
     dies while serving. KeyboardInterrupt ends serving normally (no exception).
     """
-    dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run)
+    dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run, join=join)
     stop = stop if stop is not None else threading.Event()
     peers_file = peers_file_for(Path(identity_file)) if identity_file is not None else None
     next_save = time.monotonic() + PEERS_SAVE_S

@@ -406,9 +406,9 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     The process and its p2pd die with this process, even when it is SIGKILLed
     (``gossiploco.membership.lifeline``). ``record_validator``: the node's record validator
     (``gossiploco.security.records.SwarmRecordValidator``; None: every record is accepted). Every
-    node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client whose
-    libp2p daemon reserves a slot on ``relays`` (multiaddrs with ``/p2p/``; default its bootstrap
-    peers), so that others reach it through them.
+    node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client that
+    stays connected to ``relays`` (multiaddrs with ``/p2p/``), through which others reach it
+    (``gossiploco.reach.tunnel``); any other node relays for members behind NAT.
 
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
@@ -416,10 +416,8 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     from gossiploco.membership.lifeline import TiedDHT
 
     options: dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=False, startup_timeout=timeout_s)
-    if behind_nat:  # nobody can dial this node: a DHT client, reachable through relays (circuit v2)
-        options.update(client_mode=True, use_auto_relay=True, force_reachability="private")
-        if relays:
-            options["trusted_relays"] = list(relays)
+    if behind_nat:  # nobody can dial this node: a DHT client, reached through its relays (``reach.tunnel``)
+        options.update(client_mode=True)
     if announce_maddrs:
         options["announce_maddrs"] = list(announce_maddrs)
     if identity_path is not None:
@@ -432,9 +430,16 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
                   shutdown_timeout=min(3.0, timeout_s), **options)
     try:
         dht.wait_until_ready(timeout=timeout_s)
+        from functools import partial
+
         from gossiploco.reach.dialback import serve_dialback
+        from gossiploco.reach.tunnel import keep_relays, serve_relay
 
         dht.run_coroutine(serve_dialback, return_future=True).result(timeout=timeout_s)
+        if behind_nat:
+            dht.run_coroutine(partial(keep_relays, relays=list(relays)), return_future=True).result(timeout=timeout_s)
+        else:
+            dht.run_coroutine(serve_relay, return_future=True).result(timeout=timeout_s)
     except BaseException as exc:
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):

@@ -1,0 +1,173 @@
+"""Real peers behind real NAT (tests named ``test_nat_*``; ``pytest -k nat`` selects them).
+
+Each test builds bench/nat_testbed.py's namespaces: a public bridge with the bootstrap node (which
+also serves as relay) and reachable peers, and home hosts each behind its own router doing source
+NAT with no port forwarding. Every peer runs ``gossiploco peer --join`` exactly as a user would (the
+same single command everywhere, reachability found by the dial-back check), in its namespace.
+
+(a) 2 reachable + 2 NAT'd: direct, reverse and relayed paths in use, every round mixes, and every
+    peer's model equals the virtual swarm's (``gossiploco simulate``) within the cross-backend tolerance;
+(b) 4 peers each behind its own router, one reachable relay (the bootstrap node): the run completes;
+(c) a relay that dies mid-run: the relayed streams fail over to the other relay (or the exchange
+    falls back like any other fault); no round stalls beyond the deadline, and every peer finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_config, tiny_peer_args, wait_until
+from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE
+from gossiploco.runtime.launch import LocalPeers
+from test_nat_testbed import REQUIRE_ENV, nt, require_netns  # noqa: F401 - REQUIRE_ENV documents the switch
+from test_peer import ENV, assert_exit, assert_matches_virtual_swarm, model, relative_error, summary
+
+pytestmark = pytest.mark.slow
+
+DHT_PORT = 4100
+PRESET = "globalm1-localm2"
+
+
+class NetnsPeers(LocalPeers):
+    """``LocalPeers`` whose peer ``rank`` runs in the namespace of ``hosts[rank]``, listening on its address."""
+
+    def __init__(self, hosts: list, *args, **kwargs):
+        self.hosts = hosts
+        per_rank = {rank: ["--host", host.address] for rank, host in enumerate(hosts)}
+        super().__init__(len(hosts), *args, per_rank=per_rank, **kwargs)
+
+    def command(self, rank: int) -> list[str]:
+        return [*self.hosts[rank].exec_prefix(), *super().command(rank)]
+
+
+def start_dht_node(bed, host, out: Path, name: str, join: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``gossiploco dht`` in ``host``'s namespace (a bootstrap node, or with ``join`` a second node
+    of the same DHT that serves as relay); returns it and its multiaddr."""
+    key = out / "swarm.key"
+    cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host.address, "--port", str(DHT_PORT),
+           "--swarm-key", str(key)]
+    if join:
+        cmd += ["--join", join]
+    log = (out / f"{name}.log").open("w")
+    proc = bed.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env={**ENV, "PYTHONUNBUFFERED": "1"})
+    path = out / f"{name}.log"
+
+    def address() -> str | None:
+        for word in path.read_text(errors="replace").split():
+            if word.startswith(f"/ip4/{host.address}/tcp/{DHT_PORT}/p2p/"):
+                return word.strip(",'\"")
+        return None
+
+    assert wait_until(lambda: address() is not None or proc.poll() is not None, 60), path.read_text()
+    assert proc.poll() is None, f"{name} exited: {path.read_text()[-2000:]}"
+    return proc, address()
+
+
+def paths_seen(peers: LocalPeers) -> dict[int, dict[str, str]]:
+    return {rank: summary(peers, rank)["reach"]["per_peer"] for rank in range(peers.count)}
+
+
+@pytest.mark.timeout(420)
+def test_nat_two_reachable_and_two_natted_peers_train_like_the_simulator(tmp_path):
+    require_netns()
+    with nt.NatTestbed(public=3, homes=2, prefix="gnta") as bed:
+        from gossiploco.security.swarm_key import SwarmKey
+
+        SwarmKey.generate().save(tmp_path / "swarm.key")
+        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap")
+        hosts = [bed.host("pub1"), bed.host("pub2"), bed.host("home0"), bed.host("home1")]
+        try:
+            with NetnsPeers(hosts, tmp_path, tiny_peer_args(PRESET), env=ENV, join=join,
+                            swarm_key=tmp_path / "swarm.key") as peers:
+                peers.start()
+                codes = peers.wait(300)
+        finally:
+            boot.terminate()
+        assert_matches_virtual_swarm(peers, codes, PRESET)
+        ids = {rank: peers.peer_id(rank) for rank in range(4)}
+        for rank, seen in paths_seen(peers).items():
+            reach = summary(peers, rank)["reach"]
+            assert reach["reachable"] == (rank < 2), peers.log(rank)[-2000:]
+            for other in range(4):
+                if other != rank:
+                    want = DIRECT if other < 2 else REVERSE if rank < 2 else RELAYED
+                    assert seen[str(ids[other])] == want, (rank, other, seen)
+        log = peers.log(2)
+        assert "behind NAT: using reverse connections and relays" in log
+        assert f"reachable at tcp://{hosts[0].address}:" in peers.log(0)
+
+
+@pytest.mark.timeout(420)
+def test_nat_four_peers_behind_separate_routers_complete_through_one_relay(tmp_path):
+    require_netns()
+    with nt.NatTestbed(public=1, homes=4, prefix="gntb") as bed:
+        from gossiploco.security.swarm_key import SwarmKey
+
+        SwarmKey.generate().save(tmp_path / "swarm.key")
+        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap")
+        hosts = [bed.host(f"home{j}") for j in range(4)]
+        try:
+            with NetnsPeers(hosts, tmp_path, tiny_peer_args(PRESET), env=ENV, join=join,
+                            swarm_key=tmp_path / "swarm.key") as peers:
+                peers.start()
+                codes = peers.wait(300)
+        finally:
+            boot.terminate()
+        assert_exit(peers, codes, range(4))
+        for rank, seen in paths_seen(peers).items():
+            assert set(seen.values()) == {RELAYED}, (rank, seen)
+            s = summary(peers, rank)
+            assert s["mix1_failures"] + s["mix2_failures"] <= 1, s
+            assert s["reach"]["tunnels"]["opened"] >= 6, s["reach"]
+        reference = model(peers, 0)
+        assert all(relative_error(model(peers, rank), reference) <= 1e-4 for rank in range(1, 4))
+
+
+@pytest.mark.timeout(480)
+def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
+    require_netns()
+    rounds = 8
+    with nt.NatTestbed(public=2, homes=3, prefix="gntc") as bed:
+        from gossiploco.security.swarm_key import SwarmKey
+
+        SwarmKey.generate().save(tmp_path / "swarm.key")
+        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap")
+        relay, relay_addr = start_dht_node(bed, bed.host("pub1"), tmp_path, "relay", join=join)
+        hosts = [bed.host(f"home{j}") for j in range(3)]
+        args = [*tiny_peer_args(PRESET, rounds=rounds), "--relay", relay_addr, "--relay", join]
+        cfg = tiny_config(PRESET, rounds=rounds)
+        try:
+            with NetnsPeers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
+                peers.start()
+                metrics = [peers.peer_dir(rank) / "metrics.jsonl" for rank in range(3)]
+
+                def reached(r: int) -> bool:
+                    return all(p.exists() and any(json.loads(line)["round"] >= r for line in p.read_text().splitlines())
+                               for p in metrics)
+
+                assert wait_until(lambda: reached(2), 240, poll_s=0.2), [peers.log(r)[-1500:] for r in range(3)]
+                killed_at = time.monotonic()
+                relay.kill()
+                relay.wait(10)
+                codes = peers.wait(300)
+                finished = time.monotonic()
+        finally:
+            boot.terminate()
+            if relay.poll() is None:
+                relay.kill()
+        assert_exit(peers, codes, range(3))
+        budget = 2 * (cfg.timeouts.exchange_s + cfg.timeouts.grace_s) + 60
+        assert finished - killed_at < budget * (rounds - 2), (finished - killed_at)
+        for rank in range(3):
+            s = summary(peers, rank)
+            assert s["mix1_failures"] + s["mix2_failures"] <= 3, s
+            tunnels = s["reach"]["tunnels"]
+            assert tunnels["opened"] >= 4 and tunnels["failed"] == 0, tunnels
+            used = tunnels["relays_used"]
+            assert len(used) == 2 and all(count >= 2 for count in used.values()), used  # failed over to the bootstrap

@@ -178,9 +178,10 @@ def preflight() -> str | None:
 # The network
 
 
-def list_namespaces(prefix: str) -> list[str]:
-    """Namespaces this benchmark made with ``prefix`` (``PREFIX-sw``, ``PREFIX-pI``)."""
-    pattern = re.compile(rf"^{re.escape(prefix)}-(sw|p\d+)$")
+def list_namespaces(prefix: str, suffix: str = r"sw|p\d+") -> list[str]:
+    """Namespaces this benchmark made with ``prefix`` (``PREFIX-sw``, ``PREFIX-pI``); ``suffix``, a regular
+    expression, names another tool's namespaces (bench/nat_testbed.py's)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-({suffix})$")
     out = sh(["ip", "netns", "list"]).stdout
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
     return sorted(n for n in names if pattern.match(n))
@@ -196,9 +197,10 @@ def kill_namespace_processes(ns: str) -> list[int]:
     return pids
 
 
-def remove_namespaces(prefix: str) -> list[str]:
-    """Kill the processes in, then delete, every namespace with ``prefix``. Returns what was removed."""
-    names = list_namespaces(prefix)
+def remove_namespaces(prefix: str, suffix: str = r"sw|p\d+") -> list[str]:
+    """Kill the processes in, then delete, every namespace with ``prefix`` (and ``suffix``, as in
+    ``list_namespaces``). Returns what was removed."""
+    names = list_namespaces(prefix, suffix)
     for ns in names:
         kill_namespace_processes(ns)
     if names:
@@ -224,6 +226,32 @@ def prefix_lock(prefix: str) -> Iterator[None]:
         finally:
             path.unlink(missing_ok=True)  # still holding it: a run starting now makes a fresh file
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def shape_links(links: Sequence[tuple[str, str]], rate_mbit: float, delay_ms: float = 0.0, loss_pct: float = 0.0,
+                queue_packets: int = 1000, mtu: int = 1500) -> None:
+    """Shape each egress (namespace, device) of ``links`` as ``Network.shape`` describes (replaces earlier shaping)."""
+    rate = f"{rate_mbit:g}mbit"
+    limit = int(queue_packets)
+    for ns, dev in links:
+        sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)  # earlier shaping, if any
+        sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
+        sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
+            "rate", rate, "ceil", rate, "quantum", str(mtu + 14)])
+        # The leaf queue under the class: netem (delay / loss) or a plain FIFO.
+        if delay_ms > 0 or loss_pct > 0:
+            netem = ["netem", "limit", str(limit)]
+            if delay_ms > 0:
+                netem += ["delay", f"{delay_ms:g}ms"]
+            if loss_pct > 0:
+                netem += ["loss", f"{loss_pct:g}%"]
+            try:
+                sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", *netem])
+            except RuntimeError as exc:
+                raise Unavailable(f"cannot add a netem qdisc for --delay-ms / --loss-pct (this kernel may lack "
+                                  f"sch_netem): {exc}") from exc
+        else:
+            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo", "limit", str(limit)])
 
 
 @dataclass
@@ -289,28 +317,8 @@ class Network:
         """Rate ``rate_mbit`` (10^6 bit/s of Ethernet frames) on every link in both directions, a FIFO of
         ``queue_packets`` (Linux's default txqueuelen is 1000), plus netem delay/loss. Replaces any
         earlier shaping."""
-        rate = f"{rate_mbit:g}mbit"
-        limit = int(queue_packets)
-        for ns, dev in self.links():
-            sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)  # earlier shaping, if any
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
-            sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
-                "rate", rate, "ceil", rate, "quantum", str(self.mtu + 14)])
-            # The leaf queue under the class: netem (delay / loss) or a plain FIFO.
-            if delay_ms > 0 or loss_pct > 0:
-                netem = ["netem", "limit", str(limit)]
-                if delay_ms > 0:
-                    netem += ["delay", f"{delay_ms:g}ms"]
-                if loss_pct > 0:
-                    netem += ["loss", f"{loss_pct:g}%"]
-                try:
-                    sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", *netem])
-                except RuntimeError as exc:
-                    raise Unavailable(f"cannot add a netem qdisc for --delay-ms / --loss-pct (this kernel may lack "
-                                      f"sch_netem): {exc}") from exc
-            else:
-                sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo", "limit", str(limit)])
-        self.shaping = {"rate_mbit": rate_mbit, "delay_ms": delay_ms, "loss_pct": loss_pct, "queue_packets": limit}
+        shape_links(self.links(), rate_mbit, delay_ms, loss_pct, queue_packets, self.mtu)
+        self.shaping = {"rate_mbit": rate_mbit, "delay_ms": delay_ms, "loss_pct": loss_pct, "queue_packets": int(queue_packets)}
 
     def set_congestion_control(self, name: str) -> str:
         """TCP congestion control of every peer namespace. ``auto``: cubic (Linux's default) when the

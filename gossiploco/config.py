@@ -251,9 +251,13 @@ class TransportConfig:
     """Payload per message; large tensors stream as chunks of this size."""
     max_message_mb: float = 64.0
     """Messages larger than this are rejected unread (must exceed chunk_mb)."""
+    ring_order: str = "topology"
+    """topology: rings put peers behind NAT between reachable ones (fewer relayed hops); id: by peer id."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.chunk_mb", self.chunk_mb)
+        if self.ring_order not in ("topology", "id"):
+            raise ConfigError(f"{p}.ring_order", f"must be topology or id, got {self.ring_order!r}")
         if self.max_message_mb <= self.chunk_mb + 1:
             raise ConfigError(f"{p}.max_message_mb", f"must exceed chunk_mb + 1 = {self.chunk_mb + 1}, got {self.max_message_mb}")
 

@@ -2,7 +2,9 @@
 
 Every implementation is driven through the same cases via the ``group`` fixture, which builds a
 group of exchanges (one per rank) and a way to crash a rank. Transport issues add their
-implementation to ``IMPLEMENTATIONS``.
+implementation to ``IMPLEMENTATIONS``: the in-memory hub, ZeroMQ over direct TCP, and ZeroMQ over
+the libp2p carrier (every connection a libp2p stream through a relay node, ``gossiploco.reach.tunnel``),
+so the protocol is proven over both carriers by the same tests.
 """
 
 from __future__ import annotations
@@ -73,10 +75,77 @@ class ZmqGroup:
         assert not leaked, f"receiver threads still running after close: {leaked}"
 
 
-IMPLEMENTATIONS = {"memory": MemoryGroup, "zmq": ZmqGroup}
+class Libp2pCarrier:
+    """A relay DHT node and ``world`` DHT nodes that say they are behind NAT, each serving a tunnel
+    to a ROUTER port picked here, with a tunnel from every node to every other through the relay:
+    what ``gossiploco.reach.paths`` sets up between two peers behind NAT."""
+
+    def __init__(self, world: int):
+        from functools import partial
+
+        from gossiploco.membership.directory import start_dht, visible_maddrs
+        from gossiploco.reach.tunnel import libp2p_identity, open_tunnel, serve_tunnel
+
+        listen = ["/ip4/127.0.0.1/tcp/0"]
+        self.nodes = [start_dht(initial_peers=[], host_maddrs=listen, announce_maddrs=None, timeout_s=30)]
+        relay = visible_maddrs(self.nodes[0], 10)[0]
+        self.ports = free_ports(world)
+        for port in self.ports:
+            node = start_dht(initial_peers=[relay], host_maddrs=listen, announce_maddrs=None, timeout_s=30,
+                             behind_nat=True, relays=[relay])
+            node.run_coroutine(partial(serve_tunnel, router_host="127.0.0.1", router_port=port))
+            self.nodes.append(node)
+        ids = [node.run_coroutine(libp2p_identity) for node in self.nodes[1:]]
+        self.views = [{r: f"tcp://127.0.0.1:{self.ports[r]}"} for r in range(world)]
+        for r, node in enumerate(self.nodes[1:]):
+            for other in range(world):
+                if other != r:
+                    port = node.run_coroutine(partial(open_tunnel, peer_id=ids[other], relays=[relay]))
+                    self.views[r][other] = f"tcp://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.shutdown()
 
 
-@pytest.fixture(params=sorted(IMPLEMENTATIONS))
+class Libp2pGroup(ZmqGroup):
+    """``world`` ZmqExchanges whose every connection is carried by ``Libp2pCarrier``'s tunnels."""
+
+    carriers: dict[int, Libp2pCarrier] = {}
+
+    def __init__(self, world: int, timeout_s: float, run_id: str | None = None, **options):
+        carrier = Libp2pGroup.carriers.get(world) or Libp2pGroup.carriers.setdefault(world, Libp2pCarrier(world))
+        self.carrier, self.run_id, self.timeout_s, self.options = carrier, run_id or f"test-{uuid.uuid4().hex[:8]}", timeout_s, options
+        self.endpoints = [carrier.views[r][r] for r in range(world)]
+        self.exchanges = [self._make(r) for r in range(world)]
+        assert all(ex.wait_connected(20.0) for ex in self.exchanges), "peers did not connect through the relay"
+
+    def _make(self, rank: int, **extra) -> ZmqExchange:
+        return ZmqExchange(rank, self.carrier.views[rank], self.run_id, self.timeout_s, bind=self.endpoints[rank],
+                           **self.options, **extra)
+
+    def restart(self, rank: int) -> ZmqExchange:
+        self.exchanges[rank].close()
+        self.exchanges[rank] = self._make(rank, join_round=None)
+        return self.exchanges[rank]
+
+    @classmethod
+    def close_carriers(cls) -> None:
+        for carrier in cls.carriers.values():
+            carrier.close()
+        cls.carriers.clear()
+
+
+IMPLEMENTATIONS = {"memory": MemoryGroup, "zmq": ZmqGroup, "libp2p": Libp2pGroup}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _carriers():
+    yield
+    Libp2pGroup.close_carriers()
+
+
+@pytest.fixture(params=["memory", "zmq", pytest.param("libp2p", marks=pytest.mark.slow)])
 def group(request):
     made = []
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 
 import pytest
+import torch
 
 from conftest import tiny_peer_args
 from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.reach.dialback import check_reachability, describe, free_port, parse_request
 from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, pair_path, path_between
+from gossiploco.protocol.agreement import ring_order
 from gossiploco.runtime.launch import LocalPeers
+from test_exchange import ZmqGroup, run_all
 from test_peer import ENV, assert_matches_virtual_swarm, summary
 
 
@@ -22,6 +25,32 @@ def test_path_between_follows_who_can_be_dialed():
     assert path_between(False, False) == RELAYED
     assert pair_path(True, True) == DIRECT and pair_path(True, False) == pair_path(False, True) == REVERSE
     assert pair_path(False, False) == RELAYED
+
+
+@pytest.mark.parametrize("reachable, natted", [(4, 0), (3, 3), (4, 2), (2, 5), (0, 3), (1, 1)])
+def test_ring_order_keeps_peers_behind_nat_apart(reachable, natted):
+    members = list(range(100, 100 + reachable + natted))
+    behind = set(members[reachable:])
+    order = ring_order(set(members), behind)
+    assert sorted(order) == members
+    n = len(order)
+    nat_neighbours = sum(order[i] in behind and order[(i + 1) % n] in behind for i in range(n)) if n > 1 else 0
+    assert nat_neighbours == (max(0, natted - reachable) if natted != n else n), order  # the fewest possible
+    if not natted:
+        assert order == members  # nobody behind NAT: by id, as before
+
+
+def test_every_member_gets_the_leaders_ring_order_and_the_ring_averages_over_it():
+    g = ZmqGroup(4, 10.0)
+    try:
+        g.exchanges[0].set_behind_nat({1, 2})  # the leader (lowest id) orders the group
+        groups = run_all([lambda r=r: g.exchanges[r].group("mix2/0", 0) for r in range(4)])
+        assert groups == [[0, 1, 3, 2]] * 4
+        values = [torch.full((1000,), float(r)) for r in range(4)]
+        out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("mix2/0", values[r], groups[r]) for r in range(4)])
+        assert all(torch.allclose(o, torch.full((1000,), 1.5)) for o in out)
+    finally:
+        g.close()
 
 
 @pytest.mark.parametrize("raw", [b"", b"\x80", b"\x91\x01", b"x" * 300])

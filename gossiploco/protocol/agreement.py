@@ -39,6 +39,22 @@ CONTROL_SEND_S = 1.0
 """Deadline for sending one control message (hello, ready, abort, state request)."""
 
 
+def ring_order(members: set[int] | list[int], behind_nat: set[int]) -> list[int]:
+    """The group's order, which is its ring's: peers behind NAT (``behind_nat``) between reachable
+    ones, so that ring neighbours talk over direct or reverse connections rather than relays
+    (``gossiploco.reach.paths``); two NAT'd neighbours only when they outnumber the reachable.
+    Otherwise by id. The leader decides it; everyone takes it from the decision, so all agree."""
+    reachable = sorted(m for m in members if m not in behind_nat)
+    natted = sorted(m for m in members if m in behind_nat)
+    order: list[int] = []
+    while reachable or natted:
+        if reachable:
+            order.append(reachable.pop(0))
+        if natted:
+            order.append(natted.pop(0))
+    return order
+
+
 class _GroupCall(Call):
     """An agreement call; its outcome is the agreed group."""
 
@@ -69,7 +85,8 @@ class Lead(_GroupCall):
             return Step(wait_until=self.deadline)
         ready = node.ready.pop(self.key, set())
         gave_up = node.aborted.get(self.key, set())  # an early follower whose wait ran out: it does identity
-        group = sorted({node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up})
+        group = ring_order({node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up},
+                           node.behind_nat)
         node.decided.put(self.key, (group, now))
         node.grouped.put(self.key, frozenset(group))
         left_out = sorted(set(self.view) - set(group))

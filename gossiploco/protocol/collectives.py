@@ -79,7 +79,7 @@ class RingAllReduce(DataCall):
 
     def __init__(self, key: str, me_id: int, members: list[int], acc: torch.Tensor, chunk_elems: int,
                  began: float, deadline: float):
-        self.members = sorted(members)
+        self.members = list(members)  # in the order agreed (``agreement.ring_order``): every member holds the same
         n = len(self.members)
         others = [m for m in self.members if m != me_id]
         super().__init__(key, began, deadline, others)

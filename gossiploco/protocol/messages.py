@@ -47,8 +47,8 @@ DATA_OPS = ("mix1", "mix2", "grad", "state")
 
 
 def digest(members: Sequence[int]) -> int:
-    """A short fingerprint of a member list (fits an int64 meta entry)."""
-    return zlib.crc32(",".join(map(str, sorted(members))).encode())
+    """A short fingerprint of a member list *in its order* (a ring's order matters; fits an int64 meta entry)."""
+    return zlib.crc32(",".join(map(str, members)).encode())
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def from_wire(header: codec.Header, tensors: Sequence[torch.Tensor]) -> Message:
             group = tuple(meta[3:])
             if len(meta) < 4 or meta[2] != digest(group) or len(set(group)) != len(group):
                 raise MalformedMessage(f"group decision with a bad member list or digest: {meta[:8]}")
-            return Decision(key, meta[1], tuple(sorted(group)))
+            return Decision(key, meta[1], group)  # in the leader's order: the ring's (agreement.ring_order)
         raise MalformedMessage(f"unknown group phase {phase}")
     if key.startswith("state/req/"):
         return StateRequest(key.removeprefix("state/req/"))

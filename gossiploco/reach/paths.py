@@ -62,8 +62,11 @@ class PathPlanner:
     process and returns its result (None: no DHT, so no relayed path).
     """
 
-    def __init__(self, rank: int, reach: Reach, exchange: Any, run_in_node: Callable[[Any], Any] | None):
+    def __init__(self, rank: int, reach: Reach, exchange: Any, run_in_node: Callable[[Any], Any] | None,
+                 topology_ring: bool = True):
         self.rank, self.reach, self.exchange, self.run_in_node = rank, reach, exchange, run_in_node
+        self.topology_ring = topology_ring
+        """Tell the exchange who is behind NAT, so that rings keep them apart (``agreement.ring_order``)."""
         self.paths: dict[int, str] = {}
         self.counts: Counter[str] = Counter()
         """Paths chosen (including changes), by kind."""
@@ -89,6 +92,8 @@ class PathPlanner:
                 self.paths[peer] = path
             if path == DIRECT and not self.reach.reachable:
                 self._dial_offer(peer, record)
+        if self.topology_ring:
+            self.exchange.set_behind_nat({peer for peer, record in records.items() if not record.reachable})
         offers = self.exchange.reverse_offers()
         if offers != self.published:
             self.published = offers

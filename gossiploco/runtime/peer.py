@@ -182,7 +182,8 @@ class NetworkPeer:
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self.reach = reach or Reach()
-        self.paths = PathPlanner(rank, self.reach, self.exchange, getattr(directory, "run_in_node", None))
+        self.paths = PathPlanner(rank, self.reach, self.exchange, getattr(directory, "run_in_node", None),
+                                 topology_ring=cfg.transport.ring_order == "topology")
         self._stop_discovery = threading.Event()
         self._discovery: threading.Thread | None = None
         self._tokens = 0

@@ -1,6 +1,7 @@
 """Deterministic simulation of the whole peer protocol (``gossiploco.protocol``) under seeded faults.
 
     network     virtual clock, event queue, connections and link faults
+    paths       each connection's path (direct, reverse, relayed) and the relays
     faults      the fault schedule drawn from a seed
     peer        a virtual peer: the real ``PeerNode`` and calls run by cooperative tasks
     invariants  the checked properties, each with a name

@@ -4,7 +4,8 @@
     liveness.exchange_stalled  one exchange (agreement + data) of a live peer took longer than the bound:
                                2 grace windows + one control send + the call's adaptive deadline + the lost-peer grace
     liveness.unfinished        a peer that was never crashed did not finish every round by the end of the run
-    agreement.group_mismatch   two peers completed the same exchange with different member lists
+    agreement.group_mismatch   two peers completed the same exchange with different member lists (a ring's
+                               order included: the leader's order keeps peers behind NAT apart)
     agreement.not_mutual       a peer completed a swap with a partner that was not swapping with it
     correctness.mean           a completed all-reduce did not give the mean of its group's inputs
     correctness.swap           a completed swap did not hand over the partner's input (the pair's sum is not kept)
@@ -65,8 +66,8 @@ class Checker:
         self.inputs[key][peer] = value.clone()
         if partner is not None:
             self.partners[key][peer] = partner
-        if members is not None:  # who the members were when this call began (one may restart before it ends)
-            self.began_with[(key, peer)] = tuple((m, self.incarnation(m)) for m in sorted(members))
+        if members is not None:  # who the members were when this call began (one may restart before it ends), in ring order
+            self.began_with[(key, peer)] = tuple((m, self.incarnation(m)) for m in members)
 
     def call_ended(self, sim_peer, call, began: float, now: float, ok: bool) -> None:
         if isinstance(call, (Lead, Follow)):

@@ -114,26 +114,33 @@ class SimNetwork:
             self.at(self.now + self.reconnect_s, lambda: self.try_connect(a, b))
 
     def _open(self, a: int, b: int, connection: Connection) -> None:
-        """Bring up ``connection`` between ``a`` and ``b``; both ends hear of it once its path is set up."""
-        self._up[frozenset((a, b))] = connection
-        self.paths[connection.path] += 1
-        via = f" via r{connection.relay}" if connection.relay is not None else ""
-        self.note(f"PATH {a}-{b} {connection.path}{via}")
-        delay = SETUP_LATENCIES[connection.path] * self.latency_s
-        self.at(self.now + delay, lambda: self.on_connect(a, b))
-        self.at(self.now + delay, lambda: self.on_connect(b, a))
+        """Open ``connection`` between ``a`` and ``b``: it comes up, and both ends hear of it, once its
+        path is set up, unless it dropped meanwhile (then neither end ever saw it)."""
+        pair = frozenset((a, b))
+        self._up[pair] = connection
+
+        def come_up() -> None:
+            if self._up.get(pair) is not connection:
+                return
+            connection.announced = True
+            self.paths[connection.path] += 1
+            via = f" via r{connection.relay}" if connection.relay is not None else ""
+            self.note(f"PATH {a}-{b} {connection.path}{via}")
+            self.on_connect(a, b)
+            self.on_connect(b, a)
+        self.at(self.now + SETUP_LATENCIES[connection.path] * self.latency_s, come_up)
         if connection.relay is not None and self.relays.time_limit_s is not None:
             self.at(self.now + self.relays.time_limit_s, lambda: self._reset(a, b, connection, "time limit"))
 
     def drop(self, a: int, b: int, *, after: float = 0.0) -> None:
-        """The connection between ``a`` and ``b`` drops (``after`` seconds from now); both ends are told."""
+        """The connection between ``a`` and ``b`` drops (``after`` seconds from now); both ends are told if they knew of it."""
         def go() -> None:
-            pair = frozenset((a, b))
-            if pair not in self._up:
+            connection = self._up.pop(frozenset((a, b)), None)
+            if connection is None:
                 return
-            del self._up[pair]
-            self.on_disconnect(a, b)
-            self.on_disconnect(b, a)
+            if connection.announced:
+                self.on_disconnect(a, b)
+                self.on_disconnect(b, a)
             self.at(self.now + self.reconnect_s, lambda: self.try_connect(a, b))
         if after > 0:
             self.at(self.now + after, go)

@@ -39,6 +39,8 @@ class Connection:
     """The relay it goes through (relayed only)."""
     carried: int = 0
     """Bytes the relay has carried on it."""
+    announced: bool = False
+    """Whether it came up (its ends were told); one that drops before that fails silently, like a dial."""
 
 
 @dataclass

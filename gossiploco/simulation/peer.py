@@ -79,6 +79,7 @@ class SimPeer:
         s = swarm.settings
         self.node = PeerNode(pid, swarm.ids, grace_s=s.grace_s, chunk_elems=s.chunk_elems,
                              mailbox_bytes=s.mailbox_bytes, join_round=join_round)
+        self.node.behind_nat = set(s.behind_nat)  # as peers' records tell the runtime's node
         self.running, self.frozen = True, False
         self.thawed_at = -1.0
         """When this peer last resumed after a freeze (its own waits overran while it was stopped)."""

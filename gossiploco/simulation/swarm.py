@@ -8,7 +8,9 @@ and takes the outer step. Exchanges go through group agreement; a failed exchang
 At a round start a peer that finds itself alone while others are around, or learns that a leader
 is ahead, asks the others' rounds and downloads the state from one that is ahead (the runtime's
 catch-up rule, with the same constants). A restarted peer starts as the runtime's ``_join`` does.
-Small tensors stand in for the model; the mixing math is the protocol's own.
+Small tensors stand in for the model; the mixing math is the protocol's own. Some peers may be
+behind NAT (``Settings.behind_nat``): their connections are reverse or go through relays, which
+can go down and reset connections at their limits; peers see all of it as disconnects.
 
 ``simulate(seed, ...)`` returns a ``SimResult`` with the violations and, if asked, the event log;
 the same arguments give the same result, bit for bit.

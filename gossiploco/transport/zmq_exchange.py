@@ -197,7 +197,7 @@ class ZmqExchange(Exchange):
         """Mean of ``flat`` over ``members`` (see ``Exchange``). ``inplace=True`` (for a caller that
         hands over a contiguous fp32 CPU ``flat`` it no longer needs, such as Mix1's packed vector)
         reduces in ``flat``'s own memory and returns a view of it: no copy and no new buffer."""
-        members = sorted(set(members))
+        members = list(dict.fromkeys(members))  # the agreed order is the ring's (``agreement.ring_order``)
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
         if any(m != self.rank and m not in self._dealers for m in members):
@@ -304,6 +304,11 @@ class ZmqExchange(Exchange):
         """``(peer, data port, control port)`` of every reverse connection this peer listens for."""
         with self._cond:
             return tuple(sorted((peer, *ports) for peer, ports in self._sockets.offers.items()))
+
+    def set_behind_nat(self, peers: set[int]) -> None:
+        """The peers behind NAT, for the ring order of groups this peer leads (``agreement.ring_order``)."""
+        with self._cond:
+            self._node.behind_nat = set(peers)
 
     def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> None:
         """This peer is behind NAT and ``peer`` offers it a reverse connection: its ROUTER dials

@@ -4,8 +4,10 @@
     python bench/chaos.py real --trials N [...]            (bench/chaos_real.py: real processes, DHT, faults)
 
 ``sim`` runs ``gossiploco.simulation.simulate(seed)`` for seeds S .. S+N-1 (the peer count, 2 to 8,
-and 1 to 3 faults are drawn from each seed unless ``--peers`` is given). It prints one line per
-violation with the seed that reproduces it, then ``N seeds, V violations``; it exits 1 if V > 0.
+and 1 to 3 faults are drawn from each seed unless ``--peers`` is given; about a third of the seeds
+also put peers behind NAT, with relays that fail and reset connections). It prints one line per
+violation with the seed that reproduces it, the connections opened by path and the relays' resets
+and drops, then ``N seeds, V violations``; it exits 1 if V > 0.
 ``--seed-start S --seeds 1 --log`` replays one seed exactly and prints its event log.
 """
 
@@ -18,35 +20,42 @@ import time
 from collections import Counter
 
 from gossiploco.simulation import simulate
+from gossiploco.simulation.paths import PATHS
 
 
 def _one(job: tuple[int, int | None, int, bool]) -> tuple[int, list[str], dict, list[str], list[str]]:
     seed, peers, rounds, log = job
     result = simulate(seed, peers=peers, rounds=rounds, log=log)
     faults = [str(f) for f in result.faults]
-    return seed, [str(v) for v in result.violations], {"peers": result.settings.peers, **result.stats}, faults, result.log
+    stats = {"peers": result.settings.peers, "nat": bool(result.settings.behind_nat), **result.stats}
+    return seed, [str(v) for v in result.violations], stats, faults, result.log
 
 
 def run_sim(args: argparse.Namespace) -> int:
     jobs = [(s, args.peers, args.rounds, args.log) for s in range(args.seed_start, args.seed_start + args.seeds)]
     start = time.perf_counter()
-    violations, kinds, sizes = 0, Counter(), Counter()
+    violations, kinds, sizes, links = 0, Counter(), Counter(), Counter()
     if args.jobs > 1 and len(jobs) > 1:
         with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
             results = pool.imap_unordered(_one, jobs, chunksize=16)
-            violations = _report(results, args, kinds, sizes)
+            violations = _report(results, args, kinds, sizes, links)
     else:
-        violations = _report(map(_one, jobs), args, kinds, sizes)
+        violations = _report(map(_one, jobs), args, kinds, sizes, links)
     took = time.perf_counter() - start
     print(f"peers per seed: {dict(sorted(sizes.items()))}; by property: {dict(kinds) or 'none'}; {took:.1f}s")
+    print(f"paths: {', '.join(f'{path} {links[path]}' for path in PATHS)}; seeds with NAT {links['nat_seeds']}; "
+          f"relay resets {links['relay_resets']}, relay drops {links['relay_drops']}")
     print(f"{args.seeds} seeds, {violations} violations")
     return 1 if violations else 0
 
 
-def _report(results, args, kinds: Counter, sizes: Counter) -> int:
+def _report(results, args, kinds: Counter, sizes: Counter, links: Counter) -> int:
+    """Print each violation (and each log if asked); count seeds by size and connections by path into the counters."""
     count = 0
     for seed, found, stats, faults, log in results:
         sizes[stats["peers"]] += 1
+        links.update(stats["paths"])
+        links.update(relay_resets=stats["relay_resets"], relay_drops=stats["relay_drops"], nat_seeds=stats["nat"])
         for text in found:
             count += 1
             kinds[text.split(" ", 1)[0]] += 1

@@ -1,8 +1,9 @@
 """The deterministic protocol simulator: properties over many seeded fault schedules, exact replay,
-regression seeds for what it found, and proof that its checks can fail."""
+regression seeds for what it found, proof that its checks can fail, and peers behind NAT with relays."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 
 from gossiploco.protocol import collectives
 from gossiploco.simulation import simulate
-from gossiploco.simulation.faults import Fault
+from gossiploco.simulation.faults import RELAY_KINDS, Fault
 from gossiploco.simulation.swarm import Settings, SimSwarm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +116,32 @@ def test_the_checks_catch_overlapping_groups_and_a_non_mutual_swap():
     assert {v.name for v in checker.violations} == {"agreement.group_mismatch", "agreement.not_mutual"}
 
 
+def test_the_checks_catch_one_group_in_two_ring_orders():
+    """The same members in another ring order are another group (the order is the leader's to decide)."""
+    from gossiploco.simulation.invariants import Checker
+
+    class FakePeer:
+        running, thawed_at = True, -1.0
+
+        def __init__(self, pid):
+            self.pid = pid
+
+        class node:
+            @staticmethod
+            def pending_state():
+                return {}
+
+    checker = Checker(grace_s=1.0, mailbox_bytes=1 << 20)
+    orders = {0: [0, 1, 2], 1: [0, 2, 1]}
+    for peer, order in orders.items():
+        checker.started("mix1/0", peer, torch.ones(3), members=order)
+    checker.started("mix1/0", 2, torch.ones(3))
+    for peer, order in orders.items():
+        ring = collectives.RingAllReduce("mix1/0", peer, order, torch.ones(3), 8, 0.0, 10.0)
+        checker.call_ended(FakePeer(peer), ring, 0.0, 1.0, ok=True)
+    assert [v.name for v in checker.violations] == ["agreement.group_mismatch"]
+
+
 @pytest.mark.slow
 def test_a_thousand_seeds_with_2_to_8_peers_hold_every_property():
     """What CI runs: ``bench/chaos.py sim --seeds 1000`` must report no violation."""
@@ -122,7 +149,88 @@ def test_a_thousand_seeds_with_2_to_8_peers_hold_every_property():
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "1000 seeds, 0 violations" in proc.stdout
-    sizes = proc.stdout.splitlines()[-2]
+    sizes = next(line for line in proc.stdout.splitlines() if line.startswith("peers per seed"))
     assert all(f"{m}:" in sizes for m in range(2, 9)), sizes  # every swarm size from 2 to 8 was drawn
 
 
+
+
+# -- reachability: peers behind NAT, reverse connections and relays ------------------------------
+
+def _paths_opened(log: list[str], since: float = 0.0) -> dict[tuple[int, int], str]:
+    """``(a, b) -> "direct" | "reverse" | "relayed via rN"`` (a < b) for each connection that came up
+    from time ``since`` on (the last one of a pair), from the event log."""
+    paths = {}
+    for line in log:
+        time, what, ends, *path = line.split()
+        if what == "PATH" and float(time) >= since:
+            paths[tuple(sorted(map(int, ends.split("-"))))] = " ".join(path)
+    return paths
+
+
+def _all_finished_without_violations(result, peers) -> None:
+    assert not result.violations, [str(v) for v in result.violations]
+    assert all(result.finished.get(p) == result.settings.rounds for p in peers), result.finished
+
+
+def test_a_swarm_with_peers_behind_nat_and_one_relay_completes_every_round():
+    """Peers 0 and 2 behind NAT: they connect through the relay, each of them to a reachable peer by a
+    reverse connection, the two reachable ones directly."""
+    settings = Settings(peers=4, rounds=4, behind_nat=(0, 2), relays=1)
+    result = SimSwarm(3, settings, log=True).run([])
+    _all_finished_without_violations(result, range(4))
+    assert _paths_opened(result.log) == {(0, 1): "reverse", (0, 2): "relayed via r0", (0, 3): "reverse",
+                                         (1, 2): "reverse", (1, 3): "direct", (2, 3): "reverse"}
+    assert result.stats["paths"] == {"direct": 1, "reverse": 4, "relayed": 1}
+    assert result.stats["relay_resets"] == result.stats["relay_drops"] == 0
+
+
+@pytest.mark.parametrize("relays, kind, then", [(2, "relay_crash", "relayed via r1"), (1, "relay_restart", "relayed via r0"),
+                                               (1, "relay_crash", None)])
+def test_a_relay_crash_mid_round_drops_exactly_the_relayed_connections(relays, kind, then):
+    """Peers 1, 2, 3 behind NAT: their 3 connections go through r0, their connections to peer 0 are direct.
+    r0 crashes in round 0's Mix2: those 3 drop at once and reconnect through r1, or through r0 once it
+    is back, or (no relay left) stay down; the swarm finishes within the liveness bounds either way."""
+    settings = Settings(peers=4, rounds=6, behind_nat=(1, 2, 3), relays=relays)
+    swarm = SimSwarm(11, settings, log=True)
+    crash_at = settings.inner_s + 0.001
+    pairs = [(a, b) for a in range(4) for b in range(a + 1, 4)]
+    up_after_crash: dict[tuple[int, int], bool] = {}
+    swarm.net.at(crash_at + 1e-6, lambda: up_after_crash.update({pair: swarm.net.is_up(*pair) for pair in pairs}))
+    result = swarm.run([Fault(kind, crash_at, crash_at + 1.0, peer=0)])
+    _all_finished_without_violations(result, range(4))
+    relayed = {(1, 2), (1, 3), (2, 3)}
+    assert {pair for pair, up in up_after_crash.items() if not up} == relayed
+    assert any(line.endswith("RELAY r0 DOWN: drops 1-2 1-3 2-3") for line in result.log)
+    assert result.stats["relay_drops"] == 3
+    assert _paths_opened(result.log, since=crash_at) == ({pair: then for pair in relayed} if then else {})
+
+
+@pytest.mark.parametrize("limit", [{"relay_data_limit": 3_000}, {"relay_time_limit_s": 1.5}])
+def test_the_relays_limits_reset_connections_and_the_swarm_survives(limit):
+    settings = Settings(peers=3, rounds=5, behind_nat=(0, 1, 2), relays=1, **limit)
+    result = SimSwarm(5, settings, log=True).run([])
+    _all_finished_without_violations(result, range(3))
+    why = "data limit" if "relay_data_limit" in limit else "time limit"
+    resets = [line for line in result.log if " RESET " in line]
+    assert resets and all(line.endswith(why) for line in resets)
+    assert result.stats["relay_resets"] == len(resets)
+    assert result.stats["paths"]["relayed"] == 3 + len(resets)  # each reset connection came back through the relay
+
+
+def test_a_seed_with_peers_behind_nat_and_a_relay_fault_replays_exactly():
+    a, b = simulate(440, log=True), simulate(440, log=True)
+    assert a.settings.behind_nat and any(f.kind in RELAY_KINDS for f in a.faults)
+    assert a.stats["relay_resets"] and a.stats["relay_drops"]
+    assert a.log == b.log and a.stats == b.stats and a.finished == b.finished
+
+
+def test_two_hundred_seeds_with_nat_patterns_hold_every_property():
+    """``bench/chaos.py sim`` over 200 seeds: about a third with peers behind NAT, relays failing and resetting."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "sim", "--seeds", "200", "--jobs", "2"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "200 seeds, 0 violations" in proc.stdout
+    paths = next(line for line in proc.stdout.splitlines() if line.startswith("paths:"))
+    counts = {name: int(n) for name, n in re.findall(r"([a-zA-Z][a-zA-Z ]*) (\d+)", paths.split(":", 1)[1])}
+    assert all(counts[name] > 0 for name in ("direct", "reverse", "relayed", "seeds with NAT", "relay resets", "relay drops")), paths

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gossiploco.simulation.paths import RELAYED, SETUP_LATENCIES, Connection, Relays, path_between
+from gossiploco.simulation.paths import RELAYED, SETUP_LATENCIES, Connection, Relays, pair_path
 
 
 @dataclass
@@ -74,7 +74,7 @@ class SimNetwork:
         """Where connection events go in the owner's event log."""
         self.messages = 0
         self.paths: Counter[str] = Counter()
-        """Connections opened, by path."""
+        """Connections that came up, by path."""
         self.relay_resets = 0
         """Relayed connections reset at the relay's data or time limit."""
         self.relay_drops = 0
@@ -101,12 +101,12 @@ class SimNetwork:
                    for f in self.faults)
 
     def try_connect(self, a: int, b: int) -> None:
-        """``a`` dials ``b``: connect them if both run, nothing separates them and their path is open (a
-        relayed one needs a live relay); else retry every ``reconnect_s``."""
+        """Connect ``a`` and ``b`` if both run, nothing separates them and their path is open (a relayed
+        one needs a live relay); else retry every ``reconnect_s``."""
         pair = frozenset((a, b))
         if pair in self._up:
             return
-        path = path_between(a not in self.behind_nat, b not in self.behind_nat)
+        path = pair_path(a not in self.behind_nat, b not in self.behind_nat)
         relay = self.relays.pick() if path == RELAYED else None
         if self.answers(a) and self.answers(b) and not self.partitioned(a, b) and (path != RELAYED or relay is not None):
             self._open(a, b, Connection(path, relay))
@@ -159,11 +159,11 @@ class SimNetwork:
     def relay_down(self, relay: int) -> None:
         """Relay ``relay`` stops: every connection through it drops at once (they reconnect through another)."""
         self.relays.down.add(relay)
-        through = [pair for pair, connection in self._up.items() if connection.relay == relay]
-        self.note(f"RELAY r{relay} DOWN: drops {' '.join('-'.join(map(str, sorted(pair))) for pair in through) or 'nothing'}")
+        through = sorted(tuple(sorted(pair)) for pair, connection in self._up.items() if connection.relay == relay)
+        self.note(f"RELAY r{relay} DOWN: drops {' '.join(f'{a}-{b}' for a, b in through) or 'nothing'}")
         self.relay_drops += len(through)
-        for pair in through:
-            self.drop(*sorted(pair))
+        for a, b in through:
+            self.drop(a, b)
 
     def relay_up(self, relay: int) -> None:
         """Relay ``relay`` runs again: connections waiting for one get it at their next retry."""

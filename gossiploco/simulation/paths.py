@@ -1,11 +1,11 @@
 """How a simulated connection reaches the other peer: its path, and the relays that carry some of them.
 
-A peer is *reachable* (others can dial it) or behind NAT. The peer that dials (the one that calls
-``try_connect``) gets one of three paths to the other:
+A peer is *reachable* (others can dial it) or behind NAT. The connection of a pair takes the
+runtime's path for the pair (``gossiploco.reach.paths.pair_path``, its worse direction):
 
-    direct    the receiver is reachable: an ordinary dial
-    reverse   only the dialer is reachable: it asks the NAT'd receiver, through a rendezvous, to
-              dial it back; one more latency to set up, then one connection carries both ways
+    direct    both are reachable: an ordinary dial
+    reverse   only one is reachable: it asks the NAT'd one, through a rendezvous, to dial it;
+              one more latency to set up, then one connection carries both ways
     relayed   neither is reachable: the connection goes through a relay, a reachable third party
               with its own id space (r0, r1, ...); up only while the relay runs, two hops of
               latency, the relay's bandwidth on top of the link's, and reset by the relay once it
@@ -16,18 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DIRECT, REVERSE, RELAYED = "direct", "reverse", "relayed"
+from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, pair_path
+
+__all__ = ["DIRECT", "PATHS", "RELAYED", "REVERSE", "SETUP_LATENCIES", "Connection", "Relays", "pair_path"]
+
 PATHS = (DIRECT, REVERSE, RELAYED)
 
 SETUP_LATENCIES = {DIRECT: 2, REVERSE: 3, RELAYED: 4}
 """Latencies a connection of each path takes to come up: a handshake, plus the rendezvous, or through the relay."""
-
-
-def path_between(dialer_reachable: bool, receiver_reachable: bool) -> str:
-    """The path a dial takes, from whether each end can be dialed."""
-    if receiver_reachable:
-        return DIRECT
-    return REVERSE if dialer_reachable else RELAYED
 
 
 @dataclass(eq=False)

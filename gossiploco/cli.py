@@ -232,6 +232,8 @@ def dht(
     swarm_key: Path = typer.Option(Path("swarm.key"), "--swarm-key", help="The run's swarm key file: used if it exists, else created (mode 0600)."),
     open_run: bool = typer.Option(False, "--open", help="A public run: no swarm key; records are still signed."),
     join: Optional[list[str]] = typer.Option(None, "--join", help="Join an existing run's DHT (another bootstrap multiaddr): a second bootstrap node and relay for peers behind NAT; repeatable."),
+    relay_data_mb: float = typer.Option(4096.0, "--relay-data-mb", help="Relaying for peers behind NAT: MiB per direction one relayed connection may carry before it is reset (peers renew theirs before)."),
+    relay_time_s: float = typer.Option(1800.0, "--relay-time-s", help="Relaying: the longest life of one relayed connection, in seconds."),
 ) -> None:
     """Run a bootstrap DHT node (which also relays for peers behind NAT) for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
     import signal
@@ -261,7 +263,8 @@ def dht(
             print(f"  gossiploco peer --config PRESET --join {address} {secret}", flush=True)
 
     try:
-        serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run, join=join or [])
+        serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run, join=join or [],
+                        relay_limits=(relay_data_mb * (1 << 20), relay_time_s))
     except GossiplocoError as exc:
         _fail(exc)
     console.print("bootstrap node stopped")

@@ -80,14 +80,15 @@ class Libp2pCarrier:
     to a ROUTER port picked here, with a tunnel from every node to every other through the relay:
     what ``gossiploco.reach.paths`` sets up between two peers behind NAT."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, relay_limits: tuple[float, float] | None = None):
         from functools import partial
 
         from gossiploco.membership.directory import start_dht, visible_maddrs
         from gossiploco.reach.tunnel import libp2p_identity, open_tunnel, serve_tunnel
 
         listen = ["/ip4/127.0.0.1/tcp/0"]
-        self.nodes = [start_dht(initial_peers=[], host_maddrs=listen, announce_maddrs=None, timeout_s=30)]
+        self.nodes = [start_dht(initial_peers=[], host_maddrs=listen, announce_maddrs=None, timeout_s=30,
+                                relay_limits=relay_limits)]
         relay = visible_maddrs(self.nodes[0], 10)[0]
         self.ports = free_ports(world)
         for port in self.ports:

@@ -9,7 +9,9 @@ same single command everywhere, reachability found by the dial-back check), in i
     peer's model equals the virtual swarm's (``gossiploco simulate``) within the cross-backend tolerance;
 (b) 4 peers each behind its own router, one reachable relay (the bootstrap node): the run completes;
 (c) a relay that dies mid-run: the relayed streams fail over to the other relay (or the exchange
-    falls back like any other fault); no round stalls beyond the deadline, and every peer finishes.
+    falls back like any other fault); no round stalls beyond the deadline, and every peer finishes;
+(d) a relay whose limits cut every relayed connection after 5 s: the peers hand theirs over to new
+    streams between exchanges, and no exchange fails.
 """
 
 from __future__ import annotations
@@ -46,12 +48,13 @@ class NetnsPeers(LocalPeers):
         return [*self.hosts[rank].exec_prefix(), *super().command(rank)]
 
 
-def start_dht_node(bed, host, out: Path, name: str, join: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_dht_node(bed, host, out: Path, name: str, join: str | None = None,
+                   extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """``gossiploco dht`` in ``host``'s namespace (a bootstrap node, or with ``join`` a second node
     of the same DHT that serves as relay); returns it and its multiaddr."""
     key = out / "swarm.key"
     cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host.address, "--port", str(DHT_PORT),
-           "--swarm-key", str(key)]
+           "--swarm-key", str(key), *extra]
     if join:
         cmd += ["--join", join]
     log = (out / f"{name}.log").open("w")
@@ -171,3 +174,33 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
             assert tunnels["opened"] >= 4 and tunnels["failed"] == 0, tunnels
             used = tunnels["relays_used"]
             assert len(used) == 2 and all(count >= 2 for count in used.values()), used  # failed over to the bootstrap
+
+
+@pytest.mark.timeout(420)
+def test_nat_relayed_connections_are_renewed_before_the_relays_limits_without_failing_an_exchange(tmp_path):
+    """Inner steps are 50 ms sleeps (``inner.synthetic_step_s``): rounds of 3 s with quiet links
+    between exchanges (monitors once a round), and no CPU contention on this 2-core machine between
+    four peers and the processes that carry their streams."""
+    require_netns()
+    overrides = {"inner_steps": 60, "rounds": 5, "inner.synthetic_step_s": 0.05, "monitor.every": 60}
+    with nt.NatTestbed(public=1, homes=4, prefix="gntd") as bed:
+        from gossiploco.security.swarm_key import SwarmKey
+
+        SwarmKey.generate().save(tmp_path / "swarm.key")
+        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap", extra=("--relay-time-s", "5"))
+        hosts = [bed.host(f"home{j}") for j in range(4)]
+        try:
+            with NetnsPeers(hosts, tmp_path, tiny_peer_args(PRESET, **overrides), env=ENV, join=join,
+                            swarm_key=tmp_path / "swarm.key") as peers:
+                peers.start()
+                codes = peers.wait(300)
+        finally:
+            boot.terminate()
+        assert_exit(peers, codes, range(4))
+        renewed = 0
+        for rank in range(4):
+            s = summary(peers, rank)
+            assert s["mix1_failures"] == s["mix2_failures"] == s["monitor_failures"] == 0, s
+            assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
+            renewed += s["reach"]["tunnels"]["renewed"]
+        assert renewed >= 8, renewed

@@ -81,9 +81,9 @@ def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
     assert_matches_virtual_swarm(peers, codes, preset)
 
 
-def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str) -> None:
+def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **overrides) -> None:
     assert_exit(peers, codes, range(4))
-    reference = VirtualSwarm(tiny_config(preset)).run()
+    reference = VirtualSwarm(tiny_config(preset, **overrides)).run()
     for rank in range(4):
         assert relative_error(model(peers, rank), reference.final_params) <= 1e-4
         mine = records(peers, rank)

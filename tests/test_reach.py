@@ -6,6 +6,10 @@ node's relay between two NAT'd peers. The real NAT testbed is tests/test_nat.py.
 from __future__ import annotations
 
 
+import socket
+import threading
+import time
+
 import pytest
 import torch
 
@@ -15,7 +19,7 @@ from gossiploco.reach.dialback import check_reachability, describe, free_port, p
 from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, pair_path, path_between
 from gossiploco.protocol.agreement import ring_order
 from gossiploco.runtime.launch import LocalPeers
-from test_exchange import ZmqGroup, run_all
+from test_exchange import Libp2pCarrier, ZmqGroup, run_all
 from test_peer import ENV, assert_matches_virtual_swarm, summary
 
 
@@ -93,3 +97,44 @@ def test_nat_paths_on_loopback_train_like_the_virtual_swarm(tmp_path, bootstrap)
         expected = {str(pid): path_between(rank < 2, r < 2) for r, pid in others.items()}
         assert reach["per_peer"] == expected, (rank, reach, peers.log(rank)[-3000:])
     assert summary(peers, 2)["reach"]["tunnels"]["opened"] >= 2 and summary(peers, 3)["reach"]["tunnels"]["served"] >= 2
+
+
+
+@pytest.mark.slow
+def test_a_tunnel_hands_its_connection_over_to_new_streams_before_the_relays_time_limit_byte_exactly():
+    """A relay that cuts every stream after 5 s: a connection carrying bursts with quiet gaps (like
+    exchanges between inner steps) moves to a new stream before each cut, and not one byte is lost.
+    (A connection is handed over once quiet for a whole second past half the limit: between 2.5 s
+    and 5 s there is always such a second when bursts come every 2.5 s.)"""
+    from gossiploco.reach.tunnel import tunnel_stats
+
+    carrier = Libp2pCarrier(2, relay_limits=(64 << 20, 5.0))
+    server = socket.create_server(("127.0.0.1", carrier.ports[1]))
+    received = bytearray()
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            while chunk := conn.recv(1 << 16):
+                received.extend(chunk)
+
+    reader = threading.Thread(target=sink, daemon=True)
+    reader.start()
+    try:
+        host, port = carrier.views[0][1].removeprefix("tcp://").split(":")
+        sent = bytearray()
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            for burst in range(8):  # 8 bursts of 256 KiB, 2.5 s apart: 20 s, 4 relay limits
+                data = bytes([burst]) * (256 << 10)
+                conn.sendall(data)
+                sent.extend(data)
+                time.sleep(2.5)
+        reader.join(timeout=20)
+        assert bytes(received) == bytes(sent)
+        client, target = (node.run_coroutine(tunnel_stats) for node in carrier.nodes[1:])
+        relay = carrier.nodes[0].run_coroutine(tunnel_stats)
+        assert client["renewed"] >= 3 and target["resumed"] == client["renewed"], (client, target)
+        assert relay["limit_cuts"] == 0 and client["failed"] == 0, relay
+    finally:
+        server.close()
+        carrier.close()

@@ -194,7 +194,8 @@ def usable_maddrs(addresses: Sequence[str]) -> list[str]:
 def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] | None = None,
                     identity_file: Path | None = None, *, timeout_s: float = STARTUP_TIMEOUT_S,
                     swarm: SwarmKey | None = None, open_run: bool = False,
-                    join: Sequence[str] = ()) -> tuple[hivemind.DHT, list[str]]:
+                    join: Sequence[str] = (), relay_limits: tuple[float, float] | None = None
+                    ) -> tuple[hivemind.DHT, list[str]]:
     """Start a bootstrap DHT node without blocking on it; return it and its multiaddrs for ``--join``.
 
     The caller owns the returned ``hivemind.DHT`` and must ``shutdown()`` it. ``port`` 0 picks a
@@ -210,6 +211,7 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     that joins with another key learns at once that its key is wrong. ``open_run``: only signed
     records. Neither: any record (unit tests of the DHT mechanics). ``join``: bootstrap multiaddrs of
     a running swarm, for a second bootstrap node (and relay, ``gossiploco.reach.tunnel``).
+    ``relay_limits``: (bytes per direction, seconds) per relayed connection.
     """
     from hivemind.dht.routing import DHTID
     from hivemind.p2p import PeerID
@@ -227,7 +229,7 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
 
     signer = Identity.generate() if swarm is not None else None  # signs this node's beacon
     validator = SwarmRecordValidator(signer, swarm) if swarm is not None or open_run else None
-    dht = start_dht(initial_peers=check_initial_peers(join) if join else [], host_maddrs=[listen], announce_maddrs=announce, timeout_s=timeout_s,
+    dht = start_dht(initial_peers=check_initial_peers(join) if join else [], host_maddrs=[listen], relay_limits=relay_limits, announce_maddrs=announce, timeout_s=timeout_s,
                     identity_path=identity_path, node_id=node_id, record_validator=validator)
     try:
         addresses = usable_maddrs(visible_maddrs(dht, timeout_s))
@@ -277,7 +279,8 @@ def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:
 def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str] | None = None,
                     identity_file: Path | None = None, *, on_ready: Callable[[list[str]], None],
                     stop: threading.Event | None = None, swarm: SwarmKey | None = None,
-                    open_run: bool = False, join: Sequence[str] = ()) -> None:
+                    open_run: bool = False, join: Sequence[str] = (),
+                    relay_limits: tuple[float, float] | None = None) -> None:
     """Run a bootstrap node until ``stop`` is set or Ctrl+C; always shut it down before returning.
 
     ``on_ready(addresses)`` is called once the node is up, with multiaddrs ready to paste into
@@ -286,7 +289,8 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     reconnect to. Raises what ``start_bootstrap`` raises, and ``DirectoryError`` if the DHT process
     dies while serving. KeyboardInterrupt ends serving normally (no exception).
     """
-    dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run, join=join)
+    dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run, join=join,
+                                     relay_limits=relay_limits)
     stop = stop if stop is not None else threading.Event()
     peers_file = peers_file_for(Path(identity_file)) if identity_file is not None else None
     next_save = time.monotonic() + PEERS_SAVE_S

@@ -400,7 +400,8 @@ def check_announce_maddrs(announce_maddrs: Sequence[str] | None) -> list[str] | 
 
 def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
               timeout_s: float, identity_path: str | None = None, node_id: Any = None,
-              record_validator: Any = None, behind_nat: bool = False, relays: Sequence[str] = ()) -> hivemind.DHT:
+              record_validator: Any = None, behind_nat: bool = False, relays: Sequence[str] = (),
+              relay_limits: tuple[float, float] | None = None) -> hivemind.DHT:
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
     The process and its p2pd die with this process, even when it is SIGKILLed
@@ -408,7 +409,8 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     (``gossiploco.security.records.SwarmRecordValidator``; None: every record is accepted). Every
     node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client that
     stays connected to ``relays`` (multiaddrs with ``/p2p/``), through which others reach it
-    (``gossiploco.reach.tunnel``); any other node relays for members behind NAT.
+    (``gossiploco.reach.relay``); any other node relays for members behind NAT, each relayed
+    connection within ``relay_limits`` (bytes per direction, seconds; default ``relay.Limits``).
 
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
@@ -433,13 +435,14 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         from functools import partial
 
         from gossiploco.reach.dialback import serve_dialback
-        from gossiploco.reach.tunnel import keep_relays, serve_relay
+        from gossiploco.reach.relay import keep_relays, serve_relay
 
         dht.run_coroutine(serve_dialback, return_future=True).result(timeout=timeout_s)
         if behind_nat:
             dht.run_coroutine(partial(keep_relays, relays=list(relays)), return_future=True).result(timeout=timeout_s)
         else:
-            dht.run_coroutine(serve_relay, return_future=True).result(timeout=timeout_s)
+            limits = dict(zip(("data_bytes", "time_s"), relay_limits)) if relay_limits else {}
+            dht.run_coroutine(partial(serve_relay, **limits), return_future=True).result(timeout=timeout_s)
     except BaseException as exc:
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):

@@ -53,6 +53,8 @@ class Reach:
     """Relays (multiaddrs with ``/p2p/``) its libp2p daemon holds a reservation on (behind NAT)."""
     p2p: str = ""
     """The libp2p peer id of its DHT node."""
+    verified: bool = False
+    """A dial-back from another node proved ``reachable`` (else it is declared or assumed)."""
 
 
 class PathPlanner:

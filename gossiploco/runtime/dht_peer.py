@@ -69,7 +69,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
                              relays=relay_list)
     try:
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
-                      p2p=directory.run_in_node(libp2p_identity))
+                      p2p=directory.run_in_node(libp2p_identity), verified=found.checker is not None)
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
                            run_id=run_id, trust=trust, stream=stream, reach=reach)
     except BaseException:

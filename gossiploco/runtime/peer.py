@@ -282,13 +282,13 @@ class NetworkPeer:
         ex, t, directory = self.exchange, self.cfg.timeouts, self.directory
         assert directory is not None
         directory.confirm_swarm()  # a wrong swarm key stops here, with the reason
-        if not ex.check_reachable(t.hello_s):
+        if self.reach.reachable and not self.reach.verified and not ex.check_reachable(t.hello_s):
             host_port = self.endpoint.removeprefix("tcp://")
             raise ExchangeError(
                 f"peer {self.rank}: its advertised endpoint {self.endpoint} does not answer a ZeroMQ handshake "
                 f"within {t.hello_s:.0f}s. Other peers connect to it: make sure {host_port} is this machine's "
                 "address as others see it (pass --announce HOST with your public or LAN address), and that the "
-                "TCP port is open in the firewall (or forwarded by the NAT router); see README, 'Peers behind NAT'.")
+                "TCP port is open in the firewall (or forwarded by the NAT router); see README, 'Running across the internet'.")
         taken = directory.peers().get(self.rank)
         if taken is not None and taken.endpoint != self.endpoint:
             log.warning("rank %d: peer id %d was announced by %s (a previous run of this peer?); taking it over. "

@@ -1,0 +1,175 @@
+"""Byte pipes between asyncio streams: the raw splice a relay runs, and the framed carry of a
+tunnel, which can hand a connection over to a new stream without losing a byte.
+
+A tunnel carries one ZeroMQ connection over a sequence of libp2p streams (``reach.tunnel``). On a
+stream its bytes travel in frames (``FRAME``: a 4-byte big-endian length, then that many bytes); a
+frame of length 0 is ``END``: the sender will send nothing more on this stream. To renew a stream
+(before a relay's limits cut it, ``reach.relay.Limits``), the dialing side stops reading its local
+connection and sends ``END``; the other side, on ``END``, stops reading its own and answers
+``END``. Everything sent before either ``END`` has then been delivered, so both sides go on, over
+the next stream, from exactly where they stopped. A stream that breaks without ``END`` (a relay
+died) cannot be resumed: the local connection closes and ZeroMQ reconnects, a fault like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import struct
+import time
+from dataclasses import dataclass, field
+
+READ_BYTES = 1 << 18
+FRAME = struct.Struct(">I")
+MAX_FRAME = READ_BYTES
+END = FRAME.pack(0)
+RENEW_IDLE_S = 1.0
+QUIET_BYTES = 4096
+"""A connection due for renewal is handed over once it carried less than ``QUIET_BYTES`` each way in
+``RENEW_IDLE_S`` (between exchanges: ZeroMQ's heartbeats, a few dozen bytes a second, keep flowing)."""
+
+HANDOVER_S = 10.0
+"""How long a side waits for the other's ``END`` (or to drain its own) during a hand-over."""
+
+Pair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@dataclass
+class TunnelStats:
+    """Counters of one node's tunnels and relaying, for its peer's summary."""
+
+    opened: int = 0
+    served: int = 0
+    failed: int = 0
+    refused: int = 0
+    renewed: int = 0
+    resumed: int = 0
+    limit_cuts: int = 0
+    relayed: int = 0
+    active: int = 0
+    bytes: float = 0.0
+    last_error: str = ""
+    relays_used: dict[str, int] = field(default_factory=dict)
+
+
+STATS = TunnelStats()
+"""This process's counters (each DHT process has its own)."""
+
+
+def close(writer: asyncio.StreamWriter) -> None:
+    try:
+        writer.close()
+    except Exception:  # noqa: BLE001 - already closed by the other side
+        pass
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: list[float],
+                limit: float = math.inf) -> None:
+    """Copy until EOF, an error, or ``limit`` bytes; ``counter`` = [bytes]."""
+    try:
+        while counter[0] < limit:
+            data = await reader.read(int(min(READ_BYTES, max(1, limit - counter[0]))))
+            if not data:
+                break
+            writer.write(data)
+            await writer.drain()
+            counter[0] += len(data)
+    except (OSError, asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        close(writer)
+
+
+async def splice(a: Pair, b: Pair, *, data_limit: float = math.inf, time_limit: float = math.inf) -> None:
+    """A relay's raw copy both ways until one side ends or a limit (bytes per direction, seconds)
+    is reached; then both are closed."""
+    began = time.monotonic()
+    up, down = [0.0], [0.0]
+    tasks = [asyncio.ensure_future(_pipe(a[0], b[1], up, data_limit)),
+             asyncio.ensure_future(_pipe(b[0], a[1], down, data_limit))]
+    try:
+        timeout = None if math.isinf(time_limit) else time_limit
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done or max(up[0], down[0]) >= data_limit:
+            STATS.limit_cuts += 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        close(a[1])
+        close(b[1])
+        STATS.bytes += up[0] + down[0]
+
+
+async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] | None = None) -> bool:
+    """Carry ``local`` (a TCP connection to ZeroMQ) over ``stream`` in frames until one ends (False:
+    the caller closes ``local``) or the stream is handed over cleanly (True: ``local`` goes on over
+    the next stream). ``renew_after`` (bytes, seconds): on the dialing side, hand over once past
+    either and quiet (see the module docstring); the other side hands over when asked."""
+    began = time.monotonic()
+    pause = asyncio.Event()
+    moved = [0.0, 0.0]  # bytes up (local -> stream), down
+
+    async def up() -> str:
+        while True:
+            if pause.is_set():  # hand over: everything read so far is sent; say so
+                stream[1].write(END)
+                await stream[1].drain()
+                return "end"
+            read = asyncio.ensure_future(local[0].read(READ_BYTES))
+            paused = asyncio.ensure_future(pause.wait())
+            await asyncio.wait({read, paused}, return_when=asyncio.FIRST_COMPLETED)
+            paused.cancel()
+            if not read.done():  # cancelled while waiting, a read takes nothing from the connection
+                read.cancel()
+                continue
+            data = read.result()
+            if not data:
+                return "eof"
+            stream[1].write(FRAME.pack(len(data)) + data)
+            await stream[1].drain()
+            moved[0] += len(data)
+
+    async def down() -> str:
+        while True:
+            (size,) = FRAME.unpack(await stream[0].readexactly(FRAME.size))
+            if size == 0:
+                return "end"
+            if size > MAX_FRAME:
+                return "eof"  # not our framing: drop the connection
+            local[1].write(await stream[0].readexactly(size))
+            await local[1].drain()
+            moved[1] += size
+
+    ups, downs = asyncio.ensure_future(up()), asyncio.ensure_future(down())
+    seen = (0.0, 0.0)
+    try:
+        while True:
+            done, _ = await asyncio.wait({ups, downs}, timeout=RENEW_IDLE_S, return_when=asyncio.FIRST_COMPLETED)
+            if downs in done and _result(downs) == "end" and renew_after is None:
+                pause.set()  # the other side handed over: answer END once our side is drained
+                await asyncio.wait({ups}, timeout=HANDOVER_S)
+                return ups.done() and _result(ups) == "end"
+            if done and not (ups in done and _result(ups) == "end"):
+                return False  # EOF or an error on either side
+            if ups in done:  # we sent END; the other side's END follows what it sent before
+                await asyncio.wait({downs}, timeout=HANDOVER_S)
+                return downs.done() and _result(downs) == "end"
+            if renew_after is not None and not pause.is_set():
+                worn = max(moved) >= renew_after[0] or time.monotonic() - began >= renew_after[1]
+                quiet = moved[0] - seen[0] < QUIET_BYTES and moved[1] - seen[1] < QUIET_BYTES
+                seen = (moved[0], moved[1])
+                if worn and quiet:
+                    pause.set()
+    except (OSError, asyncio.IncompleteReadError, ConnectionError):
+        return False
+    finally:
+        for task in (ups, downs):
+            task.cancel()
+        STATS.bytes += moved[0] + moved[1]
+
+
+def _result(task: asyncio.Future) -> str:
+    """A pipe task's outcome; an exception (the stream or the connection broke) reads as EOF."""
+    if task.cancelled() or task.exception() is not None:
+        return "eof"
+    return task.result()

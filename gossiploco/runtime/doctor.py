@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 MIN_PYTHON = (3, 11)
-"""pyproject.toml says 3.10, but gossiploco.config imports tomllib (3.11+) at import time."""
+"""gossiploco.config reads presets with tomllib (Python 3.11+); pyproject.toml requires it too."""
 STACK = ("gossiploco", "hivemind", "pyzmq", "msgpack", "numpy", "pynacl", "typer")
 SKEW_WARN_S = 2.0
 SKEW_FAIL_S = 10.0
@@ -272,11 +272,7 @@ def check_reachability(join: Sequence[str], port: int, timeout_s: float,
                        reachability: Callable[..., Any] | None = None) -> list[Check]:
     """This peer's reachability and clock skew as a node of the swarm sees them."""
     if reachability is None:
-        try:
-            from gossiploco.reach.dialback import check_reachability as reachability
-        except ImportError as exc:
-            return [Check("reachability", "warn", f"not checked: this gossiploco cannot ({exc})", PIP_FIX),
-                    Check("clock", "skip", "not checked: no reachability checker")]
+        from gossiploco.reach.dialback import check_reachability as reachability
     try:
         # dialback's own bound is about 2 * timeout_s + its 3 s dial; this one only guards against a hang
         r = _bounded(lambda: reachability(split_join(join), port, timeout_s=timeout_s), 2 * timeout_s + 15)

@@ -294,7 +294,7 @@ def test_misuse_and_closed_directories_raise_clear_errors(swarm):
     with pytest.raises(DirectoryError, match="before announce"):
         a.update(round=1)
     a.announce(record(0))
-    with pytest.raises(TypeError, match="round and tokens only"):
+    with pytest.raises(TypeError, match="reverse, round, tokens only"):
         a.update(endpoint="tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="round must be in"):
         a.update(round=-5)

@@ -27,7 +27,7 @@ import pytest
 from conftest import tiny_config, tiny_peer_args, wait_until
 from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE
 from gossiploco.runtime.launch import LocalPeers
-from test_nat_testbed import REQUIRE_ENV, nt, require_netns  # noqa: F401 - REQUIRE_ENV documents the switch
+from test_nat_testbed import nt, require_netns
 from test_peer import ENV, assert_exit, assert_matches_virtual_swarm, model, relative_error, summary
 
 pytestmark = pytest.mark.slow
@@ -72,6 +72,22 @@ def start_dht_node(bed, host, out: Path, name: str, join: str | None = None,
     return proc, address()
 
 
+def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tuple[str, ...] = ()) -> tuple:
+    """A bootstrap node (and relay) on ``pub0`` and one peer per host of ``hosts``, run to the end;
+    returns the peers and their exit codes."""
+    from gossiploco.security.swarm_key import SwarmKey
+
+    SwarmKey.generate().save(tmp_path / "swarm.key")
+    boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap", extra=boot_extra)
+    try:
+        with NetnsPeers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
+            peers.start()
+            codes = peers.wait(300)
+    finally:
+        boot.terminate()
+    return peers, codes
+
+
 def paths_seen(peers: LocalPeers) -> dict[int, dict[str, str]]:
     return {rank: summary(peers, rank)["reach"]["per_peer"] for rank in range(peers.count)}
 
@@ -80,18 +96,8 @@ def paths_seen(peers: LocalPeers) -> dict[int, dict[str, str]]:
 def test_nat_two_reachable_and_two_natted_peers_train_like_the_simulator(tmp_path):
     require_netns()
     with nt.NatTestbed(public=3, homes=2, prefix="gnta") as bed:
-        from gossiploco.security.swarm_key import SwarmKey
-
-        SwarmKey.generate().save(tmp_path / "swarm.key")
-        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap")
         hosts = [bed.host("pub1"), bed.host("pub2"), bed.host("home0"), bed.host("home1")]
-        try:
-            with NetnsPeers(hosts, tmp_path, tiny_peer_args(PRESET), env=ENV, join=join,
-                            swarm_key=tmp_path / "swarm.key") as peers:
-                peers.start()
-                codes = peers.wait(300)
-        finally:
-            boot.terminate()
+        peers, codes = run_swarm(bed, tmp_path, hosts, tiny_peer_args(PRESET))
         assert_matches_virtual_swarm(peers, codes, PRESET)
         ids = {rank: peers.peer_id(rank) for rank in range(4)}
         for rank, seen in paths_seen(peers).items():
@@ -110,18 +116,7 @@ def test_nat_two_reachable_and_two_natted_peers_train_like_the_simulator(tmp_pat
 def test_nat_four_peers_behind_separate_routers_complete_through_one_relay(tmp_path):
     require_netns()
     with nt.NatTestbed(public=1, homes=4, prefix="gntb") as bed:
-        from gossiploco.security.swarm_key import SwarmKey
-
-        SwarmKey.generate().save(tmp_path / "swarm.key")
-        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap")
-        hosts = [bed.host(f"home{j}") for j in range(4)]
-        try:
-            with NetnsPeers(hosts, tmp_path, tiny_peer_args(PRESET), env=ENV, join=join,
-                            swarm_key=tmp_path / "swarm.key") as peers:
-                peers.start()
-                codes = peers.wait(300)
-        finally:
-            boot.terminate()
+        peers, codes = run_swarm(bed, tmp_path, [bed.host(f"home{j}") for j in range(4)], tiny_peer_args(PRESET))
         assert_exit(peers, codes, range(4))
         for rank, seen in paths_seen(peers).items():
             assert set(seen.values()) == {RELAYED}, (rank, seen)
@@ -184,18 +179,8 @@ def test_nat_relayed_connections_are_renewed_before_the_relays_limits_without_fa
     require_netns()
     overrides = {"inner_steps": 60, "rounds": 5, "inner.synthetic_step_s": 0.05, "monitor.every": 60}
     with nt.NatTestbed(public=1, homes=4, prefix="gntd") as bed:
-        from gossiploco.security.swarm_key import SwarmKey
-
-        SwarmKey.generate().save(tmp_path / "swarm.key")
-        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap", extra=("--relay-time-s", "5"))
-        hosts = [bed.host(f"home{j}") for j in range(4)]
-        try:
-            with NetnsPeers(hosts, tmp_path, tiny_peer_args(PRESET, **overrides), env=ENV, join=join,
-                            swarm_key=tmp_path / "swarm.key") as peers:
-                peers.start()
-                codes = peers.wait(300)
-        finally:
-            boot.terminate()
+        peers, codes = run_swarm(bed, tmp_path, [bed.host(f"home{j}") for j in range(4)],
+                                 tiny_peer_args(PRESET, **overrides), boot_extra=("--relay-time-s", "5"))
         assert_exit(peers, codes, range(4))
         renewed = 0
         for rank in range(4):

@@ -141,6 +141,10 @@ class Directory(ABC):
         ``DirectoryError`` when nothing is announced."""
 
     @abstractmethod
+    def publish_now(self) -> None:
+        """Make the current record visible now rather than at the next heartbeat (bounded by the deadline)."""
+
+    @abstractmethod
     def peers(self) -> dict[int, PeerRecord]:
         """The live records of this run by peer id, this peer's own included."""
 
@@ -272,22 +276,10 @@ class MemoryDirectory(Directory):
     def update(self, **fields: Any) -> None:
         with self._lock:
             self._record = self._updated_record(fields)
+            self.hub._put(self.run_id, self._record)
 
     def publish_now(self) -> None:
-        """Store the current record now instead of at the next heartbeat (bounded by the deadline)."""
-        self._publish()
-
-    def run_in_node(self, fn: Callable[[Any, Any], Any]) -> Any:
-        """Run ``fn(dht, node)`` (a picklable coroutine function) in the DHT process; its result.
-        Raises ``DirectoryError`` when it fails or takes longer than the deadline."""
-        try:
-            with self._dht_lock:
-                future = self._dht.run_coroutine(fn, return_future=True)
-            return future.result(timeout=self.timeout_s)
-        except Exception as exc:
-            raise DirectoryError(f"the DHT process could not run {getattr(fn, 'func', fn).__name__}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-            self.hub._put(self.run_id, self._record)
+        """Records are visible at once here: nothing to do."""
 
     def peers(self) -> dict[int, PeerRecord]:
         with self._lock:

@@ -83,7 +83,6 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, coun
 async def splice(a: Pair, b: Pair, *, data_limit: float = math.inf, time_limit: float = math.inf) -> None:
     """A relay's raw copy both ways until one side ends or a limit (bytes per direction, seconds)
     is reached; then both are closed."""
-    began = time.monotonic()
     up, down = [0.0], [0.0]
     tasks = [asyncio.ensure_future(_pipe(a[0], b[1], up, data_limit)),
              asyncio.ensure_future(_pipe(b[0], a[1], down, data_limit))]

@@ -138,3 +138,24 @@ def test_a_tunnel_hands_its_connection_over_to_new_streams_before_the_relays_tim
     finally:
         server.close()
         carrier.close()
+
+
+def test_deadlines_learned_from_direct_pairs_do_not_cut_exchanges_over_a_relay():
+    from gossiploco.transport.deadlines import AdaptiveDeadlines
+
+    deadlines = AdaptiveDeadlines(120.0, min_s=1.0, factor=4.0)
+    for _ in range(3):
+        deadlines.observe("mix2/0", 1.0)
+    assert deadlines.deadline_s("mix2/1") == 4.0
+    assert deadlines.deadline_s("mix2/1", "relayed") == 120.0  # nothing seen over a relay yet
+    for _ in range(3):
+        deadlines.observe("mix2/2", 9.0, "relayed")
+    assert deadlines.deadline_s("mix2/3", "relayed") == 36.0 and deadlines.deadline_s("mix2/3") == 4.0
+    g = ZmqGroup(4, 10.0)
+    try:
+        ex = g.exchanges[0]
+        ex.set_behind_nat({2, 3})
+        assert ex._path_class([0, 2]) == "" and ex._path_class([2, 3]) == "relayed"
+        assert ex._path_class([0, 2, 1, 3]) == "" and ex._path_class([0, 1, 2, 3]) == "relayed"  # the 2 -> 3 hop
+    finally:
+        g.close()

@@ -86,7 +86,7 @@ class Lead(_GroupCall):
         ready = node.ready.pop(self.key, set())
         gave_up = node.aborted.get(self.key, set())  # an early follower whose wait ran out: it does identity
         group = ring_order({node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up},
-                           node.behind_nat)
+                           node.behind_nat if node.order_rings else set())
         node.decided.put(self.key, (group, now))
         node.grouped.put(self.key, frozenset(group))
         left_out = sorted(set(self.view) - set(group))

@@ -94,8 +94,8 @@ class PathPlanner:
                 self.paths[peer] = path
             if path == DIRECT and not self.reach.reachable:
                 self._dial_offer(peer, record)
-        if self.topology_ring:
-            self.exchange.set_behind_nat({peer for peer, record in records.items() if not record.reachable})
+        self.exchange.set_behind_nat({peer for peer, record in records.items() if not record.reachable},
+                                     order_rings=self.topology_ring)
         offers = self.exchange.reverse_offers()
         if offers != self.published:
             self.published = offers

@@ -48,6 +48,7 @@ class TunnelStats:
     relayed: int = 0
     active: int = 0
     bytes: float = 0.0
+    """Payload bytes moved so far (both ways; counted as they move)."""
     last_error: str = ""
     relays_used: dict[str, int] = field(default_factory=dict)
 
@@ -74,6 +75,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, coun
             writer.write(data)
             await writer.drain()
             counter[0] += len(data)
+            STATS.bytes += len(data)
     except (OSError, asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
@@ -96,7 +98,6 @@ async def splice(a: Pair, b: Pair, *, data_limit: float = math.inf, time_limit: 
             task.cancel()
         close(a[1])
         close(b[1])
-        STATS.bytes += up[0] + down[0]
 
 
 async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] | None = None) -> bool:
@@ -127,6 +128,7 @@ async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] |
             stream[1].write(FRAME.pack(len(data)) + data)
             await stream[1].drain()
             moved[0] += len(data)
+            STATS.bytes += len(data)
 
     async def down() -> str:
         while True:
@@ -138,6 +140,7 @@ async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] |
             local[1].write(await stream[0].readexactly(size))
             await local[1].drain()
             moved[1] += size
+            STATS.bytes += size
 
     ups, downs = asyncio.ensure_future(up()), asyncio.ensure_future(down())
     seen = (0.0, 0.0)
@@ -164,7 +167,6 @@ async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] |
     finally:
         for task in (ups, downs):
             task.cancel()
-        STATS.bytes += moved[0] + moved[1]
 
 
 def _result(task: asyncio.Future) -> str:

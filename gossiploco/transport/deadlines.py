@@ -8,7 +8,10 @@ the last ``window`` successful calls, and gives the next call
     deadline = clamp(factor * max(recent durations), min_s, max_s)
 
 once ``warmup`` calls have been seen (``max_s`` before that). Kinds are kept apart because their
-payloads differ by orders of magnitude (a Mix2 subset is a fraction of Mix1's payload). The
+payloads differ by orders of magnitude (a Mix2 subset is a fraction of Mix1's payload); so are
+exchanges over a relay (``path="relayed"``: between two peers behind NAT, at half the relay's link
+and a few process hops more), which deadlines learned from direct pairs would cut off (measured:
+bench/results/reach.md). The
 maximum, not a mean, keeps one slow but healthy exchange in the window from being judged
 against fast ones. Settings live in ``[timeouts]`` (``exchange_s`` is ``max_s``,
 ``min_exchange_s``, ``adaptive_factor``).
@@ -40,15 +43,15 @@ class AdaptiveDeadlines:
         self._seen: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
 
-    def deadline_s(self, key: str) -> float:
-        """Seconds the next exchange ``key`` may take."""
+    def deadline_s(self, key: str, path: str = "") -> float:
+        """Seconds the next exchange ``key`` (over ``path``: "" or "relayed") may take."""
         with self._lock:
-            seen = self._seen.get(exchange_kind(key))
+            seen = self._seen.get(exchange_kind(key) + path)
             if seen is None or len(seen) < self.warmup:
                 return self.max_s
             return min(self.max_s, max(self.min_s, self.factor * max(seen)))
 
-    def observe(self, key: str, seconds: float) -> None:
-        """Record a successful exchange that took ``seconds``."""
+    def observe(self, key: str, seconds: float, path: str = "") -> None:
+        """Record a successful exchange that took ``seconds`` (over ``path``)."""
         with self._lock:
-            self._seen.setdefault(exchange_kind(key), deque(maxlen=self.window)).append(seconds)
+            self._seen.setdefault(exchange_kind(key) + path, deque(maxlen=self.window)).append(seconds)

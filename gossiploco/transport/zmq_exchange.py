@@ -187,9 +187,11 @@ class ZmqExchange(Exchange):
             raise ValueError(f"partner {partner} is not a known peer")
         began = time.monotonic()
         mine = flat.detach().reshape(-1).to(torch.float32)
-        call = Swap(key, self.rank, partner, mine, self._node.chunk_elems, began, began + self.deadlines.deadline_s(key))
+        path = self._path_class([self.rank, partner])
+        call = Swap(key, self.rank, partner, mine, self._node.chunk_elems, began,
+                    began + self.deadlines.deadline_s(key, path))
         result = self._run(call)
-        self.deadlines.observe(key, time.monotonic() - began)
+        self.deadlines.observe(key, time.monotonic() - began, path)
         return result.reshape(flat.shape)
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
@@ -210,8 +212,9 @@ class ZmqExchange(Exchange):
         if len(members) == 1:
             return acc.view(flat.shape)
         began = time.monotonic()
+        path = self._path_class(members)
         call = RingAllReduce(key, self.rank, members, acc, self._node.chunk_elems, began,
-                             began + self.deadlines.deadline_s(key))
+                             began + self.deadlines.deadline_s(key, path))
         # Chunks go out zero-copy (zmq reads them from ``acc``): a segment is overwritten only
         # after zmq released the sends that read it, and ``acc`` is divided only at the end.
         in_flight: dict[int, list[zmq.MessageTracker]] = {}
@@ -226,7 +229,7 @@ class ZmqExchange(Exchange):
                 self._sockets.wait_sent(trackers, call.deadline, call.what)
 
         result = self._run(call, in_flight=in_flight, before_feed=before_feed, before_outcome=release_all)
-        self.deadlines.observe(key, time.monotonic() - began)
+        self.deadlines.observe(key, time.monotonic() - began, path)
         return result.view(flat.shape)
 
     def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:
@@ -305,10 +308,19 @@ class ZmqExchange(Exchange):
         with self._cond:
             return tuple(sorted((peer, *ports) for peer, ports in self._sockets.offers.items()))
 
-    def set_behind_nat(self, peers: set[int]) -> None:
-        """The peers behind NAT, for the ring order of groups this peer leads (``agreement.ring_order``)."""
+    def set_behind_nat(self, peers: set[int], order_rings: bool = True) -> None:
+        """The peers behind NAT: for the ring order of groups this peer leads (``agreement.ring_order``;
+        ``order_rings=False``: by id), and for the deadlines of exchanges over a relay (``_path_class``)."""
         with self._cond:
             self._node.behind_nat = set(peers)
+            self._node.order_rings = order_rings
+
+    def _path_class(self, ring: Sequence[int]) -> str:
+        """"relayed" when two neighbours of ``ring`` (a swap's pair, or a ring in its order) are both
+        behind NAT, so their hop goes through a relay; else "" (direct and reverse are alike)."""
+        nat = self._node.behind_nat
+        n = len(ring)
+        return "relayed" if any(ring[i] in nat and ring[(i + 1) % n] in nat for i in range(n) if n > 1) else ""
 
     def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> None:
         """This peer is behind NAT and ``peer`` offers it a reverse connection: its ROUTER dials

@@ -261,13 +261,15 @@ class ZmqExchange(Exchange):
 
     # -- membership --------------------------------------------------------------------------------
 
-    def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False) -> bool:
+    def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False,
+                 relayed: bool = False) -> bool:
         """Connect to ``peer`` at ``endpoint`` (a peer found by discovery); it stays pending until its
         hello (a probe goes out once its connection is up). A known peer at a new endpoint (it
         restarted elsewhere) or on a new path is reconnected. ``key``: the peer's Curve25519 public key, from its
         signed record (required with ``trust``; it must be the key of id ``peer``). ``listen``: a
         reverse connection (``peer`` is behind NAT): listen on ports of this peer's host for it to
-        dial (``reverse_offers``) instead of dialing ``endpoint``. Returns True if anything changed."""
+        dial (``reverse_offers``) instead of dialing ``endpoint``. ``relayed``: ``endpoint`` is a
+        tunnel through a relay (a longer heartbeat timeout, ``ZmqSockets.connect``). Returns True if anything changed."""
         if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
             return False
         if self.trust is not None:
@@ -286,7 +288,7 @@ class ZmqExchange(Exchange):
             self._node.add_peer(peer)
             where = self._listen_address() if listen else None
             if old is None:
-                self._sockets.connect(peer, endpoint, key, listen=where)
+                self._sockets.connect(peer, endpoint, key, listen=where, relayed=relayed)
         if old is not None:
             self._sockets.reattach(peer, old, endpoint, where)
             log.info("rank %d: peer %d moved from %s to %s%s", self.rank, peer, old, endpoint,

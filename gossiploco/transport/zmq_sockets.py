@@ -43,6 +43,9 @@ HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
 queued on the connection, so it must exceed the time one chunk takes on the slowest link: a
 4 MiB chunk needs 0.7 s at 50 Mbit/s but over 5 s below about 7 Mbit/s."""
+RELAYED_HEARTBEAT_FACTOR = 4
+"""Measured (bench/results/reach.md): a 4 MiB chunk through a relay whose link is 12.5 Mbit/s took
+longer than the default 5 s, and every relayed Mix2 then lost its connection."""
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
@@ -167,18 +170,22 @@ class ZmqSockets:
             secure_client(sock, self.trust, server_key)
         return sock
 
-    def connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None = None) -> None:
+    def connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None = None,
+                relayed: bool = False) -> None:
         """A data DEALER to ``peer`` with its monitor, and a control DEALER. ``server_key``: the
         peer's Curve25519 public key (from its signed record, or derived), which is also admitted
         to this peer's ROUTER as ``peer``'s; None only without ``trust``. ``listen``
         (``tcp://HOST:0``): instead of dialing ``endpoint``, both DEALERs listen there for ``peer``'s
-        ROUTER to dial them (a reverse connection, ``gossiploco.reach.paths``; see ``offers``)."""
+        ROUTER to dial them (a reverse connection, ``gossiploco.reach.paths``; see ``offers``).
+        ``relayed``: the connection goes through a relay, where it gets half the relay's link at
+        best, so a chunk takes longer than on a direct link: its heartbeat timeout is
+        ``RELAYED_HEARTBEAT_FACTOR`` times longer (see ``HEARTBEAT_TIMEOUT_MS``)."""
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
         dealer = self._client(server_key, control=False)
         dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
         dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
         # TCP connections, but only a live peer completes the handshake.
         monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)

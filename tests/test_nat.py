@@ -11,7 +11,9 @@ same single command everywhere, reachability found by the dial-back check), in i
 (c) a relay that dies mid-run: the relayed streams fail over to the other relay (or the exchange
     falls back like any other fault); no round stalls beyond the deadline, and every peer finishes;
 (d) a relay whose limits cut every relayed connection after 5 s: the peers hand theirs over to new
-    streams between exchanges, and no exchange fails.
+    streams between exchanges, and no exchange fails;
+(e) a reachable peer whose firewall opens its data and DHT ports only (like one forwarded port):
+    the peers behind NAT cannot dial its reverse connections, so it relays to them instead.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ PRESET = "globalm1-localm2"
 class NetnsPeers(LocalPeers):
     """``LocalPeers`` whose peer ``rank`` runs in the namespace of ``hosts[rank]``, listening on its address."""
 
-    def __init__(self, hosts: list, *args, **kwargs):
+    def __init__(self, hosts: list, *args, extra: dict[int, list[str]] | None = None, **kwargs):
         self.hosts = hosts
-        per_rank = {rank: ["--host", host.address] for rank, host in enumerate(hosts)}
+        per_rank = {rank: ["--host", host.address, *(extra or {}).get(rank, [])] for rank, host in enumerate(hosts)}
         super().__init__(len(hosts), *args, per_rank=per_rank, **kwargs)
 
     def command(self, rank: int) -> list[str]:
@@ -72,7 +74,8 @@ def start_dht_node(bed, host, out: Path, name: str, join: str | None = None,
     return proc, address()
 
 
-def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tuple[str, ...] = ()) -> tuple:
+def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tuple[str, ...] = (),
+              extra: dict[int, list[str]] | None = None) -> tuple:
     """A bootstrap node (and relay) on ``pub0`` and one peer per host of ``hosts``, run to the end;
     returns the peers and their exit codes."""
     from gossiploco.security.swarm_key import SwarmKey
@@ -80,7 +83,8 @@ def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tup
     SwarmKey.generate().save(tmp_path / "swarm.key")
     boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap", extra=boot_extra)
     try:
-        with NetnsPeers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
+        with NetnsPeers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key",
+                        extra=extra) as peers:
             peers.start()
             codes = peers.wait(300)
     finally:
@@ -189,3 +193,25 @@ def test_nat_relayed_connections_are_renewed_before_the_relays_limits_without_fa
             assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
             renewed += s["reach"]["tunnels"]["renewed"]
         assert renewed >= 8, renewed
+
+
+@pytest.mark.timeout(420)
+def test_nat_a_peer_reachable_on_its_data_port_only_relays_to_natted_peers_instead(tmp_path):
+    require_netns()
+    with nt.NatTestbed(public=3, homes=2, prefix="gnte") as bed:
+        firewall = ("table inet gnte {\n chain input {\n  type filter hook input priority 0; policy drop;\n"
+                    "  ct state established,related accept\n  iif lo accept\n  tcp dport { 7000, 7001 } accept\n }\n}\n")
+        subprocess.run([*bed.host("pub1").exec_prefix(), "nft", "-f", "-"], input=firewall, text=True, check=True,
+                       timeout=10)
+        hosts = [bed.host("pub1"), bed.host("pub2"), bed.host("home0"), bed.host("home1")]
+        args = tiny_peer_args(PRESET, **{"rounds": 6, "inner.synthetic_step_s": 0.5, "monitor.every": 4})
+        peers, codes = run_swarm(bed, tmp_path, hosts, args, extra={0: ["--port", "7000", "--dht-port", "7001"]})
+        assert_exit(peers, codes, range(4))
+        ids = {rank: peers.peer_id(rank) for rank in range(4)}
+        first = summary(peers, 0)["reach"]
+        assert first["reachable"] and first["reverse_fell_back"] == sorted([ids[2], ids[3]]), first
+        assert first["per_peer"] == {str(ids[1]): DIRECT, str(ids[2]): RELAYED, str(ids[3]): RELAYED}, first
+        assert summary(peers, 1)["reach"]["reverse_fell_back"] == []
+        for rank in range(4):
+            s = summary(peers, rank)
+            assert s["final_model"] == "averaged", s

@@ -9,6 +9,8 @@ A message from peer A to peer B needs a connection that reaches B's ROUTER:
   do not depend on who dialed, so authentication is unchanged).
 * ``relayed``: neither is reachable; A's DEALERs dial a local port of A's DHT process, which carries
   each connection as a libp2p stream through one of B's relays to B's ROUTER (``reach.tunnel``).
+  Also the fallback of a reverse connection that does not come up within ``REVERSE_WAIT_S`` (A is
+  reachable on its data port only, e.g. one forwarded port, so B cannot dial the offered ports).
   hivemind's p2pd has no hole punching (``p2pd -h`` offers no such option), so this is the only
   path between two peers behind NAT.
 
@@ -18,6 +20,7 @@ Every pair's path is logged once when chosen and again when it changes, and coun
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +32,9 @@ from gossiploco.membership.record import PeerRecord
 log = logging.getLogger(__name__)
 
 DIRECT, REVERSE, RELAYED = "direct", "reverse", "relayed"
+REVERSE_WAIT_S = 20.0
+"""How long a reverse connection may take to come up (the NAT'd peer must first read our record)
+before this peer relays to that peer instead."""
 
 
 def path_between(sender_reachable: bool, receiver_reachable: bool) -> str:
@@ -65,8 +71,13 @@ class PathPlanner:
     """
 
     def __init__(self, rank: int, reach: Reach, exchange: Any, run_in_node: Callable[[Any], Any] | None,
-                 topology_ring: bool = True):
+                 topology_ring: bool = True, reverse_wait_s: float = REVERSE_WAIT_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.rank, self.reach, self.exchange, self.run_in_node = rank, reach, exchange, run_in_node
+        self.reverse_wait_s, self.clock = reverse_wait_s, clock
+        self._reverse_since: dict[int, float] = {}
+        self.fell_back: set[int] = set()
+        """Peers whose reverse connection never came up: relayed instead."""
         self.topology_ring = topology_ring
         """Tell the exchange who is behind NAT, so that rings keep them apart (``agreement.ring_order``)."""
         self.paths: dict[int, str] = {}
@@ -83,7 +94,7 @@ class PathPlanner:
         for peer, record in sorted(records.items()):
             if peer == self.rank:
                 continue
-            path = path_between(self.reach.reachable, record.reachable)
+            path = self._fallback(peer, path_between(self.reach.reachable, record.reachable))
             endpoint = self._tunnel(peer, record) if path == RELAYED else record.endpoint
             if endpoint is None:
                 continue
@@ -102,10 +113,30 @@ class PathPlanner:
             return offers
         return None
 
+    def _fallback(self, peer: int, path: str) -> str:
+        """``path``, or relayed for a reverse connection that has not come up in ``reverse_wait_s``."""
+        if path != REVERSE:
+            return path
+        if peer in self.fell_back:
+            return RELAYED
+        since = self._reverse_since.setdefault(peer, self.clock())
+        if peer in self.exchange.connected():
+            return path
+        if self.clock() - since < self.reverse_wait_s:
+            return path
+        self.fell_back.add(peer)
+        log.warning("rank %d: peer %d did not dial its reverse connection within %.0f s (are this peer's "
+                    "ephemeral ports closed, e.g. only --port forwarded?); relaying to it instead",
+                    self.rank, peer, self.reverse_wait_s)
+        return RELAYED
+
     def _dial_offer(self, peer: int, record: PeerRecord) -> None:
-        """``peer`` is reachable and this peer is not: dial the ports it offers this peer (if any yet)."""
+        """``peer`` is reachable and this peer is not: dial the ports it offers this peer (if any yet;
+        none any more: stop dialing)."""
         ports = record.reverse_for(self.rank)
         if ports is None:
+            if self._dialed.pop(peer, None):
+                self.exchange.dial_reverse(peer, ())
             return
         endpoints = tuple(f"tcp://{record.host}:{port}" for port in ports)
         if self._dialed.get(peer) != endpoints:
@@ -136,6 +167,7 @@ class PathPlanner:
         """The paths in use, for the peer's summary."""
         in_use = Counter(self.paths.values())
         return {"reachable": self.reach.reachable, "paths": dict(in_use), "path_changes": dict(self.counts),
+                "reverse_fell_back": sorted(self.fell_back),
                 "unconnectable": sorted(self.unconnectable), "per_peer": {str(p): k for p, k in sorted(self.paths.items())}}
 
 

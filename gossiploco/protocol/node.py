@@ -92,11 +92,11 @@ class PeerNode:
         """The round this peer is in (set by its owner; -1 before the first); told to peers in hellos and decisions."""
         self.closed = False
         self.broken: str | None = None
+        """Why the carrier under this node died (a driver thread crashed); every call then fails with it."""
         self.behind_nat: set[int] = set()
         """Peers known to be behind NAT (their records say so): a group this peer leads is ordered
         by ``agreement.ring_order`` to keep them apart in the ring (when ``order_rings``)."""
         self.order_rings = True
-        """Why the carrier under this node died (a driver thread crashed); every call then fails with it."""
         self.ready: Records[str, set[int]] = Records()
         self.decided: Records[str, tuple[list[int], float]] = Records()  # key -> (group, when decided)
         self.told: Records[str, tuple[int, tuple[int, ...]]] = Records()

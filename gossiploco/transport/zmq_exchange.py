@@ -5,7 +5,9 @@ lives in ``gossiploco.protocol`` as sans-I/O state machines; this module turns s
 ``time.monotonic()`` into its events and carries out its actions.
 
 Sockets (``zmq_sockets``): a ROUTER per peer, and per other peer a data DEALER with a monitor
-and a control DEALER (``Ready``, ``Decision``, ``Abort``: never behind megabytes of data). With
+and a control DEALER (``Ready``, ``Decision``, ``Abort``: never behind megabytes of data). For a
+peer behind NAT the DEALERs listen instead of dialing and that peer's ROUTER dials them
+(``add_peer(listen=True)``, ``dial_reverse``: reverse connections, ``gossiploco.reach.paths``). With
 ``trust`` every socket is CurveZMQ and only members' keys get in (``zmq_auth``); a message's
 claimed sender must match the routing id of the connection it came on and the peer its key
 authenticated, and each peer is pinned to one process at a time (``_check_incarnation``).
@@ -539,7 +541,10 @@ class ZmqExchange(Exchange):
             except zmq.ZMQError:
                 pass
         for endpoint in endpoints:
-            router.connect(endpoint)
+            try:
+                router.connect(endpoint)
+            except zmq.ZMQError as exc:  # an endpoint zmq refuses: that peer stays unreachable, the rest goes on
+                log.warning("rank %d: cannot dial peer %d's reverse connection at %s: %s", self.rank, peer, endpoint, exc)
         self._dialed[peer] = endpoints
 
     def _drain_router(self) -> None:

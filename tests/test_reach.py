@@ -159,3 +159,43 @@ def test_deadlines_learned_from_direct_pairs_do_not_cut_exchanges_over_a_relay()
         assert ex._path_class([0, 2, 1, 3]) == "" and ex._path_class([0, 1, 2, 3]) == "relayed"  # the 2 -> 3 hop
     finally:
         g.close()
+
+
+def test_a_reverse_connection_that_never_comes_up_falls_back_to_the_relay_but_one_that_worked_stays():
+    from gossiploco.membership.record import PeerRecord
+    from gossiploco.reach.paths import PathPlanner, Reach
+
+    class FakeExchange:
+        def __init__(self):
+            self.up, self.added = set(), {}
+
+        def add_peer(self, peer, endpoint, key, *, listen, relayed):
+            self.added[peer] = (endpoint, listen, relayed)
+
+        def connected(self):
+            return sorted(self.up)
+
+        def set_behind_nat(self, peers, order_rings):
+            pass
+
+        def reverse_offers(self):
+            return ()
+
+    now = [0.0]
+    relay = "/ip4/10.88.0.10/tcp/4100/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
+    nat = {p: PeerRecord(p, f"tcp://192.168.{p}.2:7000", 0, 0, reachable=False, p2p=relay.rsplit("/", 1)[1],
+                         relays=(relay,)) for p in (5, 6)}
+    ex = FakeExchange()
+    planner = PathPlanner(1, Reach(reachable=True), ex, run_in_node=lambda fn: 41000, reverse_wait_s=20.0,
+                          clock=lambda: now[0])
+    planner.sync(nat)
+    assert ex.added[5][1] and ex.added[6][1]  # both offered a reverse connection
+    ex.up.add(5)
+    now[0] = 10.0
+    planner.sync(nat)
+    ex.up.discard(5)  # 5's connection drops later: a fault, not a reason to change its path
+    now[0] = 25.0
+    planner.sync(nat)
+    assert ex.added[5] == ("tcp://192.168.5.2:7000", True, False)
+    assert ex.added[6] == ("tcp://127.0.0.1:41000", False, True) and planner.fell_back == {6}
+    assert planner.summary()["per_peer"] == {"5": "reverse", "6": "relayed"}

@@ -56,7 +56,7 @@ class Reach:
 
     reachable: bool = True
     relays: tuple[str, ...] = ()
-    """Relays (multiaddrs with ``/p2p/``) its libp2p daemon holds a reservation on (behind NAT)."""
+    """Relays (multiaddrs with ``/p2p/``) it keeps connected to, through which others reach it (behind NAT)."""
     p2p: str = ""
     """The libp2p peer id of its DHT node."""
     verified: bool = False
@@ -75,7 +75,7 @@ class PathPlanner:
                  clock: Callable[[], float] = time.monotonic):
         self.rank, self.reach, self.exchange, self.run_in_node = rank, reach, exchange, run_in_node
         self.reverse_wait_s, self.clock = reverse_wait_s, clock
-        self._reverse_since: dict[int, float] = {}
+        self._reverse_since: dict[int, float] = {}  # peer -> when its reverse connection was offered; -1: it came up
         self.fell_back: set[int] = set()
         """Peers whose reverse connection never came up: relayed instead."""
         self.topology_ring = topology_ring
@@ -120,7 +120,8 @@ class PathPlanner:
         if peer in self.fell_back:
             return RELAYED
         since = self._reverse_since.setdefault(peer, self.clock())
-        if peer in self.exchange.connected():
+        if since < 0 or peer in self.exchange.connected():
+            self._reverse_since[peer] = -1.0  # it came up once: it works (a later drop is a fault, not a path)
             return path
         if self.clock() - since < self.reverse_wait_s:
             return path

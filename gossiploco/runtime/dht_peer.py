@@ -39,7 +39,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     First it finds out whether others can dial its data port (``reachability``: see
     ``find_reachability``), prints it, and publishes it: a reachable peer without ``--announce``
     advertises the address the checker reached; a peer behind NAT runs its DHT node as a client
-    holding relay reservations on ``relays`` (default: the ``join`` nodes) and is reached by reverse
+    connected to its ``relays`` (default: the ``join`` nodes) and is reached by reverse
     connections and relayed streams (``gossiploco.reach.paths``)."""
     t = cfg.timeouts
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]

@@ -7,7 +7,8 @@ same single command everywhere, reachability found by the dial-back check), in i
 
 (a) 2 reachable + 2 NAT'd: direct, reverse and relayed paths in use, every round mixes, and every
     peer's model equals the virtual swarm's (``gossiploco simulate``) within the cross-backend tolerance;
-(b) 4 peers each behind its own router, one reachable relay (the bootstrap node): the run completes;
+(b) 4 peers each behind its own router (two of them also behind a carrier-grade NAT), one reachable
+    relay (the bootstrap node): the run completes;
 (c) a relay that dies mid-run: the relayed streams fail over to the other relay (or the exchange
     falls back like any other fault); no round stalls beyond the deadline, and every peer finishes;
 (d) a relay whose limits cut every relayed connection after 5 s: the peers hand theirs over to new
@@ -119,7 +120,7 @@ def test_nat_two_reachable_and_two_natted_peers_train_like_the_simulator(tmp_pat
 @pytest.mark.timeout(420)
 def test_nat_four_peers_behind_separate_routers_complete_through_one_relay(tmp_path):
     require_netns()
-    with nt.NatTestbed(public=1, homes=4, prefix="gntb") as bed:
+    with nt.NatTestbed(public=1, homes=4, cgnat_homes=2, prefix="gntb") as bed:  # two of them behind a CGNAT too
         peers, codes = run_swarm(bed, tmp_path, [bed.host(f"home{j}") for j in range(4)], tiny_peer_args(PRESET))
         assert_exit(peers, codes, range(4))
         for rank, seen in paths_seen(peers).items():

@@ -209,6 +209,7 @@ def doctor_cli(*args, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # a command-line run in a subprocess
 def test_cli_json_without_join():
     proc = doctor_cli()
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -219,6 +220,7 @@ def test_cli_json_without_join():
     assert names["dht bootstrap"] == "skip" and "FAIL" not in names.values()
 
 
+@pytest.mark.slow  # a command-line run in a subprocess
 def test_cli_json_with_join(bootstrap):
     started = time.monotonic()
     proc = doctor_cli("--join", bootstrap.address, "--swarm-key", str(bootstrap.swarm_key), "--host", "127.0.0.1")
@@ -229,6 +231,7 @@ def test_cli_json_with_join(bootstrap):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # a command-line run in a subprocess
 def test_cli_unreachable_join_exits_1_with_a_fix():
     started = time.monotonic()
     proc = doctor_cli("--join", f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{SOME_PEER_ID}", "--timeout", "3")

@@ -29,6 +29,8 @@ if str(ROOT) not in sys.path:
 
 from bench import nat_testbed as nt  # noqa: E402
 
+pytestmark = pytest.mark.slow  # network namespaces (the quick subset leaves them out)
+
 PROBLEM = nt.nat_preflight()
 REQUIRE_ENV = "GOSSIPLOCO_REQUIRE_NETNS"
 PREFIX = f"gnt{os.getpid() % 10**6}"

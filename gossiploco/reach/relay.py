@@ -1,9 +1,10 @@
 """Relays for peers behind NAT: a reachable node splices a stream from one member to another.
 
 Why not libp2p's circuit relay v2: hivemind 1.1.12's p2pd reserves a relay slot only through
-autorelay, which waits for 4 relay candidates or a 3-minute boot delay before reserving (measured
-in the NAT testbed: ``NO_RESERVATION (204)`` for the first minutes with one static relay), and it
-offers no hole punching (``p2pd -h`` has no such option). This relay needs nothing of the daemon
+autorelay, which waits for 4 relay candidates or a boot delay (3 minutes by go-libp2p's default)
+before reserving: in the NAT testbed, with one static relay, a daemon forced "private" had no circuit
+address after 20 s and dialing it through the relay failed with ``NO_RESERVATION (204)``. The daemon
+offers no hole punching either (``p2pd -h`` has no such option). This relay needs nothing of the daemon
 but streams: a member behind NAT keeps a connection open to each of its relays (``keep_relays``;
 it dials out, so that works through any NAT), and a relay opens streams to it over that connection.
 

@@ -56,6 +56,7 @@ import select
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +64,7 @@ if __name__ == "__main__":  # run as a script: make `bench.netem` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.netem import (PREFIX_RE, Unavailable, list_namespaces, preflight, prefix_lock,  # noqa: E402
-                         remove_namespaces, sh, shape_links)
+                         remove_namespaces, sh, shape_links, tail)
 
 DEFAULT_PREFIX = "gnat"
 NS_SUFFIX = r"net|cgn|pub\d+|rtr\d+|home\d+"
@@ -387,6 +388,47 @@ class NatTestbed:
         from, or None when the connection failed."""
         answer = self._connect(src, dst_address, port, timeout_s, read=True)
         return answer.split()[0] if answer else None
+
+
+# -- gossiploco processes in the testbed ----------------------------------------------------------
+
+DHT_PORT = 4100
+"""The TCP port of the ``gossiploco dht`` nodes started here."""
+
+
+def netns_peers(hosts: list[Host], out_dir: Path, args: list[str], *, extra: dict[int, list[str]] | None = None,
+                **kwargs):
+    """``gossiploco.runtime.launch.LocalPeers`` whose peer ``rank`` runs in ``hosts[rank]``'s namespace,
+    listening on its address; ``extra``: more ``gossiploco peer`` arguments per rank."""
+    from gossiploco.runtime.launch import LocalPeers
+
+    class NetnsPeers(LocalPeers):
+        def command(self, rank: int) -> list[str]:
+            return [*hosts[rank].exec_prefix(), *super().command(rank)]
+
+    per_rank = {rank: ["--host", host.address, *(extra or {}).get(rank, [])] for rank, host in enumerate(hosts)}
+    return NetnsPeers(len(hosts), out_dir, args, per_rank=per_rank, **kwargs)
+
+
+def start_dht_node(bed: NatTestbed, host: Host, out: Path, name: str = "bootstrap", *, join: str | None = None,
+                   extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                   timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """``gossiploco dht`` in ``host``'s namespace with the run's key ``out/swarm.key`` (a bootstrap node
+    and relay; with ``join`` a second node of the same DHT); returns it and its ``--join`` multiaddr.
+    Raises ``RuntimeError`` with its log's tail if it exits or prints no address within ``timeout_s``."""
+    cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host.address, "--port", str(DHT_PORT),
+           "--swarm-key", str(out / "swarm.key"), *extra, *(["--join", join] if join else [])]
+    log = out / f"{name}.log"
+    proc = bed.popen(host, cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                     env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for word in log.read_text(errors="replace").split():
+            if word.startswith(f"/ip4/{host.address}/tcp/{DHT_PORT}/p2p/"):
+                return proc, word.strip(",'\"")
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{name} ({host.name}) printed no address within {timeout_s:g} s:\n{tail(log)}")
 
 
 def main(argv: list[str] | None = None) -> int:

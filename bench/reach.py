@@ -37,7 +37,6 @@ import logging
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,13 +44,14 @@ from pathlib import Path
 if __name__ == "__main__":  # run as a script: make `bench.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.nat_testbed import NatTestbed, NatUnavailable, nat_preflight  # noqa: E402
+from bench.nat_testbed import (NatTestbed, NatUnavailable, nat_preflight, netns_peers,  # noqa: E402
+                               start_dht_node)
 from bench.netem import Group, child_env, predict, preset_overrides, read_peer, sh, tail  # noqa: E402
 
 SELF = Path(__file__).resolve()
 ROOT = SELF.parent.parent
 PAIRS = {"direct": ("pub1", "pub2"), "reverse": ("pub1", "home0"), "relayed": ("home0", "home1")}
-RELAY, DHT_PORT, PRESET = "pub0", 4100, "globalm1-localm2"
+RELAY, PRESET = "pub0", "globalm1-localm2"
 SWARM_HOSTS = ("pub1", "pub2", "home0", "home1")
 
 
@@ -148,21 +148,6 @@ def probe(args: argparse.Namespace) -> int:
 # -- orchestration -------------------------------------------------------------------------------
 
 
-def start_bootstrap(bed: NatTestbed, out: Path, timeout_s: float = 90.0) -> str:
-    """``gossiploco dht`` on RELAY with the run's swarm key; its ``--join`` multiaddr."""
-    host, log = bed.host(RELAY), out / "bootstrap.log"
-    proc = bed.popen(host, [sys.executable, "-m", "gossiploco", "dht", "--host", host.address, "--port", str(DHT_PORT),
-                            "--swarm-key", str(out / "swarm.key")], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                     env=child_env(), cwd=ROOT)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        for word in log.read_text(errors="replace").split():
-            if word.startswith(f"/ip4/{host.address}/tcp/{DHT_PORT}/p2p/"):
-                return word.strip(",'\"")
-        time.sleep(0.2)
-    raise RuntimeError(f"bootstrap did not print its address within {timeout_s:g} s:\n{tail(log)}")
-
-
 def measure_pair(bed: NatTestbed, out: Path, join: str, path: str, rate: float, args: argparse.Namespace) -> dict:
     from gossiploco.security.options import ordered_identities
 
@@ -206,17 +191,6 @@ def measure_pair(bed: NatTestbed, out: Path, join: str, path: str, rate: float, 
     res["cpu_s_per_gb"] = res["cpu_s"] / gb
     res["net_cpu_s_per_gb"] = (res["cpu_s"] - sum(idle_by_ns[n] for n in on_path)) / gb
     return res
-
-
-def netns_peers(hosts: list, *args, **kwargs):
-    """``LocalPeers`` (gossiploco.runtime.launch) with peer ``rank`` in ``hosts[rank]``'s namespace (as tests/test_nat.py)."""
-    from gossiploco.runtime.launch import LocalPeers
-
-    class NetnsPeers(LocalPeers):
-        def command(self, rank: int) -> list[str]:
-            return [*hosts[rank].exec_prefix(), *super().command(rank)]
-
-    return NetnsPeers(len(hosts), *args, per_rank={r: ["--host", h.address] for r, h in enumerate(hosts)}, **kwargs)
 
 
 def swarm_prediction(cfg, rate: float, step_s: float, ids: list[int]) -> dict:
@@ -333,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
             SwarmKey.generate().save(out / "swarm.key")
             if args.relay_rate:  # a busy relay: its link slower than the peers'
                 bed.shape(bed.host(RELAY), args.relay_rate)
-            join = start_bootstrap(bed, out)
+            join = start_dht_node(bed, bed.host(RELAY), out, env=child_env())[1]
             for path in args.paths:
                 print(f"[{time.strftime('%H:%M:%S')}] {path} at {rate:g} Mbit/s ...", flush=True)
                 results["pairs"].append(measure_pair(bed, out, join, path, rate, args))

@@ -17,15 +17,10 @@ from gossiploco.cli import app
 from gossiploco.reach.dialback import Reachability
 from gossiploco.runtime import doctor
 from gossiploco.runtime.doctor import Check
+from gossiploco.runtime.launch import free_ports
 
 # A well-formed libp2p peer id (nobody of ours has it), for addresses nobody answers at.
 SOME_PEER_ID = "QmNnooDu7bfjPFoTZYxMNLWUQJyrVwtbZg5gBMjTezGAJN"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:
@@ -173,7 +168,7 @@ def test_bad_join_address_fails_with_the_directory_error_text():
 def test_unreachable_join_fails_fast_and_skips_reachability():
     fake = reach()
     started = time.monotonic()
-    checks = by_name(doctor.run_doctor(join=[f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{SOME_PEER_ID}"],
+    checks = by_name(doctor.run_doctor(join=[f"/ip4/127.0.0.1/tcp/{free_ports(1)[0]}/p2p/{SOME_PEER_ID}"],
                                        host="127.0.0.1", timeout_s=3.0, reachability=fake))
     assert time.monotonic() - started < 10
     assert checks["dht bootstrap"].status == "FAIL" and "gossiploco dht" in checks["dht bootstrap"].fix
@@ -184,7 +179,7 @@ def test_join_checks_the_real_bootstrap_and_its_swarm_key(bootstrap, tmp_path):
     from gossiploco.security.swarm_key import SwarmKey
 
     fake = reach(False)
-    extra = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{SOME_PEER_ID}"
+    extra = f"/ip4/127.0.0.1/tcp/{free_ports(1)[0]}/p2p/{SOME_PEER_ID}"
     checks = by_name(doctor.run_doctor(join=[f"{bootstrap.address},{extra}"], host="127.0.0.1",
                                        swarm_key=str(bootstrap.swarm_key), timeout_s=10.0, reachability=fake))
     assert checks["dht bootstrap"].status == "warn"  # joined, but one address did not answer
@@ -234,7 +229,7 @@ def test_cli_json_with_join(bootstrap):
 @pytest.mark.slow  # a command-line run in a subprocess
 def test_cli_unreachable_join_exits_1_with_a_fix():
     started = time.monotonic()
-    proc = doctor_cli("--join", f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{SOME_PEER_ID}", "--timeout", "3")
+    proc = doctor_cli("--join", f"/ip4/127.0.0.1/tcp/{free_ports(1)[0]}/p2p/{SOME_PEER_ID}", "--timeout", "3")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     bootstrap_check = {c["name"]: c for c in json.loads(proc.stdout)}["dht bootstrap"]
     assert bootstrap_check["status"] == "FAIL" and bootstrap_check["fix"]

@@ -84,7 +84,7 @@ class Libp2pCarrier:
         from functools import partial
 
         from gossiploco.membership.directory import start_dht, visible_maddrs
-        from gossiploco.reach.tunnel import libp2p_identity, open_tunnel, serve_tunnel
+        from gossiploco.reach.tunnel import open_tunnel, serve_tunnel
 
         listen = ["/ip4/127.0.0.1/tcp/0"]
         self.nodes = [start_dht(initial_peers=[], host_maddrs=listen, announce_maddrs=None, timeout_s=30,
@@ -96,7 +96,7 @@ class Libp2pCarrier:
                              behind_nat=True, relays=[relay])
             node.run_coroutine(partial(serve_tunnel, router_host="127.0.0.1", router_port=port))
             self.nodes.append(node)
-        ids = [node.run_coroutine(libp2p_identity) for node in self.nodes[1:]]
+        ids = [node.peer_id.to_base58() for node in self.nodes[1:]]
         self.views = [{r: f"tcp://127.0.0.1:{self.ports[r]}"} for r in range(world)]
         for r, node in enumerate(self.nodes[1:]):
             for other in range(world):

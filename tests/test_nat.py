@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,44 +34,7 @@ from test_peer import ENV, assert_exit, assert_matches_virtual_swarm, model, rel
 
 pytestmark = pytest.mark.slow
 
-DHT_PORT = 4100
 PRESET = "globalm1-localm2"
-
-
-class NetnsPeers(LocalPeers):
-    """``LocalPeers`` whose peer ``rank`` runs in the namespace of ``hosts[rank]``, listening on its address."""
-
-    def __init__(self, hosts: list, *args, extra: dict[int, list[str]] | None = None, **kwargs):
-        self.hosts = hosts
-        per_rank = {rank: ["--host", host.address, *(extra or {}).get(rank, [])] for rank, host in enumerate(hosts)}
-        super().__init__(len(hosts), *args, per_rank=per_rank, **kwargs)
-
-    def command(self, rank: int) -> list[str]:
-        return [*self.hosts[rank].exec_prefix(), *super().command(rank)]
-
-
-def start_dht_node(bed, host, out: Path, name: str, join: str | None = None,
-                   extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
-    """``gossiploco dht`` in ``host``'s namespace (a bootstrap node, or with ``join`` a second node
-    of the same DHT that serves as relay); returns it and its multiaddr."""
-    key = out / "swarm.key"
-    cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host.address, "--port", str(DHT_PORT),
-           "--swarm-key", str(key), *extra]
-    if join:
-        cmd += ["--join", join]
-    log = (out / f"{name}.log").open("w")
-    proc = bed.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env={**ENV, "PYTHONUNBUFFERED": "1"})
-    path = out / f"{name}.log"
-
-    def address() -> str | None:
-        for word in path.read_text(errors="replace").split():
-            if word.startswith(f"/ip4/{host.address}/tcp/{DHT_PORT}/p2p/"):
-                return word.strip(",'\"")
-        return None
-
-    assert wait_until(lambda: address() is not None or proc.poll() is not None, 60), path.read_text()
-    assert proc.poll() is None, f"{name} exited: {path.read_text()[-2000:]}"
-    return proc, address()
 
 
 def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tuple[str, ...] = (),
@@ -82,10 +44,10 @@ def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tup
     from gossiploco.security.swarm_key import SwarmKey
 
     SwarmKey.generate().save(tmp_path / "swarm.key")
-    boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap", extra=boot_extra)
+    boot, join = nt.start_dht_node(bed, bed.host("pub0"), tmp_path, extra=boot_extra, env=ENV)
     try:
-        with NetnsPeers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key",
-                        extra=extra) as peers:
+        with nt.netns_peers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key",
+                            extra=extra) as peers:
             peers.start()
             codes = peers.wait(300)
     finally:
@@ -140,13 +102,13 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
         from gossiploco.security.swarm_key import SwarmKey
 
         SwarmKey.generate().save(tmp_path / "swarm.key")
-        boot, join = start_dht_node(bed, bed.host("pub0"), tmp_path, "bootstrap")
-        relay, relay_addr = start_dht_node(bed, bed.host("pub1"), tmp_path, "relay", join=join)
+        boot, join = nt.start_dht_node(bed, bed.host("pub0"), tmp_path, env=ENV)
+        relay, relay_addr = nt.start_dht_node(bed, bed.host("pub1"), tmp_path, "relay", join=join, env=ENV)
         hosts = [bed.host(f"home{j}") for j in range(3)]
         args = [*tiny_peer_args(PRESET, rounds=rounds), "--relay", relay_addr, "--relay", join]
         cfg = tiny_config(PRESET, rounds=rounds)
         try:
-            with NetnsPeers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
+            with nt.netns_peers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
                 peers.start()
                 metrics = [peers.peer_dir(rank) / "metrics.jsonl" for rank in range(3)]
 

@@ -15,10 +15,10 @@ import torch
 
 from conftest import tiny_peer_args
 from gossiploco.membership.bootstrap import start_bootstrap
-from gossiploco.reach.dialback import check_reachability, describe, free_port, parse_request
+from gossiploco.reach.dialback import check_reachability, describe, parse_request
 from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, pair_path, path_between
 from gossiploco.protocol.agreement import ring_order
-from gossiploco.runtime.launch import LocalPeers
+from gossiploco.runtime.launch import LocalPeers, free_ports
 from test_exchange import Libp2pCarrier, ZmqGroup, run_all
 from test_peer import ENV, assert_matches_virtual_swarm, summary
 
@@ -66,14 +66,14 @@ def test_a_malformed_dialback_request_is_refused(raw):
 def test_the_dialback_check_reaches_a_listening_port_and_reports_a_dead_checker():
     dht, addresses = start_bootstrap("127.0.0.1")
     try:
-        port = free_port("127.0.0.1")
+        port = free_ports(1)[0]
         found = check_reachability(addresses, port, timeout_s=10, host="127.0.0.1")
         assert found.reachable is True and found.address == f"tcp://127.0.0.1:{port}", found
         assert found.observed_ip == "127.0.0.1" and abs(found.clock_skew_s) < 1 and found.rtt_s < 5
         assert describe(found) == f"reachable at tcp://127.0.0.1:{port}"
     finally:
         dht.shutdown()
-    gone = check_reachability(addresses, free_port("127.0.0.1"), timeout_s=3, host="127.0.0.1")
+    gone = check_reachability(addresses, free_ports(1)[0], timeout_s=3, host="127.0.0.1")
     assert gone.reachable is None and gone.detail and "behind NAT" in describe(gone)
 
 

@@ -426,15 +426,10 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         dht.wait_until_ready(timeout=timeout_s)
         from functools import partial
 
-        from gossiploco.reach.dialback import serve_dialback
-        from gossiploco.reach.relay import keep_relays, serve_relay
+        from gossiploco.reach.relay import serve_reach
 
-        dht.run_coroutine(serve_dialback, return_future=True).result(timeout=timeout_s)
-        if behind_nat:
-            dht.run_coroutine(partial(keep_relays, relays=list(relays)), return_future=True).result(timeout=timeout_s)
-        else:
-            limits = dict(zip(("data_bytes", "time_s"), relay_limits)) if relay_limits else {}
-            dht.run_coroutine(partial(serve_relay, **limits), return_future=True).result(timeout=timeout_s)
+        dht.run_coroutine(partial(serve_reach, behind_nat=behind_nat, relays=list(relays), relay_limits=relay_limits),
+                          return_future=True).result(timeout=timeout_s)
     except BaseException as exc:
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):
@@ -561,6 +556,11 @@ class DhtDirectory(Directory):
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"directory-heartbeat-{run_id}",
                                            daemon=True)
         self._heartbeat.start()
+
+    @property
+    def p2p_id(self) -> str:
+        """This node's libp2p peer id (base58; hivemind caches it)."""
+        return self._dht.peer_id.to_base58()
 
     @property
     def visible_maddrs(self) -> list[str]:

@@ -120,8 +120,6 @@ class DialbackService:
 
     def __init__(self) -> None:
         self.running = 0
-        self.served = 0
-        self.refused = 0
 
     async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         from hivemind.p2p import P2P
@@ -134,7 +132,6 @@ class DialbackService:
                 answer["detail"] = f"the request came over {info.addr}, not a direct connection: cannot dial back"
             elif self.running >= MAX_CONCURRENT_CHECKS:
                 answer["detail"] = "checker busy"
-                self.refused += 1
             else:
                 self.running += 1
                 try:
@@ -142,9 +139,7 @@ class DialbackService:
                 finally:
                     self.running -= 1
                 answer["ip"] = ip
-                self.served += 1
         except Exception as exc:  # noqa: BLE001 - a bad request gets an answer saying why, never a crash
-            self.refused += 1
             answer["detail"] = f"bad request: {type(exc).__name__}: {exc}"[:200]
         answer["time"] = time.time()
         try:
@@ -190,13 +185,6 @@ class NonceListener:
         self._stop.set()
         self._thread.join(timeout=2)
         self.sock.close()
-
-
-def free_port(host: str) -> int:
-    """A port the OS considers free on ``host`` now (for ``--port 0``: the check needs to know it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def peer_ids_of(join: Sequence[str]) -> list[str]:

@@ -85,7 +85,6 @@ class PathPlanner:
         """Paths chosen (including changes), by kind."""
         self.unconnectable: set[int] = set()
         self._tunnels: dict[int, tuple[str, tuple[str, ...], int]] = {}  # peer -> (its p2p id, its relays, local port)
-        self._dialed: dict[int, tuple[str, ...]] = {}
         self.published: tuple[tuple[int, int, int], ...] = ()
 
     def sync(self, records: dict[int, PeerRecord]) -> tuple[tuple[int, int, int], ...] | None:
@@ -134,15 +133,9 @@ class PathPlanner:
     def _dial_offer(self, peer: int, record: PeerRecord) -> None:
         """``peer`` is reachable and this peer is not: dial the ports it offers this peer (if any yet;
         none any more: stop dialing)."""
-        ports = record.reverse_for(self.rank)
-        if ports is None:
-            if self._dialed.pop(peer, None):
-                self.exchange.dial_reverse(peer, ())
-            return
+        ports = record.reverse_for(self.rank) or ()
         endpoints = tuple(f"tcp://{record.host}:{port}" for port in ports)
-        if self._dialed.get(peer) != endpoints:
-            self._dialed[peer] = endpoints
-            self.exchange.dial_reverse(peer, endpoints)
+        if self.exchange.dial_reverse(peer, endpoints) and endpoints:
             log.info("rank %d: dialing peer %d's reverse connection at %s", self.rank, peer, ", ".join(endpoints))
 
     def _tunnel(self, peer: int, record: PeerRecord) -> str | None:

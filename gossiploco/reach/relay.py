@@ -113,6 +113,20 @@ async def serve_relay(_dht: Any, node: Any, *, data_bytes: float = Limits.data_b
     await node.p2p.add_binary_stream_handler(RELAY_PROTOCOL, RelayService(node.p2p, Limits(data_bytes, time_s)).handle)
 
 
+async def serve_reach(dht: Any, node: Any, *, behind_nat: bool, relays: list[str],
+                      relay_limits: tuple[float, float] | None = None) -> None:
+    """Run in a DHT node's process (``membership.directory.start_dht``): what every node offers for
+    reaching peers behind NAT. Every node answers dial-back checks; a node behind NAT stays connected
+    to ``relays``; any other relays for members behind NAT within ``relay_limits`` (bytes, seconds)."""
+    from gossiploco.reach.dialback import serve_dialback
+
+    await serve_dialback(dht, node)
+    if behind_nat:
+        await keep_relays(dht, node, relays=relays)
+    else:
+        await serve_relay(dht, node, **dict(zip(("data_bytes", "time_s"), relay_limits or ())))
+
+
 _KEEPER: asyncio.Future | None = None
 
 

@@ -46,7 +46,6 @@ class TunnelStats:
     resumed: int = 0
     limit_cuts: int = 0
     relayed: int = 0
-    active: int = 0
     bytes: float = 0.0
     """Payload bytes moved so far (both ways; counted as they move)."""
     last_error: str = ""

@@ -153,7 +153,3 @@ async def tunnel_stats(_dht: Any, _node: Any) -> dict:
             "renewed": s.renewed, "relayed": s.relayed, "limit_cuts": s.limit_cuts, "bytes": int(s.bytes),
             "last_error": s.last_error, "relays_used": dict(s.relays_used)}
 
-
-async def libp2p_identity(_dht: Any, node: Any) -> str:
-    """Run in the DHT process: this node's libp2p peer id (base58)."""
-    return node.p2p.peer_id.to_base58()

@@ -9,9 +9,9 @@ import logging
 from gossiploco.config import RunConfig
 from gossiploco.errors import ConfigError
 from gossiploco.membership.directory import DhtDirectory, check_initial_peers
-from gossiploco.reach.dialback import Reachability, check_reachability, describe, free_port
+from gossiploco.reach.dialback import Reachability, check_reachability, describe
 from gossiploco.reach.paths import Reach
-from gossiploco.reach.tunnel import libp2p_identity
+from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import NetworkPeer
 from gossiploco.security.trust import Trust
 
@@ -45,7 +45,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]
     relays = check_initial_peers(relays) if relays else []
     check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
-    port = port or free_port(check_host)  # the check needs the port the data plane will use
+    port = port or free_ports(1, check_host)[0]  # the check needs the port the data plane will use
     found = find_reachability(reachability, join, check_host, port, t.hello_s)
     behind_nat = found.reachable is not True
     log.warning("peer %d: %s%s", trust.peer_id, describe(found), f" ({found.detail})" if found.detail else "")
@@ -69,7 +69,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
                              relays=relay_list)
     try:
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
-                      p2p=directory.run_in_node(libp2p_identity), verified=found.checker is not None)
+                      p2p=directory.p2p_id, verified=found.checker is not None)
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
                            run_id=run_id, trust=trust, stream=stream, reach=reach)
     except BaseException:

@@ -131,10 +131,9 @@ class ZmqExchange(Exchange):
             raise ValueError(f"rank {rank} is not the peer id of this identity ({trust.peer_id})")
         if trust is not None and any(trust.key_of(p) is None for p in endpoints if p != rank):
             raise ValueError("a static peer list needs every rank's key (Trust.static)")
-        self._bind = bind or self.endpoints[rank]
-        self._router_dials: queue.SimpleQueue = queue.SimpleQueue()  # (peer, endpoints) for the receiver thread
-        self._dialed: dict[int, tuple[str, ...]] = {}  # receiver thread only
-        self._sockets = ZmqSockets(rank, self._bind, self.endpoints[rank], heartbeat_s=heartbeat_s,
+        self._router_dials: queue.SimpleQueue = queue.SimpleQueue()  # (old, new endpoints) for the receiver thread
+        self._dialed: dict[int, tuple[str, ...]] = {}  # peer -> the reverse endpoints dialed for it
+        self._sockets = ZmqSockets(rank, bind or self.endpoints[rank], self.endpoints[rank], heartbeat_s=heartbeat_s,
                                    max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust)
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers
@@ -283,7 +282,7 @@ class ZmqExchange(Exchange):
             if self._closed:
                 return False
             old = self.endpoints.get(peer)
-            was_listening = peer in self._sockets.offers
+            was_listening = peer in self._sockets.listening
             if old == endpoint and was_listening == listen:
                 return False
             self.endpoints[peer] = endpoint
@@ -304,13 +303,13 @@ class ZmqExchange(Exchange):
 
     def _listen_address(self) -> str:
         """Where reverse connections listen: this peer's bind host, any port."""
-        host = self._bind.removeprefix("tcp://").rsplit(":", 1)[0]
-        return f"tcp://{host}:0"
+        return self._sockets.bound.rsplit(":", 1)[0] + ":0"
 
     def reverse_offers(self) -> tuple[tuple[int, int, int], ...]:
         """``(peer, data port, control port)`` of every reverse connection this peer listens for."""
         with self._cond:
-            return tuple(sorted((peer, *ports) for peer, ports in self._sockets.offers.items()))
+            return tuple(sorted((peer, *(int(endpoint.rsplit(":", 1)[1]) for endpoint in endpoints))
+                                for peer, endpoints in self._sockets.listening.items()))
 
     def set_behind_nat(self, peers: set[int], order_rings: bool = True) -> None:
         """The peers behind NAT: for the ring order of groups this peer leads (``agreement.ring_order``;
@@ -326,10 +325,18 @@ class ZmqExchange(Exchange):
         n = len(ring)
         return "relayed" if any(ring[i] in nat and ring[(i + 1) % n] in nat for i in range(n) if n > 1) else ""
 
-    def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> None:
+    def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> bool:
         """This peer is behind NAT and ``peer`` offers it a reverse connection: its ROUTER dials
-        ``endpoints`` (``peer``'s listening DEALERs), replacing what it dialed for ``peer`` before."""
-        self._router_dials.put((peer, tuple(endpoints)))
+        ``endpoints`` (``peer``'s listening DEALERs; none: stop), replacing what it dialed for ``peer``
+        before. Returns False when that is what it dials already."""
+        new = tuple(endpoints)
+        with self._cond:
+            old = self._dialed.get(peer, ())
+            if old == new:
+                return False
+            self._dialed[peer] = new
+        self._router_dials.put((old, new))  # the receiver thread owns the ROUTER
+        return True
 
     def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False) -> None:
         """Take part in exchanges from round ``join_round`` on, and tell every other peer so
@@ -532,20 +539,19 @@ class ZmqExchange(Exchange):
                 else:
                     self._drain_monitor(sock)
 
-    def _dial_with_router(self, peer: int, endpoints: tuple[str, ...]) -> None:
-        """Receiver thread (it owns the ROUTER): dial a reverse connection's listening ports."""
+    def _dial_with_router(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
+        """Receiver thread (it owns the ROUTER): stop dialing ``old``, dial a reverse connection's ``new`` ports."""
         router = self._sockets.router
-        for old in self._dialed.get(peer, ()):
+        for endpoint in old:
             try:
-                router.disconnect(old)
+                router.disconnect(endpoint)
             except zmq.ZMQError:
                 pass
-        for endpoint in endpoints:
+        for endpoint in new:
             try:
                 router.connect(endpoint)
             except zmq.ZMQError as exc:  # an endpoint zmq refuses: that peer stays unreachable, the rest goes on
-                log.warning("rank %d: cannot dial peer %d's reverse connection at %s: %s", self.rank, peer, endpoint, exc)
-        self._dialed[peer] = endpoints
+                log.warning("rank %d: cannot dial a reverse connection at %s: %s", self.rank, endpoint, exc)
 
     def _drain_router(self) -> None:
         for _ in range(1000):  # bounded, so close() and the monitors are not starved

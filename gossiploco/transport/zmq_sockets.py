@@ -153,9 +153,8 @@ class ZmqSockets:
         """How many handshakes each peer refused (reset when one succeeds)."""
         self.retry_at: dict[int, float] = {}
         """When to connect again to a peer that refused our handshake."""
-        self.offers: dict[int, tuple[int, int]] = {}
-        """Reverse connections: peer -> the (data, control) ports its DEALERs listen on for it to dial."""
-        self._bound: dict[int, tuple[str, str]] = {}
+        self.listening: dict[int, tuple[str, str]] = {}
+        """Reverse connections: peer -> the (data, control) endpoints its DEALERs listen on for it to dial."""
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
 
@@ -176,7 +175,7 @@ class ZmqSockets:
         peer's Curve25519 public key (from its signed record, or derived), which is also admitted
         to this peer's ROUTER as ``peer``'s; None only without ``trust``. ``listen``
         (``tcp://HOST:0``): instead of dialing ``endpoint``, both DEALERs listen there for ``peer``'s
-        ROUTER to dial them (a reverse connection, ``gossiploco.reach.paths``; see ``offers``).
+        ROUTER to dial them (a reverse connection, ``gossiploco.reach.paths``; see ``listening``).
         ``relayed``: the connection goes through a relay, where it gets half the relay's link at
         best, so a chunk takes longer than on a direct link: its heartbeat timeout is
         ``RELAYED_HEARTBEAT_FACTOR`` times longer (see ``HEARTBEAT_TIMEOUT_MS``)."""
@@ -203,18 +202,17 @@ class ZmqSockets:
         if listen is None:
             dealer.connect(endpoint)
             control.connect(endpoint)
-            self.offers.pop(peer, None)
+            self.listening.pop(peer, None)
             return
         bound = []
         for sock in (dealer, control):
             sock.bind(listen)
             bound.append(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
-        self._bound[peer] = (bound[0], bound[1])
-        self.offers[peer] = (int(bound[0].rsplit(":", 1)[1]), int(bound[1].rsplit(":", 1)[1]))
+        self.listening[peer] = (bound[0], bound[1])
 
     def _detach(self, peer: int, endpoint: str) -> None:
         """Undo ``_attach``: stop dialing ``endpoint`` or stop listening on the offered ports."""
-        bound = self._bound.pop(peer, None)
+        bound = self.listening.pop(peer, None)
         for index, sockets in enumerate((self.dealers, self.controls)):
             sock, _ = sockets[peer]
             try:
@@ -249,7 +247,7 @@ class ZmqSockets:
         """Connect again to the peers whose retry time has come (by the receiving thread)."""
         for peer in [p for p, at in self.retry_at.items() if at <= now]:
             del self.retry_at[peer]
-            if peer in endpoints and peer in self.dealers and peer not in self.offers:  # a listener: it re-dials
+            if peer in endpoints and peer in self.dealers and peer not in self.listening:  # a listener: it re-dials
                 self.reattach(peer, endpoints[peer], endpoints[peer], None)
 
     def send(self, peer: int, frames: list, *, control: bool, deadline: float, what: str, zero_copy: bool,

@@ -83,7 +83,7 @@ class Libp2pCarrier:
     def __init__(self, world: int, relay_limits: tuple[float, float] | None = None):
         from functools import partial
 
-        from gossiploco.membership.directory import start_dht, visible_maddrs
+        from gossiploco.membership.dht_node import start_dht, visible_maddrs
         from gossiploco.reach.tunnel import open_tunnel, serve_tunnel
 
         listen = ["/ip4/127.0.0.1/tcp/0"]

@@ -150,7 +150,7 @@ HELPER = textwrap.dedent("""
     import os, sys, threading, time, logging
     logging.basicConfig(level=logging.WARNING)
     from gossiploco.membership import lifeline
-    from gossiploco.membership.directory import start_dht, visible_maddrs
+    from gossiploco.membership.dht_node import start_dht, visible_maddrs
     mode = sys.argv[1]
     if mode == "no-prctl":
         lifeline._prctl = None  # as on an OS without PR_SET_PDEATHSIG

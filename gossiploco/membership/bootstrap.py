@@ -43,14 +43,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gossiploco.errors import ConfigError
 from gossiploco.security.identity import write_secret_file
-from gossiploco.membership.directory import (
-    BEACON_TTL_S,
-    DirectoryError,
-    beacon_key,
+from gossiploco.membership.dht_node import (
     check_announce_maddrs,
     check_initial_peers,
     host_maddr,
@@ -58,6 +55,7 @@ from gossiploco.membership.directory import (
     start_dht,
     visible_maddrs,
 )
+from gossiploco.membership.directory import BEACON_TTL_S, DirectoryError, beacon_key
 
 if TYPE_CHECKING:
     import hivemind

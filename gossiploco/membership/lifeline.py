@@ -9,7 +9,7 @@ so it never reads EOF, and it would run for ever, reparented to pid 1, with its 
 (hivemind's p2pd happens to exit about a second after *its* parent, the DHT child, dies; that is
 not relied on here.)
 
-``TiedDHT``, which ``gossiploco.membership.directory.start_dht`` starts (for peers and for the
+``TiedDHT``, which ``gossiploco.membership.dht_node.start_dht`` starts (for peers and for the
 bootstrap node alike), ties both processes to their parent with three mechanisms:
 
 1. The DHT child asks the kernel for SIGKILL when its parent dies (Linux

@@ -115,7 +115,7 @@ async def serve_relay(_dht: Any, node: Any, *, data_bytes: float = Limits.data_b
 
 async def serve_reach(dht: Any, node: Any, *, behind_nat: bool, relays: list[str],
                       relay_limits: tuple[float, float] | None = None) -> None:
-    """Run in a DHT node's process (``membership.directory.start_dht``): what every node offers for
+    """Run in a DHT node's process (``membership.dht_node.start_dht``): what every node offers for
     reaching peers behind NAT. Every node answers dial-back checks; a node behind NAT stays connected
     to ``relays``; any other relays for members behind NAT within ``relay_limits`` (bytes, seconds)."""
     from gossiploco.reach.dialback import serve_dialback

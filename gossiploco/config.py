@@ -6,7 +6,7 @@ and raises ``ConfigError`` naming the offending field (``mix2.blocks: no block m
 'layers.99'``). Runtime objects (models, sockets) never live here.
 
 TOML layout: run-level keys at the top (``name``, ``mode``, ``workers``, ``inner_steps``,
-``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[data]``,
+``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[compute]``, ``[data]``,
 ``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``, ``[transport]``,
 ``[adaptive]``.
 """
@@ -59,6 +59,32 @@ class ModelConfig:
         if self.size not in MODEL_SIZES:
             raise ConfigError(f"{p}.size", f"unknown size {self.size!r}; choose one of {sorted(MODEL_SIZES)}")
         _choice(f"{p}.precision", self.precision, ("fp32", "bf16"))
+
+
+@dataclass
+class ComputeConfig:
+    """How this peer computes (its own choice: peers with different values train together, so these
+    fields are not part of the run id). None of them changes the math: the same batch gives the same
+    update up to floating-point rounding."""
+
+    compile: str = "auto"
+    """torch.compile the model: on, off, or auto (on for CUDA, off on a CPU, where compiling costs more than it saves)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward pass; the gradients of data.batch_size / micro_batch_size passes are
+    accumulated before each inner step, so the token batch does not depend on GPU memory. 0: the whole batch at once."""
+    checkpoint_activations: bool = False
+    """Recompute each layer's activations in the backward pass instead of keeping them (about a third more
+    compute, a fraction of the activation memory): for large models or long sequences."""
+    outer_state: str = "auto"
+    """Where the outer parameters z and momentum live: device (the outer step runs there; fastest), host
+    (CPU memory; the outer step runs on the CPU), or auto (device when it has memory for them, see
+    gossiploco.outer_state)."""
+
+    def check(self, p: str) -> None:
+        _choice(f"{p}.compile", self.compile, ("auto", "on", "off"))
+        if self.micro_batch_size < 0:
+            raise ConfigError(f"{p}.micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
+        _choice(f"{p}.outer_state", self.outer_state, ("auto", "device", "host"))
 
 
 @dataclass
@@ -279,6 +305,7 @@ class RunConfig:
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerOptConfig = field(default_factory=InnerOptConfig)
     outer: OuterOptConfig = field(default_factory=OuterOptConfig)
@@ -298,8 +325,11 @@ class RunConfig:
             raise ConfigError("seed", f"must be >= 0, got {self.seed}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("model", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive"):
+        for name in ("model", "compute", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive"):
             getattr(self, name).check(name)
+        micro = self.compute.micro_batch_size
+        if micro and self.data.batch_size % micro:
+            raise ConfigError("compute.micro_batch_size", f"must divide data.batch_size = {self.data.batch_size}, got {micro}")
         if self.mix2.state:
             raise ConfigError("mix2.state", "only Mix1 can average the outer optimizer state")
         if self.mix1.mode != "fixed":

@@ -11,7 +11,9 @@ Per round r, for worker m:
     13: z_{m,r+1} <- OuterOpt(x_{m,r}, -Delta_hat_{m,r})         (eq. 26)
 
 The same class runs in the one-process virtual swarm (``MemoryExchange``) and in a network
-peer (a ZeroMQ exchange): only the ``Exchange`` differs. ``SyncDP`` is the synchronous
+peer (a ZeroMQ exchange): only the ``Exchange`` differs. z and the momentum live where
+``gossiploco.outer_state`` puts them (on the GPU when it has room: the pseudo-gradient and the
+outer step are then device work, Mix1's copies run on a side stream beside the inner steps). ``SyncDP`` is the synchronous
 data-parallel baseline (gradient all-reduce every inner step) over the same interface.
 """
 
@@ -27,6 +29,7 @@ from gossiploco.blocks import select_parameters
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
 from gossiploco.optim import outer_step
+from gossiploco.outer_state import SideStream, state_device, to_device
 from gossiploco.trainer import LocalTrainer
 
 TensorDict = dict[str, torch.Tensor]
@@ -45,6 +48,9 @@ class RoundReport:
     """Seconds blocked in Mix2."""
     outer_s: float
     """Seconds in the outer step (including loading z into the model)."""
+    delta_s: float = 0.0
+    """Seconds computing the pseudo-gradient before Mix2 (with the outer state in host memory: copying
+    the parameters off the GPU)."""
 
 
 class FactoredDiLoCo:
@@ -57,10 +63,21 @@ class FactoredDiLoCo:
         names = trainer.names
         self.mix1 = build_mixer(cfg.mix1.kind, "mix1", select_parameters(names, cfg.mix1.blocks, "mix1.blocks"), cfg.seed)
         self.mix2 = build_mixer(cfg.mix2.kind, "mix2", select_parameters(names, cfg.mix2.blocks, "mix2.blocks"), cfg.seed)
-        self.z: TensorDict = trainer.params_cpu()  # line 1: z_{m,0} <- x_0 (identical init on every worker)
+        params = trainer.params()
+        self.state_device = state_device(cfg.compute.outer_state, trainer.device, 4 * sum(p.numel() for p in params.values()))
+        """Where z and the momentum live (gossiploco.outer_state)."""
+        self._side = SideStream(self.state_device)
+        # line 1: z_{m,0} <- x_0 (identical init on every worker)
+        self.z: TensorDict = {n: p.to(self.state_device, torch.float32, copy=True) for n, p in params.items()}
         self.momentum: TensorDict = {n: torch.zeros_like(v) for n, v in self.z.items()}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mix1-rank{exchange.rank}")
-        self._mix1: Future[MixResult] | None = None
+        self._mix1: Future[tuple[MixResult, object]] | None = None
+
+    def set_state(self, z: TensorDict, momentum: TensorDict) -> None:
+        """Adopt outer state from elsewhere (a catching-up peer's download) and load z into the model."""
+        self.z = {n: v.to(self.state_device, torch.float32, copy=True) for n, v in z.items()}
+        self.momentum = {n: v.to(self.state_device, torch.float32, copy=True) for n, v in momentum.items()}
+        self.trainer.load_params(self.z)
 
     def set_mix2_blocks(self, patterns: list[str]) -> None:
         """Cover ``patterns`` in Mix2 from now on (adaptive Mix2; call between rounds)."""
@@ -70,7 +87,16 @@ class FactoredDiLoCo:
     def begin_round(self, r: int) -> None:
         """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background."""
         state = [self.z, self.momentum] if self.cfg.mix1.state else [self.z]
-        self._mix1 = self._pool.submit(self.mix1.mix, state, r, self.exchange)
+        self._mix1 = self._pool.submit(self._run_mix1, state, r, self._side.mark())
+
+    def _run_mix1(self, state: list[TensorDict], r: int, ready) -> tuple[MixResult, object]:
+        """Mix1 on the background thread. With the state on a GPU its copies (the mixed blocks to the host
+        and back) run on the side stream, after ``ready`` (z written), beside the inner steps; returns the
+        result, its values on the state device, and the event the outer step waits for."""
+        with self._side.enter(ready):
+            result = self.mix1.mix(state, r, self.exchange)
+            result.values = [to_device(d, self.state_device) for d in result.values]
+            return result, self._side.done()
 
     def inner_step(self) -> float:
         """Lines 6-8: one inner AdamW step on y. Returns the training loss."""
@@ -78,27 +104,34 @@ class FactoredDiLoCo:
 
     def end_round(self, r: int) -> RoundReport:
         """Lines 10-13: pseudo-gradient, blocking Mix2, wait for Mix1, outer step at the mixed point."""
-        y = self.trainer.params_cpu()
-        delta = {n: y[n] - self.z[n] for n in y}  # line 10: Delta_{m,r} = y_{m,r,H} - y_{m,r,0}
+        start = time.perf_counter()
+        on_model = self.state_device == self.trainer.device
+        y = self.trainer.params() if on_model else self.trainer.params_cpu()
+        names = list(y)
+        # line 10: Delta_{m,r} = y_{m,r,H} - y_{m,r,0}
+        delta = dict(zip(names, torch._foreach_sub([y[n] for n in names], [self.z[n] for n in names])))
+        delta_s = time.perf_counter() - start
 
         start = time.perf_counter()
         mix2 = self.mix2.mix([delta], r, self.exchange)  # line 11: blocking
-        delta_hat = mix2.values[0]
+        delta_hat = to_device(mix2.values[0], self.state_device)
         mix2_s = time.perf_counter() - start
 
         start = time.perf_counter()
         assert self._mix1 is not None, "end_round without begin_round"
-        mix1 = self._mix1.result()  # line 12
+        mix1, copied = self._mix1.result()  # line 12
         self._mix1 = None
         mix1_wait_s = time.perf_counter() - start
+        self._side.join(copied, [v for d in mix1.values for v in d.values()])
         x = mix1.values[0]
         momentum = mix1.values[1] if self.cfg.mix1.state else self.momentum
 
         start = time.perf_counter()
-        outer_grad = {n: -delta_hat[n] for n in delta_hat}
+        outer_grad = dict(zip(names, torch._foreach_neg([delta_hat[n] for n in names])))
         self.z, self.momentum = outer_step(x, outer_grad, momentum, self.cfg.outer)  # line 13 (eq. 26)
         self.trainer.load_params(self.z)  # y_{m,r+1,0} <- z_{m,r+1}
-        return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start)
+        self.trainer.synchronize()  # (on a GPU the step only queues work: time it to its end)
+        return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start, delta_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

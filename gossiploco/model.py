@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # grouped-query attention: each kv head serves n_heads / n_kv_heads query heads
-        repeat = self.n_heads // self.n_kv_heads
-        k = k.repeat_interleave(repeat, dim=2)
-        v = v.repeat_interleave(repeat, dim=2)
-        # (B, n_heads, T, head_dim)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. enable_gqa lets
+        # PyTorch's fused kernels (flash attention on CUDA) read the kv heads in place, without the
+        # repeat_interleave copies; (B, n_heads, T, head_dim) in and out.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -137,6 +137,8 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.checkpoint_activations = False
+        """Training only: recompute each layer's activations in the backward pass instead of storing them."""
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
@@ -156,8 +158,9 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.args.max_seq_len}")
         x = self.tok_embeddings(tokens)  # (B, T, dim)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
         return self.lm_head(self.norm(x)).float()
 
 

@@ -26,7 +26,12 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 
 class InnerOptimizer:
-    """AdamW with the warmup/decay schedule and global-norm clipping. Decay on matrices only."""
+    """AdamW with the warmup/decay schedule and global-norm clipping. Decay on matrices only.
+
+    On CUDA it is PyTorch's fused AdamW (one kernel for every parameter's update); elsewhere the
+    default multi-tensor implementation. A step never waits for the device: the learning rate is a
+    Python number and the gradient norm stays a device tensor until someone reads it.
+    """
 
     def __init__(self, model: nn.Module, cfg: InnerOptConfig, total_steps: int):
         decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -34,11 +39,13 @@ class InnerOptimizer:
         self.params = list(model.parameters())
         self.cfg = cfg
         self.total_steps = total_steps
+        self.fused = bool(self.params) and self.params[0].device.type == "cuda"
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2),
             eps=cfg.eps,
+            fused=self.fused or None,
         )
         self.step_index = 0
         self.lock = threading.Lock()
@@ -69,23 +76,25 @@ class InnerOptimizer:
                 for p in self.params:
                     state = self.opt.state[p]
                     state[key] = flat[offset:offset + p.numel()].view_as(p).to(p.device, p.dtype).clone()
-                    state["step"] = torch.tensor(float(step_index))
+                    # The fused kernel keeps its step count on the parameter's device (as AdamW creates it).
+                    state["step"] = torch.tensor(float(step_index), dtype=torch.float32, device=p.device if self.fused else "cpu")
                     offset += p.numel()
             self.step_index = step_index
 
-    def step(self) -> float:
-        """Clip, apply one AdamW step at the scheduled rate, zero the gradients. Returns the pre-clip grad norm."""
+    def step(self) -> torch.Tensor:
+        """Clip, apply one AdamW step at the scheduled rate, zero the gradients. Returns the pre-clip
+        gradient norm as a 0-d tensor on the parameters' device (reading it waits for the device)."""
         with self.lock:
             return self._step()
 
-    def _step(self) -> float:
+    def _step(self) -> torch.Tensor:
         lr = self.cfg.lr * lr_factor(self.step_index, self.cfg.warmup_steps, self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
         if self.cfg.grad_clip > 0:
-            norm = float(nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+            norm = nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip).detach()
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None]))
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.step_index += 1
@@ -98,12 +107,13 @@ def outer_step(x: TensorDict, outer_grad: TensorDict, momentum: TensorDict, cfg:
         v' = mu * v + g                          (paper eq. 36)
         z  = x - lr * (g + mu * v')              (eq. 37; heavy ball: z = x - lr * v')
 
-    Returns the new parameters and the new momentum; inputs are not modified.
+    Returns the new parameters and the new momentum; inputs are not modified. Every entry is one
+    multi-tensor (foreach) operation per line above, so on a GPU the step is a handful of kernels
+    whatever the number of tensors; the arithmetic (and its rounding) is that of the formulas.
     """
-    new_x, new_v = {}, {}
-    for name, g in outer_grad.items():
-        v = momentum[name] * cfg.momentum + g
-        update = g + cfg.momentum * v if cfg.nesterov else v
-        new_x[name] = x[name] - cfg.lr * update
-        new_v[name] = v
-    return new_x, new_v
+    names = list(outer_grad)
+    g = [outer_grad[n] for n in names]
+    v = torch._foreach_add(torch._foreach_mul([momentum[n] for n in names], cfg.momentum), g)
+    update = torch._foreach_add(g, torch._foreach_mul(v, cfg.momentum)) if cfg.nesterov else v
+    new_x = torch._foreach_sub([x[n] for n in names], torch._foreach_mul(update, cfg.lr))
+    return dict(zip(names, new_x)), dict(zip(names, v))

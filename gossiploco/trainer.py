@@ -1,8 +1,13 @@
 """One peer's single-device training: its model, inner optimizer and data stream.
 
 Knows nothing about mixing, peers or networks (those wrap it from outside). The model lives on
-the compute device; ``params_cpu``/``load_params`` move fp32 copies to and from the CPU, where
-the outer step and mixing work.
+the compute device; ``params_cpu``/``load_params`` move fp32 copies to and from the CPU.
+
+How it computes (``[compute]``, none of it changes the math): the model may be compiled
+(torch.compile), a batch may run as several micro-batches whose gradients add up to the whole
+batch's, layers may recompute their activations in the backward pass. An inner step never waits
+for the device: it returns the loss as a device tensor, and the caller reads losses when it
+records them (``synchronize`` marks where compute ends, for timing).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from gossiploco.config import ComputeConfig
 from gossiploco.data import TokenStream
 from gossiploco.errors import ConfigError
 from gossiploco.model import Transformer
@@ -33,7 +39,9 @@ def resolve_device(name: str) -> torch.device:
 class LocalTrainer:
     """Inner steps (paper eqs. 22-23) of one worker."""
 
-    def __init__(self, model: Transformer, inner_opt: InnerOptimizer, stream: TokenStream, precision: str = "fp32"):
+    def __init__(self, model: Transformer, inner_opt: InnerOptimizer, stream: TokenStream, precision: str = "fp32",
+                 compute: ComputeConfig | None = None):
+        compute = compute or ComputeConfig()
         self.model = model
         self.inner_opt = inner_opt
         self.stream = stream
@@ -41,30 +49,54 @@ class LocalTrainer:
         self.names = [n for n, _ in model.named_parameters()]
         self._params = dict(model.named_parameters())
         self._bf16 = precision == "bf16" and self.device.type == "cuda"
+        self._cuda = self.device.type == "cuda"
+        self.micro_batch_size = compute.micro_batch_size
+        model.checkpoint_activations = compute.checkpoint_activations
+        self.compiled = compute.compile == "on" or (compute.compile == "auto" and self._cuda)
+        if self.compiled:
+            model.compile()  # in place: parameter names (the blocks) stay as they are
 
     def _autocast(self):
         if self._bf16:
             return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._cuda:  # from page-locked memory the copy is asynchronous: the host does not wait for the GPU
+            tokens = tokens.pin_memory()
+        return tokens.to(self.device, non_blocking=True)
+
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            logits = self.model(inputs.to(self.device, non_blocking=True))  # (B, T, V)
-        return F.cross_entropy(logits.flatten(0, 1), targets.to(self.device, non_blocking=True).flatten())
+            logits = self.model(self._to_device(inputs))  # (B, T, V)
+        return F.cross_entropy(logits.flatten(0, 1), self._to_device(targets).flatten())
 
-    def forward_backward(self) -> float:
-        """Sample the next batch, compute the loss and accumulate gradients (eq. 22). Returns the loss."""
+    def forward_backward(self) -> torch.Tensor:
+        """Sample the next batch, compute the loss and accumulate its gradient (eq. 22), in micro-batches
+        of ``micro_batch_size`` sequences when set: each micro-batch's mean loss is weighted by its share of
+        the batch, so the gradients add up to the whole batch's. Returns the batch's mean loss (a 0-d
+        tensor on the device; reading it waits for the device)."""
         self.model.train()
-        inputs, targets = self.stream.next_batch()
-        loss = self.loss(inputs, targets)
-        loss.backward()
-        return float(loss.detach())
+        inputs, targets = self.stream.next_batch()  # (B, T) each
+        size = self.micro_batch_size or inputs.shape[0]
+        total = None
+        for x, y in zip(inputs.split(size), targets.split(size)):
+            part = self.loss(x, y) * (x.shape[0] / inputs.shape[0])
+            part.backward()
+            total = part.detach() if total is None else total + part.detach()
+        assert total is not None
+        return total
 
-    def inner_step(self) -> float:
-        """One full inner step: gradient and AdamW update (eqs. 22-23). Returns the loss."""
+    def inner_step(self) -> torch.Tensor:
+        """One full inner step: gradient and AdamW update (eqs. 22-23). Returns the loss (see forward_backward)."""
         loss = self.forward_backward()
         self.inner_opt.step()
         return loss
+
+    def synchronize(self) -> None:
+        """Wait until the device has done all the work queued so far (a no-op on the CPU)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
 
     def gradients_cpu(self) -> TensorDict:
         return {n: p.grad.detach().to("cpu", torch.float32) for n, p in self._params.items()}
@@ -75,13 +107,21 @@ class LocalTrainer:
                 p.grad.copy_(grads[n])
 
     def params_cpu(self) -> TensorDict:
-        """fp32 CPU copies of the current parameters."""
-        return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self._params.items()}
+        """fp32 CPU copies of the current parameters (from a GPU: into page-locked memory, one wait)."""
+        if not self._cuda:
+            return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in self._params.items()}
+        out = {n: torch.empty(p.shape, dtype=torch.float32, pin_memory=True).copy_(p.detach(), non_blocking=True)
+               for n, p in self._params.items()}
+        self.synchronize()
+        return out
+
+    def params(self) -> TensorDict:
+        """The live parameters (no copies: they change with the next inner step or ``load_params``)."""
+        return {n: p.detach() for n, p in self._params.items()}
 
     def load_params(self, values: TensorDict) -> None:
         with torch.no_grad():
-            for n, p in self._params.items():
-                p.copy_(values[n])
+            torch._foreach_copy_(list(self._params.values()), [values[n] for n in self._params])
 
     @torch.no_grad()
     def logits(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -74,9 +74,23 @@ def all_finite(tensor: torch.Tensor, chunk: int = 1 << 22) -> bool:
 
 
 def pack(dicts: Sequence[TensorDict], names: Sequence[str]) -> torch.Tensor:
-    """The selected entries of every dict, flattened into one fp32 CPU vector."""
-    parts = [d[n].detach().reshape(-1).to("cpu", torch.float32) for d in dicts for n in names]
-    return torch.cat(parts) if parts else torch.empty(0)
+    """The selected entries of every dict, flattened into one fp32 CPU vector.
+
+    Entries may live on a GPU (the outer state, gossiploco.outer_state): they are copied straight into
+    one page-locked vector on the current CUDA stream (DMA, no staging copy), which is waited for once;
+    mixing in place in it and copying the result back to the GPU are then asynchronous too."""
+    parts = [d[n].detach().reshape(-1) for d in dicts for n in names]
+    if not parts:
+        return torch.empty(0)
+    gpu = next((p.device for p in parts if p.device.type == "cuda"), None)
+    flat = torch.empty(sum(p.numel() for p in parts), dtype=torch.float32, pin_memory=gpu is not None)
+    offset = 0
+    for part in parts:
+        flat[offset:offset + part.numel()].copy_(part, non_blocking=gpu is not None)
+        offset += part.numel()
+    if gpu is not None:
+        torch.cuda.current_stream(gpu).synchronize()
+    return flat
 
 
 def unpack(flat: torch.Tensor, dicts: Sequence[TensorDict], names: Sequence[str]) -> list[TensorDict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,11 +17,24 @@ from gossiploco.trainer import LocalTrainer
 def build_trainer(cfg: RunConfig, corpus: Corpus, device: torch.device, worker: int) -> LocalTrainer:
     """Worker ``worker``'s model (identical init everywhere), inner optimizer and data stream.
 
-    ``worker = -1`` builds a scratch model (for averaged parameters) with worker 0's stream.
+    ``worker = -1`` builds a scratch model (for averaged parameters) with worker 0's stream; it only
+    evaluates, so it is not compiled (compiling it would cost more than its few calls save).
     """
     model = build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed, device)
     stream = TokenStream(corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.seed, max(worker, 0))
-    return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision)
+    compute = cfg.compute if worker >= 0 else dataclasses.replace(cfg.compute, compile="off")
+    return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision,
+                        compute)
+
+
+def mean_loss(losses: list[torch.Tensor | float]) -> float:
+    """The mean of training losses as one number: inner steps return them as device tensors, so this
+    reads them all at once (one wait for the device) instead of once per step."""
+    values = [v.detach().double().reshape(()) if torch.is_tensor(v) else torch.tensor(float(v), dtype=torch.float64) for v in losses]
+    devices = {v.device for v in values}
+    if len(devices) > 1:
+        values = [v.cpu() for v in values]
+    return float(torch.stack(values).mean())
 
 
 def measure_due(cfg: RunConfig, h: int) -> tuple[bool, bool]:

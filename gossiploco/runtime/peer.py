@@ -65,7 +65,7 @@ from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.reach.paths import PathPlanner, Reach
 from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
-from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
+from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -91,10 +91,12 @@ def run_id_for(cfg: RunConfig) -> str:
     """Default run id: the preset name plus a digest of everything peers must agree on.
 
     Peers started with different settings (seed, model, mixing, data...) get different ids, so
-    their messages are rejected instead of silently mixed. The device may differ per peer.
+    their messages are rejected instead of silently mixed. The device and how it computes
+    (``[compute]``: compilation, micro-batches, checkpointing, where the outer state lives) may differ per peer.
     """
     shared = cfg.to_dict()
     shared.pop("device", None)
+    shared.pop("compute", None)
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
     return f"{cfg.name}-{digest}"
 
@@ -196,11 +198,12 @@ class NetworkPeer:
         self.exchange.serve_state(self._provide_state)
         self.sink = MetricsSink(None)
         self.on_record: Callable[[dict], None] | None = None
-        self._losses: list[float] = []
+        self._losses: list[torch.Tensor | float] = []
         self._pending: dict = {}
         self._clock = {"compute_s": 0.0, "monitor_s": 0.0}
+        self._round_clock = dict(self._clock)  # the same, within the current round
         self._totals = {"compute_s": 0.0, "monitor_s": 0.0, "mix1_wait_s": 0.0, "mix2_s": 0.0, "grad_s": 0.0,
-                        "catchup_s": 0.0, "startup_s": 0.0}
+                        "other_s": 0.0, "catchup_s": 0.0, "startup_s": 0.0}
         self._counts = {"mix1_failures": 0, "mix2_failures": 0, "grad_failures": 0, "monitor_failures": 0,
                         "catchups": 0}
         self._final_params: TensorDict | None = None
@@ -400,10 +403,7 @@ class NetworkPeer:
             if flat.numel() != outer + opt.moments_size() or not all_finite(flat):
                 log.warning("rank %d: peer %d sent an unusable state (%d values); trying another", self.rank, donor, flat.numel())
                 continue
-            z, momentum = unpack(flat[:outer], [algo.z, algo.momentum], self.names)
-            algo.z = {n: v.clone() for n, v in z.items()}
-            algo.momentum = {n: v.clone() for n, v in momentum.items()}
-            self.trainer.load_params(algo.z)
+            algo.set_state(*unpack(flat[:outer], [algo.z, algo.momentum], self.names))
             # The donor's AdamW moments: a warm start instead of fresh ones (its step count is the schedule's).
             opt.import_moments(flat[outer:], k * self.cfg.inner_steps)
             # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
@@ -452,9 +452,25 @@ class NetworkPeer:
 
     # -- one round -----------------------------------------------------------------------------
 
+    def _tick(self, clock: str, seconds: float) -> None:
+        self._clock[clock] += seconds
+        self._round_clock[clock] += seconds
+
     def _run_round(self, r: int) -> None:
+        """One round, timed: besides computing, blocking in Mix1 and Mix2 and measuring, whatever else
+        it spent (the pseudo-gradient, the outer step, copies, bookkeeping) is its ``other_s``."""
+        start = time.perf_counter()
+        self._round_clock = dict.fromkeys(self._round_clock, 0.0)
+        blocked = self._train_round(r)
+        other = time.perf_counter() - start - sum(self._round_clock.values()) - blocked
+        self._totals["other_s"] += other
+        merge_stats(self._pending, {"other_s": other})
+
+    def _train_round(self, r: int) -> float:
+        """Returns the seconds blocked in Mix1 and Mix2 (sync-dp: gradient all-reduces)."""
         cfg = self.cfg
         factored = cfg.mode == "factored"
+        grad_s = self._totals["grad_s"]
         if factored:
             algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
             # Before telling anyone this round began: a peer that hears so may ask for this state at once.
@@ -465,30 +481,41 @@ class NetworkPeer:
         for h in range(cfg.inner_steps):
             due, val_loss = measure_due(cfg, h)
             if due:
+                self._finish_compute()
                 self._record(r, h, val_loss=val_loss)
             t = time.perf_counter()
             if factored:
                 loss = self._inner_step()
-                self._clock["compute_s"] += time.perf_counter() - t
+                self._tick("compute_s", time.perf_counter() - t)
             else:
                 loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
             self._losses.append(loss)
+        self._finish_compute()
         if factored:
             if self.adaptive is not None:
                 decision = self.adaptive.decide(r, max(self._round_js, default=None))
                 algo.set_mix2_blocks(decision.blocks)
                 self._pending["mix2_decision"] = decision.to_dict()
             self._round_js = []
-            self._round_done(self.algo.end_round(r))
+            rep = self.algo.end_round(r)
+            self._round_done(rep)
+            return rep.mix1_wait_s + rep.mix2_s
+        return self._totals["grad_s"] - grad_s
 
-    def _inner_step(self) -> float:
+    def _finish_compute(self) -> None:
+        """Inner steps only queue work on a GPU: the wait for it to finish is compute time too."""
+        t = time.perf_counter()
+        self.trainer.synchronize()
+        self._tick("compute_s", time.perf_counter() - t)
+
+    def _inner_step(self) -> torch.Tensor | float:
         self._tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
         if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: compute replaced by a fixed sleep
             time.sleep(self.cfg.inner.synthetic_step_s)
             return float("nan")
         return self.algo.inner_step()
 
-    def _sync_dp_step(self, step: int, start: float) -> float:
+    def _sync_dp_step(self, step: int, start: float) -> torch.Tensor | float:
         algo: SyncDP = self.algo  # type: ignore[assignment]
         if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: a sleep and zero gradients, then the real exchange
             time.sleep(self.cfg.inner.synthetic_step_s)
@@ -497,7 +524,8 @@ class NetworkPeer:
             loss = float("nan")
         else:
             loss = algo.forward_backward()
-        self._clock["compute_s"] += time.perf_counter() - start
+            self.trainer.synchronize()
+        self._tick("compute_s", time.perf_counter() - start)
         t = time.perf_counter()
         result = algo.reduce_and_step(step)
         self._totals["grad_s"] += time.perf_counter() - t
@@ -511,6 +539,7 @@ class NetworkPeer:
             "mix1_failures": int(not rep.mix1.ok), "mix2_failures": int(not rep.mix2.ok),
             "mix1_bytes": rep.mix1.bytes, "mix2_bytes": rep.mix2.bytes,
             "mix1_s": rep.mix1.seconds, "mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s, "outer_s": rep.outer_s,
+            "delta_s": rep.delta_s,
         }
         for mix in ("mix1", "mix2"):
             res = getattr(rep, mix)
@@ -533,9 +562,9 @@ class NetworkPeer:
         record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
         record["members"] = len(self.exchange.members(r))  # the group this measurement averages over
         record.update(self._measure(r, h, val_loss=val_loss, final=final))
-        self._clock["monitor_s"] += time.perf_counter() - t
+        self._tick("monitor_s", time.perf_counter() - t)
         if self._losses:
-            record["loss"] = sum(self._losses) / len(self._losses)
+            record["loss"] = mean_loss(self._losses)
         record.update(self._pending)
         for k, v in self._clock.items():
             record[k] = v
@@ -608,6 +637,8 @@ class NetworkPeer:
             "compute_utilization": totals["compute_s"] / wall if wall > 0 else 0.0,
             # Over the training rounds only (no start-up, no final measurement): what the simulator predicts.
             "round_utilization": totals["compute_s"] / totals["rounds_s"] if totals.get("rounds_s") else 0.0,
+            # The share of the rounds spent neither computing nor blocked in a mix or a measurement.
+            "other_fraction": totals["other_s"] / totals["rounds_s"] if totals.get("rounds_s") else 0.0,
             **{f"total_{k}": v for k, v in totals.items()},
             **{k: v for k, v in self._counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
             "bytes_sent": self.exchange.bytes_sent,

@@ -24,7 +24,7 @@ from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batch
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
-from gossiploco.runtime.common import build_trainer, make_summary, measure_due, merge_stats
+from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats
 from gossiploco.trainer import resolve_device
 
 TensorDict = dict[str, torch.Tensor]
@@ -60,7 +60,7 @@ class VirtualSwarm:
         self.sink = MetricsSink(None)
         self.on_step: Callable[[int, dict | None], None] | None = None
         self._pending: dict = {}  # last round's communication stats, attached to the next record
-        self._losses: list[float] = []  # training losses since the last record
+        self._losses: list[torch.Tensor] = []  # training losses since the last record
 
     # -- measurement --------------------------------------------------------------------------
 
@@ -127,7 +127,7 @@ class VirtualSwarm:
         record = self.measure(r, h, val_loss=val_loss)
         self._round_js.append(record["cd_js"])
         if self._losses:
-            record["loss"] = sum(self._losses) / len(self._losses)
+            record["loss"] = mean_loss(self._losses)
         record.update(self._pending)
         self._pending, self._losses = {}, []
         self.sink.write(record)
@@ -143,7 +143,7 @@ class VirtualSwarm:
             algo.close()
         self.pool.shutdown(wait=True)
 
-    def _inner_step(self, step: int) -> list[float]:
+    def _inner_step(self, step: int) -> list[torch.Tensor]:
         if self.cfg.mode == "factored":
             return [algo.inner_step() for algo in self.algos]
         # sync-dp: every worker's gradient first, then the all-reduce for all of them at once.

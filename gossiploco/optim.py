@@ -29,17 +29,17 @@ class InnerOptimizer:
     """AdamW with the warmup/decay schedule and global-norm clipping. Decay on matrices only.
 
     On CUDA it is PyTorch's fused AdamW (one kernel for every parameter's update); elsewhere the
-    default multi-tensor implementation. A step never waits for the device: the learning rate is a
+    default multi-tensor implementation (``fused`` overrides the choice). A step never waits for the device: the learning rate is a
     Python number and the gradient norm stays a device tensor until someone reads it.
     """
 
-    def __init__(self, model: nn.Module, cfg: InnerOptConfig, total_steps: int):
+    def __init__(self, model: nn.Module, cfg: InnerOptConfig, total_steps: int, fused: bool | None = None):
         decay = [p for p in model.parameters() if p.ndim >= 2]
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         self.params = list(model.parameters())
         self.cfg = cfg
         self.total_steps = total_steps
-        self.fused = bool(self.params) and self.params[0].device.type == "cuda"
+        self.fused = fused if fused is not None else bool(self.params) and self.params[0].device.type == "cuda"
         self.opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr,

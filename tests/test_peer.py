@@ -74,8 +74,11 @@ def test_peers_found_through_one_bootstrap_address_train_every_preset_like_the_v
 
 @pytest.mark.timeout(240)
 def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
+    """Also: peers that compute differently (micro-batches, recomputed activations, outer state in host
+    memory: each peer's own [compute]) still train the virtual swarm's model."""
     preset = "globalm1-localm2"
-    with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV) as peers:
+    compute = {"compute.micro_batch_size": 2, "compute.checkpoint_activations": True, "compute.outer_state": "host"}
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **compute), env=ENV) as peers:
         peers.start()
         codes = peers.wait(180)
     assert_matches_virtual_swarm(peers, codes, preset)
@@ -206,3 +209,8 @@ def test_synthetic_compute_mode_times_sleeps_and_measures_round_utilization(tmp_
         assert s["total_compute_s"] == pytest.approx(3 * 4 * 0.05, rel=0.5)  # 12 sleeps of 50 ms
         assert 0 < s["round_utilization"] <= 1 and s["total_rounds_s"] >= s["total_compute_s"]
         assert [(r["round"], r["h"]) for r in records(peers, rank)] == [(3, 0)]
+        # The rounds' seconds are accounted for: computing, blocked in a mix, or other work (monitors are
+        # off; the final measurement comes after the rounds; between rounds a peer checks it is not behind).
+        parts = s["total_compute_s"] + s["total_mix1_wait_s"] + s["total_mix2_s"] + s["total_other_s"]
+        assert 0.9 * s["total_rounds_s"] <= parts <= s["total_rounds_s"]
+        assert 0 <= s["other_fraction"] < 0.5 and records(peers, rank)[0]["other_s"] >= 0

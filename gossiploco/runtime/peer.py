@@ -202,6 +202,7 @@ class NetworkPeer:
         self._pending: dict = {}
         self._clock = {"compute_s": 0.0, "monitor_s": 0.0}
         self._round_clock = dict(self._clock)  # the same, within the current round
+        self._round_times: list[dict] = []  # where each round's seconds went (the summary's "round_times")
         self._totals = {"compute_s": 0.0, "monitor_s": 0.0, "mix1_wait_s": 0.0, "mix2_s": 0.0, "grad_s": 0.0,
                         "other_s": 0.0, "catchup_s": 0.0, "startup_s": 0.0}
         self._counts = {"mix1_failures": 0, "mix2_failures": 0, "grad_failures": 0, "monitor_failures": 0,
@@ -462,12 +463,14 @@ class NetworkPeer:
         start = time.perf_counter()
         self._round_clock = dict.fromkeys(self._round_clock, 0.0)
         blocked = self._train_round(r)
-        other = time.perf_counter() - start - sum(self._round_clock.values()) - blocked
+        wall = time.perf_counter() - start
+        other = wall - sum(self._round_clock.values()) - sum(blocked.values())
         self._totals["other_s"] += other
         merge_stats(self._pending, {"other_s": other})
+        self._round_times.append({"round": r, "s": wall, **self._round_clock, **blocked, "other_s": other})
 
-    def _train_round(self, r: int) -> float:
-        """Returns the seconds blocked in Mix1 and Mix2 (sync-dp: gradient all-reduces)."""
+    def _train_round(self, r: int) -> dict[str, float]:
+        """Returns the seconds blocked in Mix1 and in Mix2 (sync-dp: in gradient all-reduces)."""
         cfg = self.cfg
         factored = cfg.mode == "factored"
         grad_s = self._totals["grad_s"]
@@ -499,8 +502,8 @@ class NetworkPeer:
             self._round_js = []
             rep = self.algo.end_round(r)
             self._round_done(rep)
-            return rep.mix1_wait_s + rep.mix2_s
-        return self._totals["grad_s"] - grad_s
+            return {"mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s}
+        return {"grad_s": self._totals["grad_s"] - grad_s}
 
     def _finish_compute(self) -> None:
         """Inner steps only queue work on a GPU: the wait for it to finish is compute time too."""
@@ -648,4 +651,5 @@ class NetworkPeer:
                          "encrypted": self.trust is not None, **self.exchange.security_counts()},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self._final_params is not None else "own",
+            "round_times": self._round_times,
         }

@@ -13,6 +13,7 @@ records them (``synchronize`` marks where compute ends, for timing).
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from gossiploco.errors import ConfigError
 from gossiploco.model import Transformer
 from gossiploco.optim import InnerOptimizer
 
+log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
 
 
@@ -52,9 +54,11 @@ class LocalTrainer:
         self._cuda = self.device.type == "cuda"
         self.micro_batch_size = compute.micro_batch_size
         model.checkpoint_activations = compute.checkpoint_activations
+        self._compile = compute.compile
         self.compiled = compute.compile == "on" or (compute.compile == "auto" and self._cuda)
-        if self.compiled:
-            model.compile()  # in place: parameter names (the blocks) stay as they are
+        # The compiled module runs the training passes; evaluation (rare, other shapes) stays eager.
+        # Parameter names (the blocks) are the model's own either way.
+        self._train_forward = torch.compile(model) if self.compiled else model
 
     def _autocast(self):
         if self._bf16:
@@ -67,9 +71,27 @@ class LocalTrainer:
         return tokens.to(self.device, non_blocking=True)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        forward = self._train_forward if self.model.training else self.model
         with self._autocast():
-            logits = self.model(self._to_device(inputs))  # (B, T, V)
+            logits = self._compiled_or_eager(forward, self._to_device(inputs))  # (B, T, V)
         return F.cross_entropy(logits.flatten(0, 1), self._to_device(targets).flatten())
+
+    def _compiled_or_eager(self, forward, inputs: torch.Tensor) -> torch.Tensor:
+        """``forward(inputs)``; with ``compute.compile = "auto"`` a compiler failure (no Triton for an old
+        GPU, no C++ compiler) is logged with its cause and this trainer goes on uncompiled."""
+        if forward is self.model:
+            return forward(inputs)
+        try:
+            return forward(inputs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - torch.compile raises many kinds; "on" re-raises them all
+            if self._compile != "auto":
+                raise
+            log.warning("torch.compile failed (%s: %s); training without it (set compute.compile = \"off\" to skip "
+                        "the attempt, or \"on\" to make this an error)", type(exc).__name__, " ".join(str(exc).split())[:400])
+            self._train_forward, self.compiled = self.model, False
+            return self.model(inputs)
 
     def forward_backward(self) -> torch.Tensor:
         """Sample the next batch, compute the loss and accumulate its gradient (eq. 22), in micro-batches

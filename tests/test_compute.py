@@ -163,3 +163,25 @@ def test_a_compiled_model_trains_like_the_eager_one(make_config, corpus):
     want, got = eager.params(), compiled.params()
     err = sum(float((got[n] - want[n]).norm() ** 2) for n in want) / sum(float(want[n].norm() ** 2) for n in want)
     assert math.sqrt(err) < 1e-5
+
+
+@pytest.mark.parametrize("setting", ["auto", "on"])
+def test_a_compiler_failure_is_logged_and_training_goes_on_eager_unless_compile_is_on(corpus, setting, caplog):
+    """A GPU without Triton support, or a machine without a C++ compiler, makes torch.compile fail at the
+    first step: "auto" says why and trains uncompiled; "on" makes it the error it asked for."""
+
+    def broken_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    trainer = trainer_for(corpus, ComputeConfig(compile=setting if setting == "auto" else "off"))
+    trainer._compile = setting  # a compiled trainer whose compiler fails (real torch.compile, a failing backend)
+    trainer._train_forward, trainer.compiled = torch.compile(trainer.model, backend=broken_backend), True
+    if setting == "on":
+        with pytest.raises(Exception, match="no compiler here"):
+            trainer.inner_step()
+        return
+    _, want = whole_batch_gradient(corpus)
+    trainer.forward_backward()
+    assert not trainer.compiled and "torch.compile failed" in caplog.text and "no compiler here" in caplog.text
+    for n, g in gradients(trainer).items():
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-7)

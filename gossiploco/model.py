@@ -73,6 +73,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def flash_attention_runs(device: torch.device, head_dim: int) -> bool:
+    """Whether PyTorch's flash-attention kernel can run on ``device`` (for half-precision inputs): CUDA
+    with compute capability 8.0 or newer, head size at most 256, flash attention enabled. Only that
+    kernel (of PyTorch's fused ones) takes grouped-query attention in place (``enable_gqa``). Decided
+    once, outside any compiled code (``Transformer.use_flash_gqa``)."""
+    return (device.type == "cuda" and head_dim <= 256 and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -83,6 +95,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.kv_heads_in_kernel = False
+        """Half-precision inputs on CUDA go to the flash kernel with the kv heads read in place (see
+        ``flash_attention_runs``); otherwise the kv heads are repeated for the kernel SDPA picks."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -90,11 +105,16 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. enable_gqa lets
-        # PyTorch's fused kernels (flash attention on CUDA) read the kv heads in place, without the
-        # repeat_interleave copies; (B, n_heads, T, head_dim) in and out.
+        # Grouped-query attention: each kv head serves n_heads / n_kv_heads query heads. Where the flash
+        # kernel can run, it reads the kv heads in place (enable_gqa); elsewhere enable_gqa would force
+        # PyTorch's unfused math path, so the kv heads are repeated and SDPA picks its best kernel.
+        repeat = self.n_heads // self.n_kv_heads
+        in_kernel = repeat > 1 and self.kv_heads_in_kernel and q.is_cuda and q.dtype in HALF_DTYPES
+        if repeat > 1 and not in_kernel:
+            k, v = k.repeat_interleave(repeat, dim=2), v.repeat_interleave(repeat, dim=2)
+        # (B, n_heads, T, head_dim) in and out
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=self.n_heads != self.n_kv_heads)
+                                             enable_gqa=in_kernel)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -139,6 +159,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.checkpoint_activations = False
         """Training only: recompute each layer's activations in the backward pass instead of storing them."""
+
+    def use_flash_gqa(self) -> None:
+        """Let every attention layer pass its kv heads to the flash kernel in place, where it runs on the
+        model's device (call after moving the model; a no-op elsewhere)."""
+        device = self.tok_embeddings.weight.device
+        for layer in self.layers:
+            layer.attention.kv_heads_in_kernel = flash_attention_runs(device, layer.attention.head_dim)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:

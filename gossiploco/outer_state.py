@@ -34,8 +34,8 @@ OUTER_COPIES = 6
 pseudo-gradient, Mix1's result x, and the new z and momentum (the outer step makes new tensors, so
 a state download served meanwhile reads a consistent snapshot)."""
 HEADROOM = 1.25
-"""Room left for activations: ``auto`` keeps the state on the device when its memory holds
-HEADROOM x (TRAINING_COPIES + OUTER_COPIES) parameter-sized tensors."""
+"""Room left for activations: ``auto`` keeps the state on the device when its free memory (the model
+already on it) holds HEADROOM x (TRAINING_COPIES - 1 + OUTER_COPIES) more parameter-sized tensors."""
 
 
 def state_device(setting: str, device: torch.device, param_bytes: int) -> torch.device:
@@ -44,16 +44,16 @@ def state_device(setting: str, device: torch.device, param_bytes: int) -> torch.
     cpu = torch.device("cpu")
     if setting == "host" or device.type != "cuda":
         return cpu
-    total = torch.cuda.get_device_properties(device).total_memory
-    need = HEADROOM * (TRAINING_COPIES + OUTER_COPIES) * param_bytes
     if setting == "device":
         return device
     if setting != "auto":
         raise ConfigError("compute.outer_state", f"must be auto, device or host, got {setting!r}")
-    if total >= need:
+    free, _ = torch.cuda.mem_get_info(device)  # what other processes sharing the GPU left, too
+    need = HEADROOM * (TRAINING_COPIES - 1 + OUTER_COPIES) * param_bytes
+    if free >= need:
         return device
-    log.warning("outer state in host memory: %.1f GB of GPU memory, the outer state on it would want %.1f GB "
-                "(set compute.outer_state = \"device\" to try anyway)", total / 1e9, need / 1e9)
+    log.warning("outer state in host memory: %.1f GB of GPU memory free, training with the outer state on it "
+                "would want %.1f GB (set compute.outer_state = \"device\" to try anyway)", free / 1e9, need / 1e9)
     return cpu
 
 

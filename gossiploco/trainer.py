@@ -54,6 +54,7 @@ class LocalTrainer:
         self._cuda = self.device.type == "cuda"
         self.micro_batch_size = compute.micro_batch_size
         model.checkpoint_activations = compute.checkpoint_activations
+        model.use_flash_gqa()
         self._compile = compute.compile
         self.compiled = compute.compile == "on" or (compute.compile == "auto" and self._cuda)
         # The compiled module runs the training passes; evaluation (rare, other shapes) stays eager.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from gossiploco.config import ComputeConfig, InnerOptConfig, OuterOptConfig
 from gossiploco.errors import ConfigError
-from gossiploco.model import Attention, ModelArgs, apply_rope, build_model, rope_tables
+from gossiploco.model import Attention, ModelArgs, apply_rope, build_model, flash_attention_runs, rope_tables
 from gossiploco.optim import InnerOptimizer, outer_step
 from gossiploco.outer_state import SideStream, state_device, to_device
 from gossiploco.runtime.common import build_trainer, mean_loss
@@ -57,11 +57,22 @@ def test_micro_batches_and_recomputed_activations_give_the_whole_batch_gradient(
         torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-7)
 
 
-def test_grouped_query_attention_through_the_fused_kernel_equals_repeated_heads():
-    """softmax(Q K^T / sqrt(d) + causal mask) V, each kv head serving n_heads / n_kv_heads query heads."""
+@pytest.mark.parametrize("in_kernel", [False, True])
+def test_grouped_query_attention_equals_repeated_heads_either_way(monkeypatch, in_kernel):
+    """softmax(Q K^T / sqrt(d) + causal mask) V, each kv head serving n_heads / n_kv_heads query heads:
+    with the kv heads repeated (CPU, fp32, older GPUs) and read in place by the kernel (enable_gqa: the
+    flash kernel on a GPU; here PyTorch's reference path of the same call)."""
+    assert not flash_attention_runs(torch.device("cpu"), 8)
     torch.manual_seed(0)
     args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
     attn = Attention(args)
+    if in_kernel:  # what a GPU with flash attention does, for half-precision CUDA inputs: pretend these are
+        attn.kv_heads_in_kernel = True
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        monkeypatch.setattr("gossiploco.model.HALF_DTYPES", (torch.float32,))
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw["enable_gqa"]) or sdpa(*a, **kw))
     x = torch.randn(2, 7, 32)
     cos, sin = (t[:7] for t in rope_tables(8, 16, 500000.0))
     q = apply_rope(attn.wq(x).view(2, 7, 4, 8), cos, sin).transpose(1, 2)
@@ -71,6 +82,7 @@ def test_grouped_query_attention_through_the_fused_kernel_equals_repeated_heads(
     scores = scores.masked_fill(torch.ones(7, 7, dtype=torch.bool).triu(1), float("-inf"))
     want = attn.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 7, 32))
     torch.testing.assert_close(attn(x, cos, sin), want, rtol=1e-5, atol=1e-6)
+    assert calls == [in_kernel]
 
 
 def test_an_inner_step_never_reads_a_value_back_from_the_device(corpus, monkeypatch):

@@ -13,7 +13,12 @@
    (N: parameters), against the device's dense bf16 peak (detected from its name, or ``--peak-tflops``);
    the column with attention adds 12 L T d per token. Out of memory is reported as such.
 
-2. Four ``gossiploco peer`` processes on the one device (static list on loopback, bf16, monitors off)
+2. The end of a round outside the mixes (the pseudo-gradient, the outer step, loading z into the
+   model) for the peers' model: ``FactoredDiLoCo.end_round`` with the outer state on the device and
+   in host memory, beside the landed path (parameters copied to the host, the outer step tensor by
+   tensor on the CPU). Median of ``--repeats`` rounds.
+
+3. Four ``gossiploco peer`` processes on the one device (static list on loopback, bf16, monitors off)
    for each preset (``--presets``): per peer, the median over rounds 1.. (round 0 compiles) of the
    compute utilization, Mix1 wait, Mix2 seconds and the seconds outside compute and the blocking mixes
    (``other_s``: the pseudo-gradient, the outer step, copies, bookkeeping), and the simulator's
@@ -43,8 +48,11 @@ if __name__ == "__main__":  # run as a script: make `bench.*` and `gossiploco` i
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from gossiploco.config import ComputeConfig, InnerOptConfig, load_config  # noqa: E402
-from gossiploco.data import TokenStream  # noqa: E402
+from gossiploco.config import ComputeConfig, InnerOptConfig, OuterOptConfig, load_config  # noqa: E402
+from gossiploco.data import Corpus, TokenStream  # noqa: E402
+from gossiploco.factored import FactoredDiLoCo  # noqa: E402
+from gossiploco.mixing import MemoryHub  # noqa: E402
+from gossiploco.runtime.common import build_trainer  # noqa: E402
 from gossiploco.model import MODEL_SIZES, build_model, count_parameters  # noqa: E402
 from gossiploco.optim import InnerOptimizer  # noqa: E402
 from gossiploco.runtime.launch import LocalPeers  # noqa: E402
@@ -137,7 +145,55 @@ def throughput_rows(args: argparse.Namespace, device: torch.device, peak_tflops:
     return rows
 
 
-# -- 2. four peers sharing the device ----------------------------------------------------------------
+# -- 2. the end of a round, outside the mixes ---------------------------------------------------------
+
+
+def landed_end_of_round(trainer: LocalTrainer, z: dict, momentum: dict, cfg: OuterOptConfig) -> None:
+    """The end of a round as it was before [compute] (the alternative): the parameters copied to the host,
+    the pseudo-gradient and outer step tensor by tensor on the CPU, z copied back into the model."""
+    y = {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in trainer.model.named_parameters()}
+    delta = {n: y[n] - z[n] for n in y}
+    g = {n: -delta[n] for n in delta}
+    new_z = {n: z[n] - cfg.lr * (g[n] + cfg.momentum * (momentum[n] * cfg.momentum + g[n])) for n in g}
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            p.copy_(new_z[n])
+    trainer.synchronize()
+
+
+def end_of_round_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """Median seconds of the end of a round without its mixes (both identity here: no bytes to pack or
+    send), for the peers' model: the pseudo-gradient, the outer step and loading z, as
+    ``FactoredDiLoCo.end_round`` does them for each outer-state placement, beside ``landed_end_of_round``."""
+    tokens = np.zeros(1 << 16, dtype=np.uint16)
+    corpus = Corpus(tokens, tokens, VOCAB, "zeros")
+    rows = []
+    placements = ["device", "host"] if device.type == "cuda" else ["host"]
+    for path in ["landed", *placements]:
+        cfg = load_config("diloco", {"model.size": args.peer_size, "mix2.kind": "identity", "workers": 1, "inner_steps": 1,
+                                     "data.seq_len": 8, "data.batch_size": 1, "compute.compile": "off",
+                                     "compute.outer_state": "host" if path == "landed" else path})
+        trainer = build_trainer(cfg, corpus, device, 0)
+        algo = FactoredDiLoCo(trainer, cfg, MemoryHub(1, 60.0).exchange(0))
+        seconds = []
+        for r in range(args.repeats + 1):
+            if path == "landed":
+                start = time.perf_counter()
+                landed_end_of_round(trainer, algo.z, algo.momentum, cfg.outer)
+            else:
+                algo.begin_round(r)  # Mix1 is identity: its thread returns at once
+                start = time.perf_counter()
+                algo.end_round(r)
+            seconds.append(time.perf_counter() - start)
+        algo.close()
+        rows.append({"path": path, "state": str(algo.state_device) if path != "landed" else "cpu (tensor by tensor)",
+                     "ms": 1000 * statistics.median(seconds[1:]), "params": count_parameters(args.peer_size, VOCAB)})
+        print(json.dumps(rows[-1]), flush=True)
+        del algo, trainer
+    return rows
+
+
+# -- 3. four peers sharing the device ----------------------------------------------------------------
 
 
 def peer_overrides(args: argparse.Namespace) -> dict:
@@ -145,7 +201,8 @@ def peer_overrides(args: argparse.Namespace) -> dict:
     return {"model.size": args.peer_size, "model.precision": args.precision, "data.batch_size": batch, "data.seq_len": seq,
             "inner_steps": args.inner_steps, "rounds": args.rounds, "monitor.enabled": False, "seed": 0,
             "compute.micro_batch_size": compute.micro_batch_size,
-            "compute.checkpoint_activations": compute.checkpoint_activations, "timeouts.exchange_s": args.exchange_s}
+            "compute.checkpoint_activations": compute.checkpoint_activations, "timeouts.exchange_s": args.exchange_s,
+            "inner.synthetic_step_s": args.synthetic_step_ms / 1000}
 
 
 def run_peers(preset: str, args: argparse.Namespace, out: Path) -> dict:
@@ -194,8 +251,8 @@ def predict(run: dict, mbps: float) -> float:
 # -- report -----------------------------------------------------------------------------------------
 
 
-def render(args: argparse.Namespace, device: torch.device, peak: float | None, rows: list[dict], runs: list[dict],
-           link: tuple[float, str] | None, wall_s: float) -> str:
+def render(args: argparse.Namespace, device: torch.device, peak: float | None, rows: list[dict], ends: list[dict],
+           runs: list[dict], link: tuple[float, str] | None, wall_s: float) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     lines = ["# GPU benchmark (bench/gpu.py)", "",
              f"Command: `python bench/gpu.py {shlex.join(sys.argv[1:])}` ({wall_s:.0f} s)",
@@ -220,10 +277,21 @@ def render(args: argparse.Namespace, device: torch.device, peak: float | None, r
             lines.append(f"| {r['size']} | {r['params'] / 1e6:.0f}M | {r['shape']} | {r['variant']} | {r['ms']:.1f} | "
                          f"{r['tokens_per_s']:,.0f} | {mfu} | {mfu_attn} | {peak_gb} | {speedup} |")
         lines.append("")
+    if ends:
+        landed = ends[0]["ms"]
+        lines += ["## The end of a round, outside the mixes", "",
+                  f"`{args.peer_size}` ({ends[0]['params'] / 1e6:.0f}M parameters): the pseudo-gradient, the outer step and "
+                  f"loading z into the model, median of {args.repeats} rounds (mixes identity). landed: as before [compute] "
+                  "(copies to the host, tensor by tensor on the CPU); the others: `FactoredDiLoCo.end_round` with the outer "
+                  "state on the device or in host memory.", "",
+                  "| path | outer state | ms | landed / this |", "|---|---|---:|---:|"]
+        lines += [f"| {e['path']} | {e['state']} | {e['ms']:.1f} | {landed / e['ms']:.2f}x |" for e in ends]
+        lines.append("")
     if runs:
         assert link is not None
         lines += [f"## {args.peers} peers sharing the device", "",
                   f"`{args.peer_size}`, {args.peer_shape} tokens per step, H = {args.inner_steps}, {args.rounds} rounds, "
+                  + (f"inner steps replaced by {args.synthetic_step_ms:g} ms sleeps, " if args.synthetic_step_ms else "") +
                   "monitors off; per peer the median over rounds 1.. (round 0 compiles). Link: "
                   f"{link[0]:,.0f} Mbit/s, from {link[1]}. Predicted: the simulator for the measured step time and link.", "",
                   "| preset | peer | round s | step ms | utilization | predicted | Mix1 wait s | Mix2 s | other s | other % |",
@@ -249,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-end-of-round", dest="end_of_round", action="store_false", help="skip timing the end of a round")
     ap.add_argument("--presets", default="diloco,globalm1-localm2", help="comma-separated; empty: skip the peers")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--peer-size", default=None, help="default: 125m on CUDA, tiny on a CPU")
@@ -258,6 +327,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each peer")
     ap.add_argument("--link-mbps", type=float, default=10000.0, help="the link, when no diloco run measures it")
     ap.add_argument("--exchange-s", type=float, default=120.0)
+    ap.add_argument("--synthetic-step-ms", type=float, default=0.0,
+                    help="peers sleep this long instead of computing each inner step (a CPU machine measuring the "
+                         "mixes and the other time of a model too large to train on it)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu.md"))
     args = ap.parse_args(argv)
@@ -271,13 +343,14 @@ def main(argv: list[str] | None = None) -> None:
     peak = args.peak_tflops or detect_peak_tflops(device)
     start = time.perf_counter()
     rows = throughput_rows(args, device, peak)
+    ends = end_of_round_rows(args, device) if args.end_of_round else []
     runs, link = [], None
     presets = [p for p in args.presets.split(",") if p]
     if presets:
         with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
             runs = [run_peers(p, args, Path(tmp)) for p in presets]
         link = link_mbps(runs, args)
-    text = render(args, device, peak, rows, runs, link, time.perf_counter() - start)
+    text = render(args, device, peak, rows, ends, runs, link, time.perf_counter() - start)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
     print(text)

@@ -28,7 +28,7 @@ import torch
 from gossiploco.blocks import select_parameters
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
-from gossiploco.optim import outer_step
+from gossiploco.optim import outer_step_on_delta
 from gossiploco.outer_state import SideStream, state_device, to_device
 from gossiploco.trainer import LocalTrainer
 
@@ -127,8 +127,8 @@ class FactoredDiLoCo:
         momentum = mix1.values[1] if self.cfg.mix1.state else self.momentum
 
         start = time.perf_counter()
-        outer_grad = dict(zip(names, torch._foreach_neg([delta_hat[n] for n in names])))
-        self.z, self.momentum = outer_step(x, outer_grad, momentum, self.cfg.outer)  # line 13 (eq. 26)
+        # line 13 (eq. 26): z = OuterOpt(x, -Delta_hat), bit for bit, without materialising -Delta_hat
+        self.z, self.momentum = outer_step_on_delta(x, delta_hat, momentum, self.cfg.outer)
         self.trainer.load_params(self.z)  # y_{m,r+1,0} <- z_{m,r+1}
         self.trainer.synchronize()  # (on a GPU the step only queues work: time it to its end)
         return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start, delta_s)

@@ -59,6 +59,8 @@ def test_a_cpu_run_measures_peers_against_the_simulator_and_writes_the_report(tm
         assert 0 < utilization <= 100 and 0 < predicted <= 100
         assert float(row[8]) >= 0 and 0 <= float(row[9].strip().rstrip("%")) < 100  # other s, other %
     assert "from diloco's median Mix2" in text
+    ends = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith(("| landed |", "| host |"))]
+    assert [e[0].strip() for e in ends] == ["landed", "host"] and all(float(e[2]) > 0 for e in ends)
 
 
 def test_the_prediction_is_the_simulators_for_the_measured_step_and_link():

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gossiploco.config import ComputeConfig, InnerOptConfig, OuterOptConfig
 from gossiploco.errors import ConfigError
 from gossiploco.model import Attention, ModelArgs, apply_rope, build_model, flash_attention_runs, rope_tables
-from gossiploco.optim import InnerOptimizer, outer_step
+from gossiploco.optim import InnerOptimizer, outer_step, outer_step_on_delta
 from gossiploco.outer_state import SideStream, state_device, to_device
 from gossiploco.runtime.common import build_trainer, mean_loss
 from gossiploco.runtime.peer import run_id_for
@@ -111,14 +111,16 @@ def reference_outer_step(x, g, v, cfg):
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_the_multi_tensor_outer_step_is_eqs_36_37_to_the_last_bit(nesterov):
+def test_the_multi_tensor_outer_steps_are_eqs_36_37_to_the_last_bit(nesterov):
     gen = torch.Generator().manual_seed(1)
     shapes = {"a": (5, 3), "b": (7,), "c": (2, 2, 2)}
     x, g, v = ({n: torch.randn(s, generator=gen) for n, s in shapes.items()} for _ in range(3))
     cfg = OuterOptConfig(lr=0.7, momentum=0.9, nesterov=nesterov)
-    got_x, got_v = outer_step(x, g, v, cfg)
     want_x, want_v = reference_outer_step(x, g, v, cfg)
-    assert all(torch.equal(got_x[n], want_x[n]) and torch.equal(got_v[n], want_v[n]) for n in shapes)
+    inputs = [{n: t.clone() for n, t in d.items()} for d in (x, g, v)]
+    for got_x, got_v in (outer_step(x, g, v, cfg), outer_step_on_delta(x, {n: -t for n, t in g.items()}, v, cfg)):
+        assert all(torch.equal(got_x[n], want_x[n]) and torch.equal(got_v[n], want_v[n]) for n in shapes)
+    assert all(torch.equal(d[n], e[n]) for d, e in zip((x, g, v), inputs) for n in shapes)  # inputs untouched
 
 
 def test_diloco_with_micro_batches_recomputation_and_host_state_is_still_the_papers_diloco(make_config, corpus):

@@ -98,8 +98,8 @@ class FactoredDiLoCo:
             result.values = [to_device(d, self.state_device) for d in result.values]
             return result, self._side.done()
 
-    def inner_step(self) -> float:
-        """Lines 6-8: one inner AdamW step on y. Returns the training loss."""
+    def inner_step(self) -> torch.Tensor:
+        """Lines 6-8: one inner AdamW step on y. Returns the training loss (a device tensor: reading it waits)."""
         return self.trainer.inner_step()
 
     def end_round(self, r: int) -> RoundReport:

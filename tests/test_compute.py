@@ -162,11 +162,13 @@ def test_the_outer_state_stays_in_host_memory_without_a_gpu_and_copies_are_plain
 
 
 @pytest.mark.slow
-def test_a_compiled_model_trains_like_the_eager_one(make_config, corpus):
-    """torch.compile (inductor, here on the CPU) changes how the step runs, not what it computes."""
+@pytest.mark.parametrize("options", [{}, {"compute.micro_batch_size": 2, "compute.checkpoint_activations": True}])
+def test_a_compiled_model_trains_like_the_eager_one(make_config, corpus, options):
+    """torch.compile (inductor, here on the CPU) changes how the step runs, not what it computes, also with
+    micro-batches and activations recomputed inside the compiled graph."""
     cfg = make_config("diloco", workers=2, inner_steps=2, rounds=1)
     eager = build_trainer(cfg, corpus, torch.device("cpu"), 0)
-    compiled_cfg = make_config("diloco", workers=2, inner_steps=2, rounds=1, **{"compute.compile": "on"})
+    compiled_cfg = make_config("diloco", workers=2, inner_steps=2, rounds=1, **{"compute.compile": "on", **options})
     compiled = build_trainer(compiled_cfg, corpus, torch.device("cpu"), 0)
     assert compiled.compiled and not eager.compiled
     losses = [(float(eager.inner_step()), float(compiled.inner_step())) for _ in range(3)]

@@ -130,6 +130,18 @@ def test_torch_device_cases():
     assert by_name(doctor.check_torch(fake_torch(None, False, mps=True), nvidia=None))["device"].status == "warn"
 
 
+def test_compile_cases():
+    h100 = doctor.check_compile((9, 0), bf16=True, triton=True)
+    assert h100.status == "ok" and "sm90" in h100.detail and "bf16" in h100.detail
+    no_triton = doctor.check_compile((8, 0), bf16=True, triton=False)
+    assert no_triton.status == "warn" and "uncompiled" in no_triton.detail and "pip install triton" in no_triton.fix
+    pascal = doctor.check_compile((6, 0), bf16=False, triton=True)
+    assert pascal.status == "warn" and "7.0" in pascal.detail and "fp32" in pascal.detail
+    assert doctor.check_compile(compiler=None).status == "ok" and "needs a C++ compiler" in doctor.check_compile(compiler=None).detail
+    assert "/usr/bin/c++" in doctor.check_compile(compiler="/usr/bin/c++").detail
+    assert doctor._compile_check().name == "compile"  # this machine: no GPU
+
+
 @pytest.mark.parametrize("reachable, status, words", [
     (True, "ok", "reachable at tcp://198.51.100.7:4000"),
     (False, "ok", "behind NAT"),  # information, not a failure

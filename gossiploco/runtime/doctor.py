@@ -2,7 +2,8 @@
 
 Every check is a small function returning ``Check`` (or a list of them); the environment it
 inspects (Python version, modules, the reachability checker) can be passed in, so tests fake it.
-``run_doctor`` runs them in order: local ones first (Python, torch, packages, libzmq, p2pd, ports),
+``run_doctor`` runs them in order: local ones first (Python, torch, torch.compile, packages, libzmq,
+p2pd, ports),
 then, with ``join``, the network ones: the bootstrap DHT node answers (a TCP probe of each
 address, then a real DHT node joining through those that answered), the swarm key is the one
 its bootstrap node holds (the beacon, ``DhtDirectory.confirm_swarm``), and this peer's own
@@ -15,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import errno
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -105,6 +107,41 @@ def check_torch(torch: Any = None, nvidia: str | None | bool = False) -> list[Ch
                             + ": training will be slow", "fine for tiny models; for real ones use a machine with an "
                             "NVIDIA GPU and the CUDA build of torch (https://pytorch.org/get-started/locally/)"))
     return checks
+
+
+def check_compile(capability: tuple[int, int] | None = None, bf16: bool = False, triton: bool | None = None,
+                  compiler: str | None | bool = False) -> Check:
+    """Whether ``compute.compile = "auto"`` will compile here: on CUDA (``capability``: the GPU's compute
+    capability) it needs Triton and a GPU Triton supports (7.0+; older ones train uncompiled, slower);
+    on a CPU auto does not compile, and ``on`` would need a C++ compiler. Also says whether the GPU has
+    bf16, the precision to train with on it. ``triton``/``compiler``: found or not (default: look)."""
+    if capability is None:
+        if compiler is False:
+            compiler = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+        use = f"; `on` would use the C++ compiler {compiler}" if compiler else "; `on` needs a C++ compiler"
+        return Check("compile", "ok", f"off on a CPU (compute.compile = auto){use}")
+    if triton is None:
+        triton = importlib.util.find_spec("triton") is not None
+    precision = "bf16 yes: train with --set model.precision='\"bf16\"'" if bf16 else "no bf16 on this GPU: fp32"
+    sm = f"sm{capability[0]}{capability[1]}"
+    if not triton:
+        return Check("compile", "warn", f"Triton is not installed: torch.compile cannot compile for the GPU, peers "
+                     f"train uncompiled (slower); {precision}", "pip install triton  (the version your torch build names)")
+    if capability < (7, 0):
+        return Check("compile", "warn", f"{sm}: Triton needs compute capability 7.0 or newer, so peers train "
+                     f"uncompiled (slower); {precision}", "use a newer GPU for full speed")
+    return Check("compile", "ok", f"torch.compile with Triton on {sm}; {precision}")
+
+
+def _compile_check() -> Check:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return check_compile(torch.cuda.get_device_capability(0), torch.cuda.is_bf16_supported())
+    except Exception:  # noqa: BLE001 - check_torch reports an unusable torch
+        pass
+    return check_compile()
 
 
 def check_packages(version_of: Callable[[str], str] = importlib.metadata.version) -> list[Check]:
@@ -312,7 +349,7 @@ def run_doctor(*, join: Sequence[str] | None = None, host: str = "0.0.0.0", port
         from gossiploco.config import TimeoutConfig
 
         timeout_s = TimeoutConfig().hello_s + 5
-    checks = [check_python(), *check_torch(), *check_packages(), check_zmq(), check_p2pd()]
+    checks = [check_python(), *check_torch(), _compile_check(), *check_packages(), check_zmq(), check_p2pd()]
     data = check_port(host, port)
     checks.append(data)
     if dht_port is not None:

@@ -66,6 +66,7 @@ from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.reach.paths import PathPlanner, Reach
 from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats
+from gossiploco.runtime.peer_clock import PeerClock
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -200,11 +201,7 @@ class NetworkPeer:
         self.on_record: Callable[[dict], None] | None = None
         self._losses: list[torch.Tensor | float] = []
         self._pending: dict = {}
-        self._clock = {"compute_s": 0.0, "monitor_s": 0.0}
-        self._round_clock = dict(self._clock)  # the same, within the current round
-        self._round_times: list[dict] = []  # where each round's seconds went (the summary's "round_times")
-        self._totals = {"compute_s": 0.0, "monitor_s": 0.0, "mix1_wait_s": 0.0, "mix2_s": 0.0, "grad_s": 0.0,
-                        "other_s": 0.0, "catchup_s": 0.0, "startup_s": 0.0}
+        self.clock = PeerClock()
         self._counts = {"mix1_failures": 0, "mix2_failures": 0, "grad_failures": 0, "monitor_failures": 0,
                         "catchups": 0}
         self._final_params: TensorDict | None = None
@@ -222,7 +219,7 @@ class NetworkPeer:
         try:
             t = time.perf_counter()
             r = self._join()
-            self._totals["startup_s"] = time.perf_counter() - t
+            self.clock.add("startup_s", time.perf_counter() - t)
             cfg = self.cfg
             t = time.perf_counter()
             while r < cfg.rounds:
@@ -231,7 +228,7 @@ class NetworkPeer:
                     break
                 self._run_round(r)
                 r += 1
-            self._totals["rounds_s"] = time.perf_counter() - t
+            self.clock.add("rounds_s", time.perf_counter() - t)
             self.exchange.current_round = cfg.rounds
             final = self._record(cfg.rounds, 0, val_loss=True, final=True)
             reach = self._reach_summary()
@@ -410,12 +407,12 @@ class NetworkPeer:
             # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
             self.exchange.announce(k, caught_up=True)
             self._counts["catchups"] += 1
-            self._totals["catchup_s"] += time.perf_counter() - start
+            self.clock.add("catchup_s", time.perf_counter() - start)
             log.warning("rank %d: %s; caught up from peer %d at the start of round %d, mixing again",
                         self.rank, "joined a running swarm" if fresh else "fell behind the swarm", donor, k)
             self._pending["catchup_from"] = donor
             return k
-        self._totals["catchup_s"] += time.perf_counter() - start
+        self.clock.add("catchup_s", time.perf_counter() - start)
         if not fresh:  # it has a state of its own (the others finished or are gone): it goes on with that
             log.warning("rank %d: no peer gave its state (rounds %s); going on from round %d with this peer's own",
                         self.rank, ahead, current)
@@ -453,27 +450,19 @@ class NetworkPeer:
 
     # -- one round -----------------------------------------------------------------------------
 
-    def _tick(self, clock: str, seconds: float) -> None:
-        self._clock[clock] += seconds
-        self._round_clock[clock] += seconds
-
     def _run_round(self, r: int) -> None:
         """One round, timed: besides computing, blocking in Mix1 and Mix2 and measuring, whatever else
         it spent (the pseudo-gradient, the outer step, copies, bookkeeping) is its ``other_s``."""
         start = time.perf_counter()
-        self._round_clock = dict.fromkeys(self._round_clock, 0.0)
+        self.clock.begin_round()
         blocked = self._train_round(r)
-        wall = time.perf_counter() - start
-        other = wall - sum(self._round_clock.values()) - sum(blocked.values())
-        self._totals["other_s"] += other
-        merge_stats(self._pending, {"other_s": other})
-        self._round_times.append({"round": r, "s": wall, **self._round_clock, **blocked, "other_s": other})
+        merge_stats(self._pending, {"other_s": self.clock.end_round(r, time.perf_counter() - start, blocked)})
 
     def _train_round(self, r: int) -> dict[str, float]:
         """Returns the seconds blocked in Mix1 and in Mix2 (sync-dp: in gradient all-reduces)."""
         cfg = self.cfg
         factored = cfg.mode == "factored"
-        grad_s = self._totals["grad_s"]
+        grad_s = self.clock.totals["grad_s"]
         if factored:
             algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
             # Before telling anyone this round began: a peer that hears so may ask for this state at once.
@@ -489,7 +478,7 @@ class NetworkPeer:
             t = time.perf_counter()
             if factored:
                 loss = self._inner_step()
-                self._tick("compute_s", time.perf_counter() - t)
+                self.clock.tick("compute_s", time.perf_counter() - t)
             else:
                 loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
             self._losses.append(loss)
@@ -503,13 +492,13 @@ class NetworkPeer:
             rep = self.algo.end_round(r)
             self._round_done(rep)
             return {"mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s}
-        return {"grad_s": self._totals["grad_s"] - grad_s}
+        return {"grad_s": self.clock.totals["grad_s"] - grad_s}
 
     def _finish_compute(self) -> None:
         """Inner steps only queue work on a GPU: the wait for it to finish is compute time too."""
         t = time.perf_counter()
         self.trainer.synchronize()
-        self._tick("compute_s", time.perf_counter() - t)
+        self.clock.tick("compute_s", time.perf_counter() - t)
 
     def _inner_step(self) -> torch.Tensor | float:
         self._tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
@@ -528,10 +517,10 @@ class NetworkPeer:
         else:
             loss = algo.forward_backward()
             self.trainer.synchronize()
-        self._tick("compute_s", time.perf_counter() - start)
+        self.clock.tick("compute_s", time.perf_counter() - start)
         t = time.perf_counter()
         result = algo.reduce_and_step(step)
-        self._totals["grad_s"] += time.perf_counter() - t
+        self.clock.add("grad_s", time.perf_counter() - t)
         if not result.ok:
             self._counts["grad_failures"] += 1
             merge_stats(self._pending, {"grad_failures": 1, "grad_cause": result.cause})
@@ -551,8 +540,8 @@ class NetworkPeer:
                 self._counts[f"{mix}_failures"] += 1
             if res.partner is not None:
                 stats[f"{mix}_partner"] = res.partner
-        self._totals["mix1_wait_s"] += rep.mix1_wait_s
-        self._totals["mix2_s"] += rep.mix2_s
+        self.clock.add("mix1_wait_s", rep.mix1_wait_s)
+        self.clock.add("mix2_s", rep.mix2_s)
         merge_stats(self._pending, stats)
 
     # -- measurement -------------------------------------------------------------------------------
@@ -565,17 +554,14 @@ class NetworkPeer:
         record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
         record["members"] = len(self.exchange.members(r))  # the group this measurement averages over
         record.update(self._measure(r, h, val_loss=val_loss, final=final))
-        self._tick("monitor_s", time.perf_counter() - t)
+        self.clock.tick("monitor_s", time.perf_counter() - t)
         if self._losses:
             record["loss"] = mean_loss(self._losses)
         record.update(self._pending)
-        for k, v in self._clock.items():
-            record[k] = v
-            self._totals[k] += v
+        record.update(self.clock.take_record())
         record["bytes_sent"] = self.exchange.bytes_sent
         record["bytes_received"] = self.exchange.bytes_received
         self._pending, self._losses = {}, []
-        self._clock = dict.fromkeys(self._clock, 0.0)
         self.sink.write(record)
         if self.on_record:
             self.on_record(record)
@@ -633,16 +619,10 @@ class NetworkPeer:
         return reach
 
     def _peer_summary(self, wall: float) -> dict:
-        totals = dict(self._totals)
         return {
             "rank": self.rank,
             "run_id": self.run_id,
-            "compute_utilization": totals["compute_s"] / wall if wall > 0 else 0.0,
-            # Over the training rounds only (no start-up, no final measurement): what the simulator predicts.
-            "round_utilization": totals["compute_s"] / totals["rounds_s"] if totals.get("rounds_s") else 0.0,
-            # The share of the rounds spent neither computing nor blocked in a mix or a measurement.
-            "other_fraction": totals["other_s"] / totals["rounds_s"] if totals.get("rounds_s") else 0.0,
-            **{f"total_{k}": v for k, v in totals.items()},
+            **self.clock.summary(wall),
             **{k: v for k, v in self._counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
             "bytes_sent": self.exchange.bytes_sent,
             "bytes_received": self.exchange.bytes_received,
@@ -651,5 +631,4 @@ class NetworkPeer:
                          "encrypted": self.trust is not None, **self.exchange.security_counts()},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self._final_params is not None else "own",
-            "round_times": self._round_times,
         }

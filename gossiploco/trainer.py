@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +116,22 @@ class LocalTrainer:
         loss = self.forward_backward()
         self.inner_opt.step()
         return loss
+
+    def warm_up(self) -> float:
+        """Compile now (a compiled trainer): one forward and backward pass of a batch of zeros of the
+        training shape, gradients dropped. Parameters, optimizer and data stream are untouched, so the
+        run is the same; only its first inner step is no longer minutes long (a peer that compiled
+        during its first round would fall behind the others and catch up again). Returns the seconds."""
+        if not self.compiled:
+            return 0.0
+        start = time.perf_counter()
+        self.model.train()
+        rows = self.micro_batch_size or self.stream.batch_size
+        zeros = torch.zeros(rows, self.stream.seq_len, dtype=torch.long)
+        self.loss(zeros, zeros).backward()
+        self.model.zero_grad(set_to_none=True)
+        self.synchronize()
+        return time.perf_counter() - start
 
     def synchronize(self) -> None:
         """Wait until the device has done all the work queued so far (a no-op on the CPU)."""

@@ -218,6 +218,8 @@ class NetworkPeer:
         start = time.perf_counter()
         try:
             t = time.perf_counter()
+            if self.trainer.compiled:  # before joining: a peer compiling in its first round would fall behind
+                log.info("rank %d: compiled the model in %.1fs", self.rank, self.trainer.warm_up())
             r = self._join()
             self.clock.add("startup_s", time.perf_counter() - t)
             cfg = self.cfg

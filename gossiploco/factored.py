@@ -13,8 +13,9 @@ Per round r, for worker m:
 The same class runs in the one-process virtual swarm (``MemoryExchange``) and in a network
 peer (a ZeroMQ exchange): only the ``Exchange`` differs. z and the momentum live where
 ``gossiploco.outer_state`` puts them (on the GPU when it has room: the pseudo-gradient and the
-outer step are then device work, Mix1's copies run on a side stream beside the inner steps). ``SyncDP`` is the synchronous
-data-parallel baseline (gradient all-reduce every inner step) over the same interface.
+outer step are then device work, Mix1's copies run on a side stream beside the inner steps).
+``SyncDP`` is the synchronous data-parallel baseline (gradient all-reduce every inner step) over
+the same interface.
 """
 
 from __future__ import annotations

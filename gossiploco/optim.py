@@ -29,8 +29,9 @@ class InnerOptimizer:
     """AdamW with the warmup/decay schedule and global-norm clipping. Decay on matrices only.
 
     On CUDA it is PyTorch's fused AdamW (one kernel for every parameter's update); elsewhere the
-    default multi-tensor implementation (``fused`` overrides the choice). A step never waits for the device: the learning rate is a
-    Python number and the gradient norm stays a device tensor until someone reads it.
+    default multi-tensor implementation (``fused`` overrides the choice). A step never waits for the
+    device: the learning rate is a Python number and the gradient norm stays a device tensor until
+    someone reads it.
     """
 
     def __init__(self, model: nn.Module, cfg: InnerOptConfig, total_steps: int, fused: bool | None = None):

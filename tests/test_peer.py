@@ -197,6 +197,22 @@ def test_a_frozen_peer_that_resumes_catches_up_instead_of_dragging_the_others(tm
         assert summary(peers, rank)["wall_s"] < 150
 
 
+@pytest.mark.timeout(240)
+def test_compiled_peers_compile_before_they_connect_and_train_like_the_virtual_swarm(tmp_path):
+    """compute.compile = "on" (inductor on this CPU): each peer compiles before opening its data plane,
+    then trains the same model as an uncompiled virtual swarm."""
+    preset = "globalm1-localm2"
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **{"compute.compile": "on"}), env=ENV) as peers:
+        peers.start()
+        codes = peers.wait(200)
+    assert_exit(peers, codes, range(4))
+    reference = VirtualSwarm(tiny_config(preset)).run()
+    for rank in range(4):
+        s = summary(peers, rank)
+        assert s["total_compile_s"] > 0 and s["catchups"] == 0 and s["mix1_failures"] == s["mix2_failures"] == 0
+        assert relative_error(model(peers, rank), reference.final_params) <= 1e-4
+
+
 @pytest.mark.timeout(180)
 def test_synthetic_compute_mode_times_sleeps_and_measures_round_utilization(tmp_path):
     args = tiny_peer_args("globalm1-localm2", rounds=3, **{"monitor.enabled": False, "inner.synthetic_step_s": 0.05})

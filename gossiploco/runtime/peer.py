@@ -162,6 +162,12 @@ class NetworkPeer:
         self.stream = rank if stream is None else stream
         """The index of this peer's data stream (its rank in a static list; with a directory, its peer id unless given)."""
         self.trainer = build_trainer(cfg, self.corpus, self.device, self.stream)
+        # Compile before opening the data plane: the others wait (timeouts.startup_s) for this peer to
+        # connect, so peers compiling at different speeds still start round 0 together, and none spends
+        # its first round compiling while the others leave it behind.
+        self.compile_s = self.trainer.warm_up()
+        if self.compile_s:
+            log.info("rank %d: compiled the model in %.1fs", rank, self.compile_s)
         self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
         self.names = self.trainer.names
         self.groups = group_by_block(self.names)
@@ -217,9 +223,8 @@ class NetworkPeer:
         self.on_record = on_record
         start = time.perf_counter()
         try:
+            self.clock.add("compile_s", self.compile_s)
             t = time.perf_counter()
-            if self.trainer.compiled:  # before joining: a peer compiling in its first round would fall behind
-                log.info("rank %d: compiled the model in %.1fs", self.rank, self.trainer.warm_up())
             r = self._join()
             self.clock.add("startup_s", time.perf_counter() - t)
             cfg = self.cfg

@@ -108,22 +108,17 @@ def outer_step(x: TensorDict, outer_grad: TensorDict, momentum: TensorDict, cfg:
         v' = mu * v + g                          (paper eq. 36)
         z  = x - lr * (g + mu * v')              (eq. 37; heavy ball: z = x - lr * v')
 
-    Returns the new parameters and the new momentum; inputs are not modified. Every entry is one
-    multi-tensor (foreach) operation per line above, so on a GPU the step is a handful of kernels
-    whatever the number of tensors; the arithmetic (and its rounding) is that of the formulas.
+    Returns the new parameters and the new momentum; inputs are not modified. It is
+    ``outer_step_on_delta`` on -g (negation is exact, so the rounding is that of the formulas).
     """
-    names = list(outer_grad)
-    g = [outer_grad[n] for n in names]
-    v = torch._foreach_add(torch._foreach_mul([momentum[n] for n in names], cfg.momentum), g)
-    update = torch._foreach_add(g, torch._foreach_mul(v, cfg.momentum)) if cfg.nesterov else v
-    new_x = torch._foreach_sub([x[n] for n in names], torch._foreach_mul(update, cfg.lr))
-    return dict(zip(names, new_x)), dict(zip(names, v))
+    return outer_step_on_delta(x, {n: -g for n, g in outer_grad.items()}, momentum, cfg)
 
 
 def outer_step_on_delta(x: TensorDict, delta_hat: TensorDict, momentum: TensorDict, cfg: OuterOptConfig) -> tuple[TensorDict, TensorDict]:
-    """``outer_step(x, -delta_hat, momentum, cfg)`` bit for bit (Algorithm 1, line 13), in fewer passes over
-    memory: two new tensors per parameter (the momentum, and the update that becomes the new x) and six
-    in-place multi-tensor operations, instead of eight allocating ones and a negation. Exactness: with
+    """``OuterOpt(x, -delta_hat)`` with state ``momentum`` (Algorithm 1, line 13; ``outer_step`` with
+    g = -delta_hat) in few passes over memory: two new tensors per parameter (the momentum, and the
+    update that becomes the new x) and six in-place multi-tensor operations, so on a GPU a handful of
+    kernels whatever the number of tensors. Exactness against eqs. 36-37: with
     g = -d, ``mu v + g`` is ``mu v - d``; ``g + mu v'`` is ``mu v' - d`` (IEEE addition commutes, negation
     is exact); ``x - lr u`` is ``(-lr) u + x``. Inputs are not modified."""
     names = list(delta_hat)

@@ -21,8 +21,6 @@ import logging
 
 import torch
 
-from gossiploco.errors import ConfigError
-
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
 
@@ -46,8 +44,6 @@ def state_device(setting: str, device: torch.device, param_bytes: int) -> torch.
         return cpu
     if setting == "device":
         return device
-    if setting != "auto":
-        raise ConfigError("compute.outer_state", f"must be auto, device or host, got {setting!r}")
     free, _ = torch.cuda.mem_get_info(device)  # what other processes sharing the GPU left, too
     need = HEADROOM * (TRAINING_COPIES - 1 + OUTER_COPIES) * param_bytes
     if free >= need:

@@ -50,5 +50,10 @@ def test_a_short_run_measures_each_path_and_leaves_nothing(tmp_path):
     assert [p["path"] for p in results["pairs"]] == ["direct", "reverse", "relayed"]
     for p in results["pairs"]:
         assert "error" not in p, p.get("error")
-        assert p["paths_seen"][0] == p["path"] and p["goodput_mbit"] > 0 and p["cpu_s_per_gb"] > 0
+        assert p["paths_seen"][0] == p["path"] and p["goodput_mbit"] > 0
+        # CPU time comes in clock ticks (10 ms): one MiB over a direct path can cost less than one, so the
+        # test checks that the count saw each peer's process, not that it is above zero
+        assert p["cpu_s_per_gb"] >= 0, p
+        for host in p["hosts"]:
+            assert any(k.startswith(f"gntr-{host}/") for k in p["cpu_by_proc"]), (host, p["cpu_by_proc"])
     assert not reach.NatTestbed(prefix="gntr").namespaces()

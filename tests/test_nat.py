@@ -131,7 +131,12 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
         assert finished - killed_at < budget * (rounds - 2), (finished - killed_at)
         for rank in range(3):
             s = summary(peers, rank)
-            assert s["mix1_failures"] + s["mix2_failures"] <= 3, s
+            # The exchanges in flight over the relay when it dies fail (at most 3: a round's Mix2 and Mix1 and the
+            # next Mix1). Under load (a clean-clone CI run) the deadline that detects it can leave a peer one
+            # round late: one more fails and the peer catches up once. Nothing more may be lost.
+            counts = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
+            assert s["mix1_failures"] + s["mix2_failures"] <= 3 + s["catchups"] and s["catchups"] <= 1, \
+                (counts, peers.log(rank)[-4000:])
             tunnels = s["reach"]["tunnels"]
             assert tunnels["opened"] >= 4 and tunnels["failed"] == 0, tunnels
             used = tunnels["relays_used"]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gossiploco.errors import ConfigError
+from gossiploco.mixing.compression import COMPRESSIONS, TOPK_BITS, Codec, build_codec
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "peers"
 MIX_KINDS = ("identity", "global", "gossip")
@@ -182,12 +183,49 @@ class MixConfig:
     """Mix1 only: also average the outer momentum (the paper's GlobalM1S variants, appendix B)."""
     mode: str = "fixed"
     """Mix2 only: fixed (always ``blocks``) or adaptive (the consensus monitors grow and shrink the covered blocks round by round, starting from ``blocks``; see [adaptive])."""
+    compression: str = "none"
+    """What the exchange sends (gossiploco.mixing.compression): none (fp32), bf16, int8 or 4bit (blockwise
+    absmax), e3m0 (Streaming DiLoCo's 4-bit float), or, for Mix2, topk (SparseLoCo's chunk-wise top-k).
+    Sums are fp32; a group mean quantizes each value at most twice (gossiploco.mixing.compressed)."""
+    block_size: int = 4096
+    """Values per quantization block (one fp32 scale each) for int8, 4bit and e3m0. On the trainer's
+    pseudo-gradients 4096 loses about 5% more than 64 (tests/test_compression.py) for 4x fewer scale bytes."""
+    error_feedback: bool = True
+    """Mix2 with compression: send the pseudo-gradient plus what earlier rounds' compression lost, keep what this one loses."""
+    feedback_decay: float = 1.0
+    """The kept residual is added back times this. SparseLoCo's variant decays it (0.95) and drops the outer
+    momentum (``outer.momentum = 0``): its accumulator is the momentum (bench/results/compression.md compares)."""
+    topk_density: float = 0.02
+    """topk: the fraction of each chunk's values sent (the largest magnitudes)."""
+    topk_chunk: int = 4096
+    """topk: values per chunk (at most 65536: positions are uint16)."""
+    topk_bits: int = 2
+    """topk: bits per sent value (1, 2, 4 or 8: a sign and 2^(bits-1) magnitudes per chunk)."""
 
     def check(self, p: str) -> None:
         _choice(f"{p}.kind", self.kind, MIX_KINDS)
         _choice(f"{p}.mode", self.mode, ("fixed", "adaptive"))
         if not self.blocks:
             raise ConfigError(f"{p}.blocks", "must name at least one block (use ['*'] for all)")
+        _choice(f"{p}.compression", self.compression, COMPRESSIONS)
+        if p == "mix1" and self.compression != "none":
+            raise ConfigError(f"{p}.compression", "Mix1 averages raw parameters, which these codecs would round "
+                              "(compressing Mix1 needs a reference every member holds; not built yet): use mix2.compression")
+        if not 0 <= self.feedback_decay <= 1:
+            raise ConfigError(f"{p}.feedback_decay", f"must be in [0, 1], got {self.feedback_decay}")
+        if self.block_size < 1:
+            raise ConfigError(f"{p}.block_size", f"must be at least 1, got {self.block_size}")
+        if not 0 < self.topk_density <= 1:
+            raise ConfigError(f"{p}.topk_density", f"must be in (0, 1], got {self.topk_density}")
+        if not 1 <= self.topk_chunk <= 1 << 16:
+            raise ConfigError(f"{p}.topk_chunk", f"must be 1 to 65536, got {self.topk_chunk}")
+        if self.topk_bits not in TOPK_BITS:
+            raise ConfigError(f"{p}.topk_bits", f"must be one of {TOPK_BITS}, got {self.topk_bits}")
+
+    def codec(self) -> Codec:
+        """The codec ``compression`` names, with this mix's settings."""
+        return build_codec(self.compression, block=self.block_size, density=self.topk_density,
+                           chunk=self.topk_chunk, bits=self.topk_bits)
 
 
 @dataclass

@@ -62,8 +62,9 @@ class FactoredDiLoCo:
         self.cfg = cfg
         self.exchange = exchange
         names = trainer.names
-        self.mix1 = build_mixer(cfg.mix1.kind, "mix1", select_parameters(names, cfg.mix1.blocks, "mix1.blocks"), cfg.seed)
-        self.mix2 = build_mixer(cfg.mix2.kind, "mix2", select_parameters(names, cfg.mix2.blocks, "mix2.blocks"), cfg.seed)
+        self.mix1 = build_mixer(cfg.mix1.kind, "mix1", select_parameters(names, cfg.mix1.blocks, "mix1.blocks"), cfg.seed,
+                                cfg.mix1.codec())
+        self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
         params = trainer.params()
         self.state_device = state_device(cfg.compute.outer_state, trainer.device, 4 * sum(p.numel() for p in params.values()))
         """Where z and the momentum live (gossiploco.outer_state)."""
@@ -82,8 +83,14 @@ class FactoredDiLoCo:
 
     def set_mix2_blocks(self, patterns: list[str]) -> None:
         """Cover ``patterns`` in Mix2 from now on (adaptive Mix2; call between rounds)."""
-        names = select_parameters(self.trainer.names, patterns, "mix2.blocks")
-        self.mix2 = build_mixer(self.cfg.mix2.kind, "mix2", names, self.cfg.seed)
+        residual = self.mix2.residual
+        self.mix2 = self._mix2(select_parameters(self.trainer.names, patterns, "mix2.blocks"))
+        self.mix2.residual = residual  # a block that leaves Mix2 keeps its error feedback for when it returns
+
+    def _mix2(self, names: list[str]):
+        """Mix2 over ``names``: the pseudo-gradient, compressed as configured, with error feedback."""
+        mix2 = self.cfg.mix2
+        return build_mixer(mix2.kind, "mix2", names, self.cfg.seed, mix2.codec(), mix2.error_feedback, mix2.feedback_decay)
 
     def begin_round(self, r: int) -> None:
         """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background."""

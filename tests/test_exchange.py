@@ -241,3 +241,67 @@ def test_closed_exchange_raises_closed(group):
     g.exchanges[0].close()
     with pytest.raises(ExchangeClosed):
         g.exchanges[0].swap("s", 1, torch.zeros(1))
+
+
+# -- the compressed collectives' byte moves (gossiploco.mixing.compressed) -----------------------------
+
+
+def test_all_to_all_delivers_each_part_to_its_member(group):
+    g = group(4)
+    members = [2, 0, 3, 1]  # an agreed order need not be sorted
+
+    def parts(r):
+        return {m: torch.full((r + 2 * m + 1,), 16 * r + m, dtype=torch.uint8) for m in members if m != r}
+
+    sizes = {r: {m: 2 * r + m + 1 for m in members if m != r} for r in members}
+    out = run_all([lambda r=r: g.exchanges[r].all_to_all("mix2/0/scatter", parts(r), members, sizes[r]) for r in range(4)])
+    for r, got in enumerate(out):
+        assert set(got) == set(members) - {r}
+        for m, part in got.items():
+            assert part.dtype == torch.uint8 and torch.equal(part, parts(m)[r])
+    assert g.exchanges[0].bytes_sent == sum(p.numel() for p in parts(0).values())
+
+
+def test_swap_carries_compressed_bytes_and_all_to_all_checks_their_size(group):
+    g = group(2, timeout_s=5.0)
+    out = run_all([lambda r=r: g.exchanges[r].swap("mix2/0", 1 - r, torch.arange(5, dtype=torch.uint8) + r) for r in range(2)])
+    assert out[0].dtype == torch.uint8 and out[0].tolist() == [1, 2, 3, 4, 5] and out[1].tolist() == [0, 1, 2, 3, 4]
+    with pytest.raises(PeerFailed):  # rank 1 sends 3 bytes where rank 0 expects 4
+        run_all([lambda: g.exchanges[0].all_to_all("mix2/1/scatter", {1: torch.zeros(4, dtype=torch.uint8)}, [0, 1], {1: 4}),
+                 lambda: g.exchanges[1].all_to_all("mix2/1/scatter", {0: torch.zeros(3, dtype=torch.uint8)}, [0, 1], {0: 4})])
+
+
+def test_all_to_all_fails_promptly_when_a_member_crashes(group):
+    g = group(3, timeout_s=20.0)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(g.exchanges[0].all_to_all, "mix2/0/scatter", {1: torch.zeros(8, dtype=torch.uint8),
+                             2: torch.zeros(8, dtype=torch.uint8)}, [0, 1, 2], {1: 8, 2: 8})
+        g.crash(1)
+        start = time.monotonic()
+        with pytest.raises(PeerFailed):
+            future.result(timeout=10)
+        assert time.monotonic() - start < 5.0
+
+
+@pytest.mark.parametrize("compression", ["int8", "4bit", "topk"])
+def test_a_compressed_group_mean_gives_the_same_bits_on_every_carrier(group, compression):
+    from gossiploco.mixing.compressed import group_mean
+    from gossiploco.mixing.compression import build_codec
+
+    codec = build_codec(compression, block=32, density=0.1, chunk=64)
+    values = [torch.randn(1001, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    members = [1, 2, 0]
+
+    def run(exchanges):
+        return run_all([lambda r=r: group_mean("mix2/0", values[r], members, exchanges[r], codec) for r in range(3)])
+
+    reference = run(_memory_exchanges(3))
+    out = run(group(3).exchanges)
+    for (mean, residual, sent), (ref_mean, ref_residual, ref_sent) in zip(out, reference):
+        assert torch.equal(mean, out[0][0]) and torch.equal(mean, ref_mean) and torch.equal(residual, ref_residual)
+        assert sent == ref_sent
+
+
+def _memory_exchanges(world: int):
+    hub = MemoryHub(world, 10.0)
+    return [hub.exchange(r) for r in range(world)]

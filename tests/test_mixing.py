@@ -101,7 +101,7 @@ def test_only_selected_blocks_are_mixed():
     for r, o in enumerate(out):
         assert torch.equal(o.values[0]["a"], torch.full((2,), 1.5))
         assert o.values[0]["b"] is values[r]["b"]
-        assert o.bytes == 8
+        assert o.bytes == 2 * 3 * 8 // 4  # a ring member sends 2 (M - 1) / M of the 8 payload bytes
 
 
 def test_failed_peer_means_identity_with_the_cause_recorded():

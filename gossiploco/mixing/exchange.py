@@ -1,12 +1,15 @@
 """The exchange interface every mixing operator is written against, and its in-memory implementation.
 
-An ``Exchange`` is one peer's handle on its group. It offers exactly two collectives on a flat
-fp32 CPU tensor, both identified by a ``key`` that every participant uses for the same
-operation (``"mix1/12"``: Mix1 of round 12):
+An ``Exchange`` is one peer's handle on its group. It offers three collectives, each identified
+by a ``key`` that every participant uses for the same operation (``"mix1/12"``: Mix1 of round 12):
 
-* ``all_reduce_mean(key, flat, members)``: the element-wise mean over ``members`` (which
-  includes this peer). Every member receives the same result.
-* ``swap(key, partner, flat)``: send ``flat`` to ``partner`` and receive theirs.
+* ``all_reduce_mean(key, flat, members)``: the element-wise mean of a flat fp32 CPU tensor over
+  ``members`` (which includes this peer). Every member receives the same result.
+* ``swap(key, partner, flat)``: send ``flat`` (fp32, or the uint8 bytes of a compressed payload) to
+  ``partner`` and receive theirs, of the same size and dtype.
+* ``all_to_all(key, parts, members, sizes)``: send ``parts[m]`` (uint8) to each other member ``m``
+  and receive ``sizes[m]`` bytes from each: the direct sends of the compressed collectives
+  (``gossiploco.mixing.compressed``), which do their arithmetic outside the exchange.
 
 Contract for implementations:
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -67,6 +70,13 @@ class Exchange(ABC):
     @abstractmethod
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         """Send ``flat`` to ``partner``, return the partner's tensor; blocks until done or the deadline."""
+
+    @abstractmethod
+    def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
+                   sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        """Send the uint8 vector ``parts[m]`` to every other member ``m``, return what each sent this peer
+        (``sizes[m]`` bytes from ``m``, checked); blocks until done or the deadline. ``parts`` may hold
+        one tensor several times (an all-gather); it is not modified."""
 
     def close(self) -> None:
         """Stop taking part; pending and later calls raise ``ExchangeClosed``. Idempotent."""
@@ -152,6 +162,30 @@ class MemoryHub:
                 raise
             return self._deposits.pop((key, partner)).clone()
 
+    def _all_to_all(self, rank: int, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
+                    sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        others = [m for m in members if m != rank]
+        with self._cond:
+            self._check_open(rank)
+            self._deposits[(key, rank)] = dict(parts)
+            self._cond.notify_all()
+            try:
+                self._wait(rank, lambda: all((key, m) in self._deposits and rank in self._deposits[(key, m)]
+                                             for m in others), others, f"all-to-all {key!r}")
+            except Exception:
+                self._deposits.pop((key, rank), None)
+                raise
+            got = {}
+            for m in others:
+                box = self._deposits[(key, m)]
+                got[m] = box.pop(rank).clone()
+                if not box:  # every recipient took its part
+                    del self._deposits[(key, m)]
+        for m, part in got.items():
+            if part.dtype != torch.uint8 or part.numel() != sizes[m]:
+                raise PeerFailed(f"all-to-all {key!r}: peer {m} sent {part.numel()} {part.dtype} values, expected {sizes[m]} bytes")
+        return got
+
     def _check_open(self, rank: int) -> None:
         if rank in self._closed:
             raise ExchangeClosed(f"rank {rank}: exchange is closed")
@@ -196,6 +230,14 @@ class MemoryExchange(Exchange):
         result = self.hub._swap(self.rank, key, partner, flat)
         self._count(flat.numel() * flat.element_size(), result.numel() * result.element_size())
         return result
+
+    def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
+                   sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not among members {list(members)}")
+        got = self.hub._all_to_all(self.rank, key, parts, members, sizes)
+        self._count(sum(p.numel() for m, p in parts.items() if m != self.rank), sum(p.numel() for p in got.values()))
+        return got
 
     def _count(self, sent: int, received: int) -> None:
         with self._lock:

@@ -6,7 +6,9 @@
   keeps its value. Every peer computes the same matching from (seed, round, operator, members).
 
 Each operator mixes only the parameters of its selected blocks; the others pass through
-unchanged (identity). A failed exchange never raises: the operator falls back to identity
+unchanged (identity). With a ``codec`` (``gossiploco.mixing.compression``) the global and gossip
+operators exchange compressed payloads (``gossiploco.mixing.compressed``) and, with error feedback,
+keep per parameter the residual their last successful mix lost, to send with the next one. A failed exchange never raises: the operator falls back to identity
 and reports the cause in ``MixResult`` (house rule: weaker mixing, never a stalled run).
 """
 
@@ -23,6 +25,8 @@ import numpy as np
 import torch
 
 from gossiploco.errors import ExchangeClosed, ExchangeError, PeerFailed
+from gossiploco.mixing.compressed import group_mean, pair_mean
+from gossiploco.mixing.compression import Codec, Float32Codec
 from gossiploco.mixing.exchange import Exchange
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,9 @@ class MixResult:
     seconds: float = 0.0
     """Wall time spent in the exchange."""
     bytes: int = 0
-    """Payload bytes this peer put into the exchange (0 when nothing was exchanged)."""
+    """Payload bytes this peer sent (0 when nothing was exchanged): a ring all-reduce sends 2 (M - 1) / M
+    of the fp32 payload, a swap all of it, a compressed exchange its codec's bytes
+    (``gossiploco.mixing.compressed``). When the exchange failed: what it would have sent."""
 
 
 def pair_matching(seed: int, round_index: int, salt: str, members: Sequence[int]) -> dict[int, int | None]:
@@ -115,19 +121,33 @@ class Mixer(ABC):
 
     kind: str
 
-    def __init__(self, label: str, names: Sequence[str], seed: int):
+    def __init__(self, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
+                 error_feedback: bool = False, feedback_decay: float = 1.0):
         self.label = label  # "mix1" or "mix2": keys exchanges and salts matchings
         self.names = list(names)
         self.seed = seed
+        self.codec = None if codec is None or isinstance(codec, Float32Codec) else codec
+        """None: exchange fp32 values (the uncompressed collectives)."""
+        self.error_feedback = error_feedback and self.codec is not None
+        self.feedback_decay = feedback_decay
+        """The residual is added times this (SparseLoCo's accumulator decay; 1: nothing is forgotten)."""
+        self.residual: TensorDict = {}
+        """Error feedback, per parameter: what the last successful compressed mix of it lost (CPU fp32)."""
 
     def mix(self, dicts: Sequence[TensorDict], round_index: int, exchange: Exchange) -> MixResult:
         """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange."""
         dicts = list(dicts)
         flat = pack(dicts, self.names)
-        nbytes = flat.numel() * 4
+        nbytes = flat.numel() * 4 if self.codec is None else self.codec.encoded_bytes(flat.numel())
         start = time.perf_counter()
+        residual = None
         try:
-            mixed, partner = self._combine(flat, round_index, exchange)
+            if self.codec is None:
+                mixed, partner, nbytes = self._combine(flat, round_index, exchange)
+            else:
+                if self.error_feedback:
+                    self._add_residual(flat, dicts)
+                mixed, partner, residual, nbytes = self._combine_compressed(flat, round_index, exchange)
         except ExchangeClosed:
             raise
         except ExchangeError as exc:
@@ -139,22 +159,44 @@ class Mixer(ABC):
             return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes)
         if mixed is flat:  # identity, an unmatched gossip peer, or a group of one: nothing exchanged
             return MixResult(dicts, ok=True, seconds=time.perf_counter() - start)
+        if self.error_feedback and residual is not None:
+            self.residual.update(unpack(residual, dicts, self.names)[0])
         values = unpack(mixed, dicts, self.names)
         return MixResult(values, ok=True, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes)
 
+    def _add_residual(self, flat: torch.Tensor, dicts: list[TensorDict]) -> None:
+        """``flat += decay * e``: the residual of each selected parameter (none yet: zero) onto the packed vector."""
+        if len(dicts) != 1:
+            raise ValueError(f"{self.label}: error feedback mixes one dict (a pseudo-gradient), got {len(dicts)}")
+        offset = 0
+        for n in self.names:
+            size = dicts[0][n].numel()
+            if n in self.residual:
+                flat[offset:offset + size].add_(self.residual[n].reshape(-1), alpha=self.feedback_decay)
+            offset += size
+
     @abstractmethod
-    def _combine(self, flat: torch.Tensor, round_index: int, exchange: Exchange) -> tuple[torch.Tensor, int | None]:
-        """Mixed version of ``flat`` (``flat`` itself for identity) and the gossip partner, if any."""
+    def _combine(self, flat: torch.Tensor, round_index: int, exchange: Exchange) -> tuple[torch.Tensor, int | None, int]:
+        """Mixed version of ``flat`` (``flat`` itself for identity), the gossip partner if any, and the bytes sent."""
+
+    def _combine_compressed(self, flat: torch.Tensor, round_index: int,
+                            exchange: Exchange) -> tuple[torch.Tensor, int | None, torch.Tensor | None, int]:
+        """``_combine`` with ``self.codec``: also the residual and the bytes sent."""
+        raise NotImplementedError(f"{self.kind} mixing sends nothing to compress")
 
 
 class IdentityMix(Mixer):
     kind = "identity"
 
-    def __init__(self, label: str, names: Sequence[str] = (), seed: int = 0):
+    def __init__(self, label: str, names: Sequence[str] = (), seed: int = 0, codec: Codec | None = None,
+                 error_feedback: bool = False, feedback_decay: float = 1.0):
         super().__init__(label, [], seed)  # mixes nothing, so packs nothing
 
     def _combine(self, flat, round_index, exchange):
-        return flat, None
+        return flat, None, 0
+
+    def _combine_compressed(self, flat, round_index, exchange):
+        return flat, None, None, 0
 
 
 class GlobalMix(Mixer):
@@ -164,9 +206,18 @@ class GlobalMix(Mixer):
         key = f"{self.label}/{round_index}"
         members = exchange.group(key, round_index)
         if len(members) <= 1:
-            return flat, None
+            return flat, None, 0
         # ``flat`` is this call's own packed copy: the exchange may reduce in it (no second buffer).
-        return exchange.all_reduce_mean(key, flat, members, inplace=True), None
+        sent = 2 * (len(members) - 1) * flat.numel() * 4 // len(members)  # a ring's share of the payload
+        return exchange.all_reduce_mean(key, flat, members, inplace=True), None, sent
+
+    def _combine_compressed(self, flat, round_index, exchange):
+        key = f"{self.label}/{round_index}"
+        members = exchange.group(key, round_index)
+        if len(members) <= 1:
+            return flat, None, None, 0
+        mean, residual, sent = group_mean(key, flat, members, exchange, self.codec)
+        return mean, None, residual, sent
 
 
 class GossipMix(Mixer):
@@ -176,18 +227,27 @@ class GossipMix(Mixer):
         key = f"{self.label}/{round_index}"
         partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
-            return flat, None
+            return flat, None, 0
         theirs = exchange.swap(key, partner, flat)
         if theirs.shape != flat.shape:
             raise PeerFailed(f"partner {partner} sent shape {tuple(theirs.shape)}, expected {tuple(flat.shape)}")
         # (a + b) / 2 is computed identically on both sides (IEEE addition commutes), so the pair's sum is
         # preserved. It is computed in the received tensor, which the exchange hands over: allocating two
         # more parameter-sized buffers cost up to 2 s a round for 125m on a 2-core VM (fresh pages).
-        return theirs.add_(flat).div_(2), partner
+        return theirs.add_(flat).div_(2), partner, flat.numel() * 4
+
+    def _combine_compressed(self, flat, round_index, exchange):
+        key = f"{self.label}/{round_index}"
+        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        if partner is None:
+            return flat, None, None, 0
+        mean, residual, sent = pair_mean(key, flat, partner, exchange, self.codec)
+        return mean, partner, residual, sent
 
 
 MIXERS: dict[str, type[Mixer]] = {"identity": IdentityMix, "global": GlobalMix, "gossip": GossipMix}
 
 
-def build_mixer(kind: str, label: str, names: Sequence[str], seed: int) -> Mixer:
-    return MIXERS[kind](label, names, seed)
+def build_mixer(kind: str, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
+                error_feedback: bool = False, feedback_decay: float = 1.0) -> Mixer:
+    return MIXERS[kind](label, names, seed, codec, error_feedback, feedback_decay)

@@ -112,7 +112,7 @@ class DataCall(Call):
         sender, chunk = want
         message = node.mailbox.take(self.key, sender, chunk)
         if message is not None:
-            node.bytes_received += message.data.numel() * 4
+            node.bytes_received += message.data.numel() * message.data.element_size()
             return Step(mail=message)
         error, wake = node.fault(self.key, sender, self.watch, self.began, now)
         if error is None and now >= self.deadline:

@@ -1,8 +1,9 @@
-"""The data calls: a pairwise swap, the ring all-reduce, and the state download (plus its upload).
+"""The data calls: a pairwise swap, the ring all-reduce, the all-to-all of the compressed
+collectives, and the state download (plus its upload).
 
-Each is a ``DataCall`` (see ``call``): it sends chunks of at most ``chunk_elems`` float32 values
-and consumes the chunks it needs in a fixed order, validating each (size, member-list digest,
-hash) before using it. The mixing math (the ring's sums) runs in ``feed``, i.e. in whatever
+Each is a ``DataCall`` (see ``call``): it sends chunks of at most ``chunk_elems`` float32 values (or
+``4 * chunk_elems`` bytes of a compressed payload) and consumes the chunks it needs in a fixed order,
+validating each (size, dtype, member-list digest, hash) before using it. The mixing math (the ring's sums) runs in ``feed``, i.e. in whatever
 driver runs the call: the same code in a real peer and in the simulator.
 """
 
@@ -25,14 +26,20 @@ def chunk_hash(chunk: torch.Tensor) -> int:
     return int.from_bytes(raw, "little", signed=True)
 
 
-def _check(message: Data, total: int, numel: int, what: str, sender: int) -> None:
-    if message.total != total or message.data.numel() != numel:
-        raise PeerFailed(f"{what}: peer {sender} sent chunk {message.chunk} of {message.data.numel()} elements "
-                         f"(of {message.total}); expected {numel} (of {total})")
+def _check(message: Data, total: int, numel: int, what: str, sender: int, dtype: torch.dtype = torch.float32) -> None:
+    if message.total != total or message.data.numel() != numel or message.data.dtype != dtype:
+        raise PeerFailed(f"{what}: peer {sender} sent chunk {message.chunk} of {message.data.numel()} "
+                         f"{message.data.dtype} elements (of {message.total}); expected {numel} {dtype} (of {total})")
+
+
+def chunk_size(chunk_elems: int, dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` a chunk holds: as many bytes as ``chunk_elems`` float32 values."""
+    return max(1, chunk_elems * 4 // dtype.itemsize)
 
 
 class Swap(DataCall):
-    """Send ``mine`` to ``partner`` and receive the partner's payload of the same size.
+    """Send ``mine`` to ``partner`` and receive the partner's payload of the same size and dtype
+    (fp32 values, or the uint8 bytes of a compressed payload).
 
     Every chunk carries the partner it is meant for (``meta[2]``) so a peer that receives chunks
     from someone who is not its partner refuses them at once (see ``PeerNode``)."""
@@ -40,10 +47,11 @@ class Swap(DataCall):
     def __init__(self, key: str, me: int, partner: int, mine: torch.Tensor, chunk_elems: int, began: float,
                  deadline: float):
         super().__init__(key, began, deadline, [partner])
-        self.me, self.partner, self.mine, self.per = me, partner, mine, chunk_elems
+        self.me, self.partner, self.mine = me, partner, mine
+        self.per = chunk_size(chunk_elems, mine.dtype)
         self.total = mine.numel()
-        self.n_chunks = max(1, math.ceil(self.total / chunk_elems))
-        self.out = torch.empty(self.total, dtype=torch.float32)
+        self.n_chunks = max(1, math.ceil(self.total / self.per))
+        self.out = torch.empty(self.total, dtype=mine.dtype)
         self.got = 0
         self.what = f"swap {key!r} with {partner}"
 
@@ -61,7 +69,7 @@ class Swap(DataCall):
 
     def feed(self, message: Data) -> list[Send]:
         part = self.out[self.got * self.per:(self.got + 1) * self.per]
-        _check(message, self.total, part.numel(), self.what, self.partner)
+        _check(message, self.total, part.numel(), self.what, self.partner, self.out.dtype)
         part.copy_(message.data)
         self.got += 1
         return []
@@ -139,6 +147,58 @@ class RingAllReduce(DataCall):
 
     def outcome(self) -> torch.Tensor:
         return self.acc.div_(self.n)
+
+
+class AllToAll(DataCall):
+    """Send ``parts[m]`` (uint8) to every other member ``m`` and receive ``sizes[m]`` bytes from each.
+
+    Chunks carry the digest of the member list (``meta[2]``), so a peer running the exchange over
+    another list is refused. They are consumed sender by sender in member order (the others wait in
+    the mailbox, which holds a few payloads: compressed parts are small)."""
+
+    def __init__(self, key: str, me: int, members: list[int], parts: dict[int, torch.Tensor], sizes: dict[int, int],
+                 chunk_elems: int, began: float, deadline: float):
+        self.members = list(members)
+        self.others = [m for m in self.members if m != me]
+        super().__init__(key, began, deadline, self.others)
+        self.parts, self.sizes = parts, sizes
+        self.per = chunk_size(chunk_elems, torch.uint8)
+        self.digest = digest(self.members)
+        self.out = {m: torch.empty(sizes[m], dtype=torch.uint8) for m in self.others}
+        self.sender, self.got = 0, 0  # position in ``others``, chunks taken from it
+        self.what = f"all-to-all {key!r} over {self.members}"
+
+    def _chunks(self, size: int) -> int:
+        return max(1, math.ceil(size / self.per))
+
+    def expected_senders(self) -> set[int]:
+        return set(self.others)
+
+    def start(self, node) -> list[Send]:
+        sends = super().start(node)
+        for m in self.others:
+            part = self.parts[m]
+            sends += [Send(m, Data(self.key, c, (part.numel(), 0, self.digest), part[c * self.per:(c + 1) * self.per]))
+                      for c in range(self._chunks(part.numel()))]
+        return sends
+
+    def need(self):
+        while self.sender < len(self.others) and self.got >= self._chunks(self.sizes[self.others[self.sender]]):
+            self.sender, self.got = self.sender + 1, 0
+        return None if self.sender >= len(self.others) else (self.others[self.sender], self.got)
+
+    def feed(self, message: Data) -> list[Send]:
+        m = self.others[self.sender]
+        if len(message.meta) < 3 or message.meta[2] != self.digest:
+            raise PeerFailed(f"{self.what}: peer {m} runs this exchange over another member list")
+        part = self.out[m][self.got * self.per:(self.got + 1) * self.per]
+        _check(message, self.sizes[m], part.numel(), self.what, m, torch.uint8)
+        part.copy_(message.data)
+        self.got += 1
+        return []
+
+    def outcome(self) -> dict[int, torch.Tensor]:
+        return self.out
 
 
 class FetchState(DataCall):

@@ -16,9 +16,6 @@ from dataclasses import dataclass
 
 from gossiploco.protocol.messages import Data
 
-FLOAT_BYTES = 4
-
-
 @dataclass
 class Mail:
     """One stored chunk."""
@@ -28,7 +25,7 @@ class Mail:
 
     @property
     def nbytes(self) -> int:
-        return self.message.data.numel() * FLOAT_BYTES
+        return self.message.data.numel() * self.message.data.element_size()
 
 
 class Mailbox:

@@ -2,7 +2,7 @@
 
 Every message between two peers is one of five kinds (the data plane's chunks, and four control
 messages); ``to_wire`` / ``from_wire`` map them onto the codec's header plus two tensors (an
-int64 ``meta`` vector and a float32 payload), so the bytes on the wire are the codec's
+int64 ``meta`` vector and a float32 or uint8 payload), so the bytes on the wire are the codec's
 (``gossiploco.transport.codec``), validated before anything is decoded.
 
     message        header op            key                  meta
@@ -44,6 +44,8 @@ others leave it out of their views at once instead of waiting a grace window for
 _READY, _DECISION, _NOT_LEADING = 0, 1, 2
 _EMPTY = torch.empty(0, dtype=torch.float32)
 DATA_OPS = ("mix1", "mix2", "grad", "state")
+PAYLOAD_DTYPES = (torch.float32, torch.uint8)
+"""A data chunk holds fp32 values or the bytes of a compressed payload (``gossiploco.mixing.compression``)."""
 
 
 def digest(members: Sequence[int]) -> int:
@@ -182,8 +184,8 @@ def from_wire(header: codec.Header, tensors: Sequence[torch.Tensor]) -> Message:
     """The message a decoded codec frame holds; raises ``MalformedMessage`` when it is not a valid one."""
     max_meta = 3 + MAX_GROUP if header.op == "group" else 4
     if (len(tensors) != 2 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1
-            or not 1 <= tensors[0].numel() <= max_meta or tensors[1].dtype != torch.float32 or tensors[1].dim() != 1):
-        raise MalformedMessage(f"expected an int64 meta vector (1 to {max_meta} entries) and a 1-d float32 chunk")
+            or not 1 <= tensors[0].numel() <= max_meta or tensors[1].dtype not in PAYLOAD_DTYPES or tensors[1].dim() != 1):
+        raise MalformedMessage(f"expected an int64 meta vector (1 to {max_meta} entries) and a 1-d float32 or uint8 chunk")
     meta = [int(v) for v in tensors[0].tolist()]
     op, key = header.op, header.key
     if op == "hello":

@@ -164,6 +164,7 @@ def round_stats(reports: list[RoundReport]) -> dict:
     return {
         "mix1_failures": sum(not rep.mix1.ok for rep in reports),
         "mix2_failures": sum(not rep.mix2.ok for rep in reports),
+        "mix1_bytes": sum(rep.mix1.bytes for rep in reports) // max(len(reports), 1),
         "mix2_bytes": sum(rep.mix2.bytes for rep in reports) // max(len(reports), 1),
         "mix1_wait_s": max(rep.mix1_wait_s for rep in reports),
         "mix2_s": max(rep.mix2_s for rep in reports),

@@ -165,4 +165,4 @@ class SimPeer:
 
 def payload_bytes(send: Send) -> int:
     message = send.message
-    return 64 + (message.data.numel() * 4 if isinstance(message, Data) else 0)
+    return 64 + (message.data.numel() * message.data.element_size() if isinstance(message, Data) else 0)

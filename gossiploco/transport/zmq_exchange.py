@@ -55,7 +55,7 @@ from gossiploco.errors import ExchangeClosed, ExchangeError, MalformedMessage
 from gossiploco.mixing.exchange import Exchange
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call, run_call
-from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap, state_chunks
+from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap, state_chunks
 from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, PROBE, Data, Hello, Ready, Send, ServeState, StateRequest,
                                           from_wire, to_wire)
 from gossiploco.protocol.node import PeerNode
@@ -187,7 +187,8 @@ class ZmqExchange(Exchange):
         if partner not in self._dealers:
             raise ValueError(f"partner {partner} is not a known peer")
         began = time.monotonic()
-        mine = flat.detach().reshape(-1).to(torch.float32)
+        mine = flat.detach().reshape(-1)
+        mine = mine if mine.dtype == torch.uint8 else mine.to(torch.float32)  # a compressed payload, or values
         path = self._path_class([self.rank, partner])
         call = Swap(key, self.rank, partner, mine, self._node.chunk_elems, began,
                     began + self.deadlines.deadline_s(key, path))
@@ -232,6 +233,25 @@ class ZmqExchange(Exchange):
         result = self._run(call, in_flight=in_flight, before_feed=before_feed, before_outcome=release_all)
         self.deadlines.observe(key, time.monotonic() - began, path)
         return result.view(flat.shape)
+
+    def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
+                   sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+        members = list(dict.fromkeys(members))
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not among members {members}")
+        others = [m for m in members if m != self.rank]
+        if any(m not in self._dealers for m in others):
+            raise ValueError(f"members {members} include unknown peers (known: {self.known()})")
+        if not others:
+            return {}
+        began = time.monotonic()
+        path = self._path_class(members)
+        call = AllToAll(key, self.rank, members, {m: parts[m].detach().reshape(-1) for m in others},
+                        {m: int(sizes[m]) for m in others}, self._node.chunk_elems, began,
+                        began + self.deadlines.deadline_s(key, path))
+        result = self._run(call)
+        self.deadlines.observe(key, time.monotonic() - began, path)
+        return result
 
     def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:
         """Download ``(round, flat state)`` from ``peer``'s provider within ``timeout_s``. Raises ``ExchangeError``."""
@@ -483,7 +503,7 @@ class ZmqExchange(Exchange):
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
         if isinstance(message, Data):
             with self._cond:
-                self.bytes_sent += message.data.numel() * _FLOAT_BYTES
+                self.bytes_sent += message.data.numel() * message.data.element_size()
         return tracker
 
     def _submit(self, action: Send | ServeState) -> None:

@@ -1,0 +1,231 @@
+"""Compressed exchanges (issue 16): the codecs against their definitions, the compressed means against
+the math written out here, error feedback's conservation over rounds, and a virtual swarm with each.
+
+References, for members m = 1..M with vectors v_m, a codec's encode Q and decode D:
+
+    group mean, owner k of segment S_k:  mean_k = (v_k[S_k] + sum_{m != k} D(Q(v_m[S_k]))) / M,
+                                         every member gets D(Q(mean_k))
+    pair mean (a, b):                    (D(Q(v_a)) + D(Q(v_b))) / 2
+    top-k group mean:                    sum_m D(Q(v_m)) / M
+    error feedback:                      mixed = mean_m (v_m - e'_m), with v_m = x_m + e_m, so that
+                                         sum_t mixed_t = sum_t mean_m x_{m,t} - mean_m e_{m,T}
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gossiploco.errors import PeerFailed
+from gossiploco.mixing import GlobalMix, GossipMix, MemoryHub, pair_matching
+from gossiploco.mixing.compressed import group_mean, pair_mean
+from gossiploco.mixing.compression import BlockCodec, TopKCodec, build_codec
+from gossiploco.protocol.ring import segment_bounds
+
+
+def vec(n: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def run_all(fns):
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
+
+
+# -- codecs ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,bits", [("none", 32), ("bf16", 16), ("int8", 8), ("4bit", 4), ("e3m0", 4)])
+def test_dense_codecs_have_their_size_and_round_to_their_grid(name, bits):
+    codec = build_codec(name, block=64)
+    for n in (1, 63, 64, 1001):
+        x = vec(n, n, 0.01)
+        payload, decoded = codec.roundtrip(x)
+        blocks = math.ceil(n / 64)
+        expected = {32: 4 * n, 16: 2 * n, 8: 4 * blocks + n, 4: 4 * blocks + (n + 1) // 2}[bits]
+        assert payload.dtype == torch.uint8 and payload.numel() == codec.encoded_bytes(n) == expected
+        assert torch.equal(codec.decode(payload, n), decoded)  # decoding is a function of the bytes
+        if name == "none":
+            assert torch.equal(decoded, x)
+        elif name == "bf16":
+            assert torch.equal(decoded, x.to(torch.bfloat16).float())
+        else:  # the nearest point of scale * grid, scale = the block's absmax
+            padded = torch.nn.functional.pad(x, (0, blocks * 64 - n)).view(blocks, 64)
+            scale = padded.abs().amax(dim=1, keepdim=True)
+            grid = {"int8": torch.arange(-127, 128) / 127, "4bit": torch.arange(-7, 8) / 7,
+                    "e3m0": torch.tensor([s * 2.0 ** -k for s in (1, -1) for k in range(8)])}[name]
+            points = scale[..., None] * grid  # (blocks, 64 values, grid)
+            best = (padded[..., None] - points).abs().min(dim=-1).values.reshape(-1)[:n]
+            assert torch.allclose((decoded - x).abs(), best, rtol=1e-4, atol=1e-8)  # fp32 rounding of x / step * step
+
+
+def test_the_4bit_format_is_the_linear_grid_because_it_loses_less_than_e3m0_on_pseudo_gradients(make_config):
+    """The issue asks for E3M0 or a blockwise 4-bit format shown better. A pseudo-gradient is the sum
+    of H AdamW updates, each about the learning rate in size: its values are flatter than a Gaussian's
+    (kurtosis about 1.7 on the tiny and small models), and the linear grid loses about a third of
+    E3M0's error at the same bytes. E3M0's log grid wins on heavy tails (Student-t), which is why it
+    stays available as ``e3m0``."""
+    from gossiploco.data import load_corpus
+    from gossiploco.runtime.common import build_trainer
+
+    cfg = make_config("globalm1-localm2")
+    trainer = build_trainer(cfg, load_corpus(cfg.data), torch.device("cpu"), 0)
+    start = {n: p.detach().clone() for n, p in trainer.params().items()}
+    for _ in range(cfg.inner_steps):
+        trainer.inner_step()
+    delta = torch.cat([(trainer.params()[n] - start[n]).reshape(-1) for n in start])
+    kurtosis = float(((delta - delta.mean()) ** 4).mean() / delta.var() ** 2)
+    assert kurtosis < 3
+    int4, e3m0 = build_codec("4bit", block=4096), build_codec("e3m0", block=4096)
+
+    def error(codec, x):
+        return float((codec.roundtrip(x)[1] - x).norm() / x.norm())
+
+    assert error(int4, delta) < 0.5 * error(e3m0, delta)
+    assert error(int4, vec(1 << 16, 0)) < error(e3m0, vec(1 << 16, 0))
+    heavy = torch.distributions.StudentT(3.0).sample((1 << 16,))
+    assert error(e3m0, heavy) < error(int4, heavy)
+
+
+def test_topk_keeps_each_chunks_largest_values_with_their_sign():
+    codec = TopKCodec(density=0.05, chunk=100, bits=2)
+    x = vec(1050, 3)
+    payload, decoded = codec.roundtrip(x)
+    n, k = 11, 5
+    assert payload.numel() == codec.encoded_bytes(1050) == 8 * n + 2 * n * k + math.ceil(n * k / 4)
+    padded = torch.nn.functional.pad(x, (0, n * 100 - 1050)).view(n, 100)
+    dec = torch.nn.functional.pad(decoded, (0, n * 100 - 1050)).view(n, 100)
+    for c in range(n):
+        top = set(padded[c].abs().topk(k).indices.tolist())
+        kept = set(dec[c].nonzero().reshape(-1).tolist())
+        assert kept <= top and len(kept) >= k - (1 if c == n - 1 else 0)  # a padding zero may be among the last chunk's
+        low, high = padded[c].abs().topk(k).values.min(), padded[c].abs().max()
+        for i in kept:
+            assert torch.sign(dec[c, i]) == torch.sign(padded[c, i]) and low <= dec[c, i].abs() <= high
+            # 2 bits: one of the two magnitudes a quarter and three quarters between low and high, the nearer
+            levels = torch.stack([low + (high - low) / 4, low + 3 * (high - low) / 4])
+            assert torch.isclose(dec[c, i].abs(), levels[(levels - padded[c, i].abs()).abs().argmin()])
+    assert 4 * 1_000_000 / TopKCodec(0.02, 4096, 2).encoded_bytes(1_000_000) > 80  # the default: 85x fewer bytes
+
+
+@pytest.mark.parametrize("name", ["none", "bf16", "int8", "4bit", "topk"])
+def test_decoding_rejects_payloads_no_encoder_makes(name):
+    codec = build_codec(name, block=16, density=0.25, chunk=16)
+    payload = codec.encode(vec(64, 1))
+    with pytest.raises(PeerFailed):
+        codec.decode(payload[:-1], 64)  # truncated
+    with pytest.raises(PeerFailed):
+        codec.decode(payload.view(torch.int8), 64)  # not bytes
+    bad = payload.clone()
+    bad[:4] = torch.tensor([0xFF, 0xFF, 0xFF, 0x7F], dtype=torch.uint8)  # a NaN as the first value / scale / bound
+    if name != "bf16":
+        with pytest.raises(PeerFailed):
+            codec.decode(bad, 64)
+    if isinstance(codec, BlockCodec) and codec.bits == 8:
+        bad = payload.clone()
+        bad[-1] = 255  # code 255: outside [0, 254]
+        with pytest.raises(PeerFailed):
+            codec.decode(bad, 64)
+    if name == "topk":
+        bad = payload.clone()
+        bad[8 * 4:8 * 4 + 2] = torch.tensor([0xFF, 0x00], dtype=torch.uint8)  # position 255 in a chunk of 16
+        with pytest.raises(PeerFailed):
+            codec.decode(bad, 64)
+
+
+# -- the compressed means against the references ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["int8", "4bit", "bf16"])
+def test_a_compressed_group_mean_is_the_reference_and_quantizes_each_value_twice(name):
+    codec = build_codec(name, block=32)
+    members, n = [2, 0, 3, 1], 1001
+    values = {m: vec(n, m) for m in members}
+    hub = MemoryHub(4, 10.0)
+    out = dict(zip(members, run_all([lambda m=m: group_mean("mix2/0", values[m], members, hub.exchange(m), codec)
+                                      for m in members])))
+    bounds = segment_bounds(n, 4)
+    expected = torch.empty(n)
+    for k, owner in enumerate(members):
+        s = slice(bounds[k], bounds[k + 1])
+        total = values[owner][s].clone()
+        for m in members:
+            if m != owner:
+                total += codec.roundtrip(values[m][s])[1]
+        expected[s] = codec.roundtrip(total / 4)[1]
+    for m in members:
+        mean, residual, sent = out[m]
+        assert torch.equal(mean, expected)
+        # error feedback: the group's mean of (v - e') is exactly what everyone got
+        assert sent == sum(codec.encoded_bytes(bounds[k + 1] - bounds[k]) for k in range(4) if members[k] != m) \
+            + 3 * codec.encoded_bytes(bounds[members.index(m) + 1] - bounds[members.index(m)])
+    conserved = sum(values[m] - out[m][1] for m in members) / 4
+    assert torch.allclose(conserved, expected, atol=1e-6)
+    exact = sum(values.values()) / 4
+    assert float((expected - exact).norm() / exact.norm()) < {"int8": 0.01, "4bit": 0.2, "bf16": 0.005}[name]
+
+
+def test_topk_group_and_pair_means_are_the_references():
+    codec = build_codec("topk", density=0.1, chunk=64)
+    members = [0, 1, 2]
+    values = [vec(500, 10 + m) for m in members]
+    hub = MemoryHub(3, 10.0)
+    out = run_all([lambda m=m: group_mean("mix2/0", values[m], members, hub.exchange(m), codec) for m in members])
+    expected = torch.zeros(500)
+    for m in members:
+        expected += codec.roundtrip(values[m])[1]
+    expected /= 3
+    assert all(torch.equal(mean, expected) for mean, _, _ in out)
+    assert all(torch.equal(residual, values[m] - codec.roundtrip(values[m])[1]) for m, (_, residual, _) in enumerate(out))
+    hub = MemoryHub(2, 10.0)
+    pair = run_all([lambda m=m: pair_mean("mix2/0", values[m], 1 - m, hub.exchange(m), codec) for m in (0, 1)])
+    expected = (codec.roundtrip(values[0])[1] + codec.roundtrip(values[1])[1]) / 2
+    assert torch.equal(pair[0][0], expected) and torch.equal(pair[1][0], expected)
+
+
+@pytest.mark.parametrize("kind,name", [("global", "int8"), ("global", "4bit"), ("global", "topk"),
+                                       ("gossip", "4bit"), ("gossip", "topk")])
+def test_error_feedback_loses_nothing_over_rounds_but_the_last_residual(kind, name):
+    """Mix2 with error feedback, 12 rounds over 4 workers: the sum of what the mixes gave equals the
+    sum of the exact means minus the mean of the final residuals (global), and each worker's
+    residual stays bounded (it is re-sent, not accumulated)."""
+    workers, n, rounds = 4, 700, 12
+    codec = build_codec(name, block=32, density=0.05, chunk=128)
+    mixer = GlobalMix if kind == "global" else GossipMix
+    mixers = [mixer("mix2", ["w"], 7, codec, error_feedback=True) for _ in range(workers)]
+    hub = MemoryHub(workers, 10.0)
+    total_mixed = [torch.zeros(n) for _ in range(workers)]
+    total_sent = [torch.zeros(n) for _ in range(workers)]
+    for r in range(rounds):
+        xs = [vec(n, 100 * r + m, 0.01) for m in range(workers)]
+        results = run_all([lambda m=m: mixers[m].mix([{"w": xs[m]}], r, hub.exchange(m)) for m in range(workers)])
+        for m, res in enumerate(results):
+            expected = codec.encoded_bytes(n) * (1 if kind == "gossip" else workers - 1)
+            assert res.ok and (res.bytes == expected if kind == "gossip" or name == "topk" else res.bytes < expected)
+            total_mixed[m] += res.values[0]["w"]
+            total_sent[m] += xs[m]
+        if kind == "gossip":  # a pair's mixed values sum to its inputs less its new residuals
+            partners = pair_matching(7, r, "mix2", range(workers))
+            assert all(partners[m] is not None for m in range(workers))
+    final = [mixers[m].residual["w"] for m in range(workers)]
+    if kind == "global":
+        for m in range(workers):
+            exact = sum(total_sent) / workers - sum(final) / workers
+            assert torch.allclose(total_mixed[m], exact, atol=1e-5)
+    else:
+        assert torch.allclose(sum(total_mixed), sum(total_sent) - sum(final), atol=1e-5)
+    scale = max(float(v.abs().max()) for v in total_sent)
+    assert all(float(e.abs().max()) < scale for e in final)
+
+
+def test_a_failed_compressed_mix_is_identity_and_keeps_the_residual():
+    codec = build_codec("int8", block=32)
+    hub = MemoryHub(2, 0.2)
+    mixer = GossipMix("mix2", ["w"], 0, codec, error_feedback=True)
+    mixer.residual = {"w": torch.full((64,), 0.5)}
+    x = {"w": vec(64, 0)}
+    result = mixer.mix([x], 0, hub.exchange(0))  # the partner never comes
+    assert not result.ok and result.values[0]["w"] is x["w"] and torch.equal(mixer.residual["w"], torch.full((64,), 0.5))

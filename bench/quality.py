@@ -61,19 +61,22 @@ def consensus_factor(preset: str, workers: int) -> float | None:
     return 1 + rho2 / (1 - rho1)
 
 
-def run_one(args: argparse.Namespace, preset: str, seed: int) -> dict:
-    out = args.out / f"{preset}-seed{seed}"
+def run_one(args: argparse.Namespace, preset: str, seed: int, extra: tuple[str, ...] = (), label: str = "") -> dict:
+    """One ``gossiploco simulate`` run of ``preset`` (with ``--set`` ``args.sets`` and ``extra``) in
+    ``args.out / f"{label or preset}-seed{seed}"``; returns its summary."""
+    label = label or preset
+    out = args.out / f"{label}-seed{seed}"
     cmd = [sys.executable, "-m", "gossiploco", "simulate", "--config", preset, "--workers", str(args.workers),
            "--inner-steps", str(args.inner_steps), "--rounds", str(args.rounds), "--model", args.model,
            "--seed", str(seed), "--device", "cpu", "--out", str(out), "--quiet"]
-    for s in args.sets:
+    for s in [*args.sets, *extra]:
         cmd += ["--set", s]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
-        raise RuntimeError(f"{preset} seed {seed} failed:\n{proc.stderr[-2000:]}")
+        raise RuntimeError(f"{label} seed {seed} failed:\n{proc.stderr[-2000:]}")
     summary = json.loads((out / "summary.json").read_text())
-    print(f"  {preset:26s} seed {seed}: val loss {summary['final_val_loss']:.4f}  max L2 {summary['max_cd_l2']:.4f}  "
+    print(f"  {label:26s} seed {seed}: val loss {summary['final_val_loss']:.4f}  max L2 {summary['max_cd_l2']:.4f}  "
           f"max JS {summary['max_cd_js']:.4f}  ({summary['wall_s']:.0f}s)", flush=True)
     return summary
 

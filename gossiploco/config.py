@@ -186,7 +186,8 @@ class MixConfig:
     compression: str = "none"
     """What the exchange sends (gossiploco.mixing.compression): none (fp32), bf16, int8 or 4bit (blockwise
     absmax), e3m0 (Streaming DiLoCo's 4-bit float), or, for Mix2, topk (SparseLoCo's chunk-wise top-k).
-    Sums are fp32; a group mean quantizes each value at most twice (gossiploco.mixing.compressed)."""
+    Sums are fp32; a group mean quantizes each value at most twice (gossiploco.mixing.compressed). A global
+    Mix1 sends its parameters' difference from the last mean (GlobalMix); Mix2 its pseudo-gradient."""
     block_size: int = 4096
     """Values per quantization block (one fp32 scale each) for int8, 4bit and e3m0. On the trainer's
     pseudo-gradients 4096 loses about 5% more than 64 (tests/test_compression.py) for 4x fewer scale bytes."""
@@ -208,9 +209,13 @@ class MixConfig:
         if not self.blocks:
             raise ConfigError(f"{p}.blocks", "must name at least one block (use ['*'] for all)")
         _choice(f"{p}.compression", self.compression, COMPRESSIONS)
-        if p == "mix1" and self.compression != "none":
-            raise ConfigError(f"{p}.compression", "Mix1 averages raw parameters, which these codecs would round "
-                              "(compressing Mix1 needs a reference every member holds; not built yet): use mix2.compression")
+        if p == "mix1" and self.compression == "topk":
+            raise ConfigError(f"{p}.compression", "topk is for Mix2 (a pseudo-gradient with error feedback); "
+                              "Mix1 averages parameters: use bf16, int8, 4bit or e3m0")
+        if p == "mix1" and self.compression != "none" and self.kind == "gossip":
+            raise ConfigError(f"{p}.compression", "a compressed Mix1 sends differences from the last mean every member "
+                              "holds, which only a global Mix1 has (gossip partners change every round): use kind = "
+                              "\"global\" or compression = \"none\"")
         if not 0 <= self.feedback_decay <= 1:
             raise ConfigError(f"{p}.feedback_decay", f"must be in [0, 1], got {self.feedback_decay}")
         if self.block_size < 1:

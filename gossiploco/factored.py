@@ -63,7 +63,7 @@ class FactoredDiLoCo:
         self.exchange = exchange
         names = trainer.names
         self.mix1 = build_mixer(cfg.mix1.kind, "mix1", select_parameters(names, cfg.mix1.blocks, "mix1.blocks"), cfg.seed,
-                                cfg.mix1.codec())
+                                cfg.mix1.codec())  # no error feedback: a global Mix1 compresses against a reference
         self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
         params = trainer.params()
         self.state_device = state_device(cfg.compute.outer_state, trainer.device, 4 * sum(p.numel() for p in params.values()))

@@ -14,6 +14,7 @@ References, for members m = 1..M with vectors v_m, a codec's encode Q and decode
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -229,3 +230,70 @@ def test_a_failed_compressed_mix_is_identity_and_keeps_the_residual():
     x = {"w": vec(64, 0)}
     result = mixer.mix([x], 0, hub.exchange(0))  # the partner never comes
     assert not result.ok and result.values[0]["w"] is x["w"] and torch.equal(mixer.residual["w"], torch.full((64,), 0.5))
+
+
+# -- a compressed Mix1: differences from a reference every member holds -------------------------------------
+
+
+def test_a_compressed_mix1_sends_differences_from_the_last_mean_and_heals_after_a_newcomer():
+    """Reference: round 0 (no common reference yet) is the exact fp32 mean x_0; after it every member
+    sends Q(z - x_prev), and gets x_prev + the compressed group mean of those differences. A member
+    without the reference (a newcomer) fails the exchange at once for everyone (not after a deadline);
+    every member then sends fp32 once, and compression resumes from that exact mean."""
+    codec = build_codec("int8", block=64)
+    hub = MemoryHub(3, 10.0)
+    mixers = [GlobalMix("mix1", ["w"], 0, codec) for _ in range(3)]
+    members = [0, 1, 2]
+
+    def mix(r, zs):
+        return run_all([lambda m=m: mixers[m].mix([{"w": zs[m]}], r, hub.exchange(m)) for m in members])
+
+    zs = [vec(300, m) for m in members]
+    out = mix(0, zs)
+    exact = (zs[0] + zs[1] + zs[2]) / 3
+    assert all(o.ok and torch.allclose(o.values[0]["w"], exact, atol=1e-6) for o in out)
+    assert out[0].bytes == 2 * 2 * 300 * 4 // 3  # fp32, a ring's share
+    previous = out[0].values[0]["w"]
+    assert all(torch.equal(o.values[0]["w"], previous) for o in out)
+
+    zs = [previous + vec(300, 10 + m, 0.01) for m in members]
+    out = mix(1, zs)
+    reference = torch.empty(300)
+    bounds = segment_bounds(300, 3)
+    for k in range(3):
+        s = slice(bounds[k], bounds[k + 1])
+        total = (zs[k][s] - previous[s]).clone()
+        for m in members:
+            if m != k:
+                total += codec.roundtrip(zs[m][s] - previous[s])[1]
+        reference[s] = previous[s] + codec.roundtrip(total / 3)[1]
+    assert all(o.ok and torch.equal(o.values[0]["w"], reference) for o in out)
+    assert out[0].bytes < 2 * 2 * 300 * 4 // 3 / 3  # int8 with one scale per 64 values
+    # the differences are about 0.01: int8 keeps them to about a step of absmax / 127 of theirs, ~100x better
+    # than rounding the parameters themselves (about 1 in size)
+    error = float((reference - sum(zs) / 3).abs().max())
+    raw = float((sum(codec.roundtrip(z)[1] for z in zs) / 3 - sum(zs) / 3).abs().max())
+    assert error < 3e-4 and error < raw / 30, (error, raw)
+
+    mixers[2] = GlobalMix("mix1", ["w"], 0, codec)  # a newcomer: no reference
+    start = time.monotonic()
+    out = mix(2, [reference + vec(300, 20 + m, 0.01) for m in members])
+    assert not any(o.ok for o in out) and time.monotonic() - start < 5
+    assert all("tag" in o.cause or "bytes" in o.cause for o in out), [o.cause for o in out]
+    zs = [reference + vec(300, 30 + m, 0.01) for m in members]
+    out = mix(3, zs)  # everyone sends fp32 now
+    assert all(o.ok and torch.allclose(o.values[0]["w"], sum(zs) / 3, atol=1e-6) for o in out)
+    assert out[0].bytes == 2 * 2 * 300 * 4 // 3
+    out = mix(4, [o.values[0]["w"] + vec(300, 40 + m, 0.01) for m, o in enumerate(out)])
+    assert all(o.ok for o in out) and out[0].bytes < 2 * 2 * 300 * 4 // 3 / 3
+
+
+def test_mix1_compression_is_refused_where_it_cannot_work(make_config):
+    from gossiploco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mix1.compression"):
+        make_config("globalm1-localm2", **{"mix1.compression": "topk"})
+    with pytest.raises(ConfigError, match="mix1.compression"):
+        make_config("localm1m2", **{"mix1.compression": "4bit"})
+    with pytest.raises(ConfigError, match="mix2.topk_bits"):
+        make_config("globalm1-localm2", **{"mix2.topk_bits": 3})

@@ -305,3 +305,23 @@ def test_a_compressed_group_mean_gives_the_same_bits_on_every_carrier(group, com
 def _memory_exchanges(world: int):
     hub = MemoryHub(world, 10.0)
     return [hub.exchange(r) for r in range(world)]
+
+
+def test_all_to_all_with_another_tag_fails_at_once_for_both(group):
+    g = group(2, timeout_s=20.0)
+    start = time.monotonic()
+    results = []
+
+    def call(r):
+        try:
+            g.exchanges[r].all_to_all("mix1/0/scatter", {1 - r: torch.zeros(8, dtype=torch.uint8)}, [0, 1], {1 - r: 8},
+                                      tag=7 if r == 0 else 9)
+            results.append((r, "ok"))
+        except PeerFailed as exc:
+            results.append((r, str(exc)))
+
+    run_all([lambda: call(0), lambda: call(1)])
+    # both fail; one may hear the other's abort before it reads the chunk with the other tag
+    assert sorted(r for r, _ in results) == [0, 1] and "ok" not in dict(results).values(), results
+    assert any("tag" in text for _, text in results), results
+    assert time.monotonic() - start < 5.0

@@ -84,6 +84,23 @@ def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
     assert_matches_virtual_swarm(peers, codes, preset)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("preset,compression", [("globalm1-localm2", "4bit"), ("diloco", "int8"), ("diloco", "topk"),
+                                                ("globalm1-localm2", "topk")])
+def test_peers_with_compressed_mix2_train_like_the_virtual_swarm(preset, compression, tmp_path):
+    """The compressed collectives over ZeroMQ (a swap of payloads, the two-phase group mean, the sparse
+    all-gather) give the virtual swarm's model, which runs the same arithmetic over the in-memory hub."""
+    overrides = {"mix2.compression": compression, "mix2.block_size": 64, "mix2.topk_chunk": 256}
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
+        peers.start()
+        codes = peers.wait(180)
+    assert_matches_virtual_swarm(peers, codes, preset, **overrides)
+    fp32 = sum(p.numel() for p in model(peers, 0).values()) * 4 * (2 * 3 / 4 if preset == "diloco" else 1)
+    sent = [r["mix2_bytes"] for r in records(peers, 0) if r.get("mix2_bytes")]
+    assert sent and max(sent) < fp32 / {"4bit": 7, "int8": 3.5, "topk": 15}[compression], (sent, fp32)
+
+
 def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **overrides) -> None:
     assert_exit(peers, codes, range(4))
     reference = VirtualSwarm(tiny_config(preset, **overrides)).run()

@@ -45,8 +45,9 @@ from gossiploco.protocol.ring import segment_bounds
 
 
 def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exchange,
-               codec: Codec) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(mean over members, residual, bytes sent)`` of the fp32 vector ``v`` (module docstring)."""
+               codec: Codec, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(mean over members, residual, bytes sent)`` of the fp32 vector ``v`` (module docstring); ``tag``
+    names the reference ``v`` is relative to (every member must give the same, see ``all_to_all``)."""
     members = list(members)
     if isinstance(codec, TopKCodec):
         return _sparse_all_gather(key, v, members, exchange, codec)
@@ -65,7 +66,7 @@ def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exch
         if k != me:
             parts[m], sent = codec.roundtrip(seg(v, k))
             torch.sub(seg(v, k), sent, out=seg(residual, k))
-    got = exchange.all_to_all(f"{key}/scatter", parts, members, {m: size(me) for m in members if m != exchange.rank})
+    got = exchange.all_to_all(f"{key}/scatter", parts, members, {m: size(me) for m in members if m != exchange.rank}, tag)
     total = seg(v, me).clone()
     for m in members:  # in member order: the owner's sum is one fixed sequence of fp32 additions
         if m != exchange.rank:
@@ -74,7 +75,7 @@ def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exch
     payload, mean_sent = codec.roundtrip(mean)
     torch.sub(mean, mean_sent, out=seg(residual, me)).mul_(n)
     got = exchange.all_to_all(f"{key}/gather", {m: payload for m in members if m != exchange.rank}, members,
-                              {m: size(k) for k, m in enumerate(members) if k != me})
+                              {m: size(k) for k, m in enumerate(members) if k != me}, tag)
     out = torch.empty_like(v)
     for k, m in enumerate(members):
         seg(out, k).copy_(mean_sent if k == me else codec.decode(got[m], bounds[k + 1] - bounds[k]))

@@ -7,9 +7,10 @@ by a ``key`` that every participant uses for the same operation (``"mix1/12"``: 
   ``members`` (which includes this peer). Every member receives the same result.
 * ``swap(key, partner, flat)``: send ``flat`` (fp32, or the uint8 bytes of a compressed payload) to
   ``partner`` and receive theirs, of the same size and dtype.
-* ``all_to_all(key, parts, members, sizes)``: send ``parts[m]`` (uint8) to each other member ``m``
-  and receive ``sizes[m]`` bytes from each: the direct sends of the compressed collectives
-  (``gossiploco.mixing.compressed``), which do their arithmetic outside the exchange.
+* ``all_to_all(key, parts, members, sizes, tag)``: send ``parts[m]`` (uint8) to each other member
+  ``m`` and receive ``sizes[m]`` bytes from each: the direct sends of the compressed collectives
+  (``gossiploco.mixing.compressed``), which do their arithmetic outside the exchange. A member whose
+  ``tag`` differs (it encodes against another reference) fails the exchange at once, for everyone.
 
 Contract for implementations:
 
@@ -73,10 +74,11 @@ class Exchange(ABC):
 
     @abstractmethod
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
-                   sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+                   sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:
         """Send the uint8 vector ``parts[m]`` to every other member ``m``, return what each sent this peer
         (``sizes[m]`` bytes from ``m``, checked); blocks until done or the deadline. ``parts`` may hold
-        one tensor several times (an all-gather); it is not modified."""
+        one tensor several times (an all-gather); it is not modified. Every member must give the same
+        ``tag`` (an int64): a member that sent another raises ``PeerFailed``."""
 
     def close(self) -> None:
         """Stop taking part; pending and later calls raise ``ExchangeClosed``. Idempotent."""
@@ -163,11 +165,11 @@ class MemoryHub:
             return self._deposits.pop((key, partner)).clone()
 
     def _all_to_all(self, rank: int, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
-                    sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+                    sizes: Mapping[int, int], tag: int) -> dict[int, torch.Tensor]:
         others = [m for m in members if m != rank]
         with self._cond:
             self._check_open(rank)
-            self._deposits[(key, rank)] = dict(parts)
+            self._deposits[(key, rank)] = {**parts, "tag": tag}
             self._cond.notify_all()
             try:
                 self._wait(rank, lambda: all((key, m) in self._deposits and rank in self._deposits[(key, m)]
@@ -175,13 +177,15 @@ class MemoryHub:
             except Exception:
                 self._deposits.pop((key, rank), None)
                 raise
-            got = {}
+            got, tags = {}, {}
             for m in others:
                 box = self._deposits[(key, m)]
-                got[m] = box.pop(rank).clone()
-                if not box:  # every recipient took its part
+                got[m], tags[m] = box.pop(rank).clone(), box["tag"]
+                if len(box) == 1:  # every recipient took its part
                     del self._deposits[(key, m)]
         for m, part in got.items():
+            if tags[m] != tag:
+                raise PeerFailed(f"all-to-all {key!r}: peer {m} sent tag {tags[m]}, this peer's is {tag}")
             if part.dtype != torch.uint8 or part.numel() != sizes[m]:
                 raise PeerFailed(f"all-to-all {key!r}: peer {m} sent {part.numel()} {part.dtype} values, expected {sizes[m]} bytes")
         return got
@@ -232,10 +236,10 @@ class MemoryExchange(Exchange):
         return result
 
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
-                   sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+                   sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {list(members)}")
-        got = self.hub._all_to_all(self.rank, key, parts, members, sizes)
+        got = self.hub._all_to_all(self.rank, key, parts, members, sizes, tag)
         self._count(sum(p.numel() for m, p in parts.items() if m != self.rank), sum(p.numel() for p in got.values()))
         return got
 

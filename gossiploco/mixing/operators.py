@@ -53,6 +53,11 @@ class MixResult:
     (``gossiploco.mixing.compressed``). When the exchange failed: what it would have sent."""
 
 
+def reference_tag(round_index: int, members: Sequence[int]) -> int:
+    """The nonzero tag of the reference made by the mix of ``round_index`` over ``members`` (in order)."""
+    return 1 + zlib.crc32(f"{round_index}:{','.join(map(str, members))}".encode())
+
+
 def pair_matching(seed: int, round_index: int, salt: str, members: Sequence[int]) -> dict[int, int | None]:
     """A uniformly random perfect matching of ``members``; with an odd count one peer is unmatched.
 
@@ -152,10 +157,12 @@ class Mixer(ABC):
             raise
         except ExchangeError as exc:
             log.warning("%s round %d: exchange failed (%s); identity this round", self.label, round_index, exc)
+            self._failed()
             return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start, bytes=nbytes)
         if mixed is not flat and not all_finite(mixed):
             cause = "non-finite values received"
             log.warning("%s round %d: %s; identity this round", self.label, round_index, cause)
+            self._failed()
             return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes)
         if mixed is flat:  # identity, an unmatched gossip peer, or a group of one: nothing exchanged
             return MixResult(dicts, ok=True, seconds=time.perf_counter() - start)
@@ -179,6 +186,9 @@ class Mixer(ABC):
     def _combine(self, flat: torch.Tensor, round_index: int, exchange: Exchange) -> tuple[torch.Tensor, int | None, int]:
         """Mixed version of ``flat`` (``flat`` itself for identity), the gossip partner if any, and the bytes sent."""
 
+    def _failed(self) -> None:
+        """The exchange failed (or gave non-finite values): forget what depended on it succeeding."""
+
     def _combine_compressed(self, flat: torch.Tensor, round_index: int,
                             exchange: Exchange) -> tuple[torch.Tensor, int | None, torch.Tensor | None, int]:
         """``_combine`` with ``self.codec``: also the residual and the bytes sent."""
@@ -200,7 +210,30 @@ class IdentityMix(Mixer):
 
 
 class GlobalMix(Mixer):
+    """The group's mean. With a codec and no error feedback (Mix1: parameters, which must not be rounded)
+    it compresses the difference from a **reference** every member holds: the previous compressed mean.
+
+    The reference is the result of the last successful mix, identical in every member that had it; it
+    is named by a tag (a digest of that mix's round and members) the exchange checks, so a member with
+    another one (a newcomer, a peer that caught up, one whose last mix failed while the others' did not)
+    fails the exchange at its first chunk. Every member whose mix failed drops its reference and sends
+    its next one uncompressed (fp32, tag 0) through the same two-phase exchange; the others fail that one
+    too and drop theirs, so at most two mixes after a disagreement every member sends fp32, gets the
+    exact mean, and holds it as the new common reference: a change of membership costs one failed Mix1
+    and one fp32 Mix1, never a deadline."""
+
     kind = "global"
+
+    def __init__(self, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
+                 error_feedback: bool = False, feedback_decay: float = 1.0):
+        super().__init__(label, names, seed, codec, error_feedback, feedback_decay)
+        self.referenced = self.codec is not None and not self.error_feedback
+        self.reference: torch.Tensor | None = None
+        """The last successful mean (packed), or None: the next mix sends fp32."""
+        self.reference_tag = 0
+
+    def _failed(self) -> None:
+        self.reference, self.reference_tag = None, 0
 
     def _combine(self, flat, round_index, exchange):
         key = f"{self.label}/{round_index}"
@@ -216,8 +249,18 @@ class GlobalMix(Mixer):
         members = exchange.group(key, round_index)
         if len(members) <= 1:
             return flat, None, None, 0
-        mean, residual, sent = group_mean(key, flat, members, exchange, self.codec)
-        return mean, None, residual, sent
+        if not self.referenced:
+            mean, residual, sent = group_mean(key, flat, members, exchange, self.codec)
+            return mean, None, residual, sent
+        ref = self.reference if self.reference is not None and self.reference.numel() == flat.numel() else None
+        self._failed()  # until this mix succeeds
+        if ref is None:
+            mean, _, sent = group_mean(key, flat, members, exchange, Float32Codec(), tag=0)
+        else:
+            mean, _, sent = group_mean(key, flat.sub_(ref), members, exchange, self.codec, tag=self.reference_tag)
+            mean.add_(ref)
+        self.reference, self.reference_tag = mean.clone(), reference_tag(round_index, members)
+        return mean, None, None, sent
 
 
 class GossipMix(Mixer):

@@ -152,16 +152,17 @@ class RingAllReduce(DataCall):
 class AllToAll(DataCall):
     """Send ``parts[m]`` (uint8) to every other member ``m`` and receive ``sizes[m]`` bytes from each.
 
-    Chunks carry the digest of the member list (``meta[2]``), so a peer running the exchange over
-    another list is refused. They are consumed sender by sender in member order (the others wait in
-    the mailbox, which holds a few payloads: compressed parts are small)."""
+    Chunks carry the caller's ``tag`` (``meta[1]``: which reference the payload is encoded against) and
+    the digest of the member list (``meta[2]``), so a peer running the exchange against another
+    reference or over another list fails it at its first chunk. They are consumed sender by sender in
+    member order (the others wait in the mailbox, which holds a few payloads: compressed parts are small)."""
 
     def __init__(self, key: str, me: int, members: list[int], parts: dict[int, torch.Tensor], sizes: dict[int, int],
-                 chunk_elems: int, began: float, deadline: float):
+                 chunk_elems: int, began: float, deadline: float, tag: int = 0):
         self.members = list(members)
         self.others = [m for m in self.members if m != me]
         super().__init__(key, began, deadline, self.others)
-        self.parts, self.sizes = parts, sizes
+        self.parts, self.sizes, self.tag = parts, sizes, tag
         self.per = chunk_size(chunk_elems, torch.uint8)
         self.digest = digest(self.members)
         self.out = {m: torch.empty(sizes[m], dtype=torch.uint8) for m in self.others}
@@ -178,7 +179,7 @@ class AllToAll(DataCall):
         sends = super().start(node)
         for m in self.others:
             part = self.parts[m]
-            sends += [Send(m, Data(self.key, c, (part.numel(), 0, self.digest), part[c * self.per:(c + 1) * self.per]))
+            sends += [Send(m, Data(self.key, c, (part.numel(), self.tag, self.digest), part[c * self.per:(c + 1) * self.per]))
                       for c in range(self._chunks(part.numel()))]
         return sends
 
@@ -191,6 +192,8 @@ class AllToAll(DataCall):
         m = self.others[self.sender]
         if len(message.meta) < 3 or message.meta[2] != self.digest:
             raise PeerFailed(f"{self.what}: peer {m} runs this exchange over another member list")
+        if message.tag != self.tag:
+            raise PeerFailed(f"{self.what}: peer {m} sent tag {message.tag}, this peer's is {self.tag} (another reference)")
         part = self.out[m][self.got * self.per:(self.got + 1) * self.per]
         _check(message, self.sizes[m], part.numel(), self.what, m, torch.uint8)
         part.copy_(message.data)

@@ -567,6 +567,7 @@ class NetworkPeer:
         record.update(self._pending)
         record.update(self.clock.take_record())
         record["bytes_sent"] = self.exchange.bytes_sent
+        record["wire_bytes_sent"] = self.exchange.wire_bytes_sent
         record["bytes_received"] = self.exchange.bytes_received
         self._pending, self._losses = {}, []
         self.sink.write(record)
@@ -632,6 +633,7 @@ class NetworkPeer:
             **self.clock.summary(wall),
             **{k: v for k, v in self._counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
             "bytes_sent": self.exchange.bytes_sent,
+            "wire_bytes_sent": self.exchange.wire_bytes_sent,
             "bytes_received": self.exchange.bytes_received,
             "malformed_messages": self.exchange.malformed_messages,
             "security": {"private": self.trust is not None and not self.trust.open,

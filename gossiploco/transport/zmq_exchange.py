@@ -113,6 +113,9 @@ class ZmqExchange(Exchange):
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
         self.bytes_sent = 0
+        self.wire_bytes_sent = 0
+        """Bytes of every message this peer sent: the codec's frames, headers and payloads, control messages and
+        state uploads included (not the transport's own framing, encryption or TCP/IP headers)."""
         self.dropped_messages = 0
         self.rejections: Counter[str] = Counter()
         """Messages refused after decoding, by reason (numbers and quoted values masked)."""
@@ -235,7 +238,7 @@ class ZmqExchange(Exchange):
         return result.view(flat.shape)
 
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
-                   sizes: Mapping[int, int]) -> dict[int, torch.Tensor]:
+                   sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:
         members = list(dict.fromkeys(members))
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
@@ -248,7 +251,7 @@ class ZmqExchange(Exchange):
         path = self._path_class(members)
         call = AllToAll(key, self.rank, members, {m: parts[m].detach().reshape(-1) for m in others},
                         {m: int(sizes[m]) for m in others}, self._node.chunk_elems, began,
-                        began + self.deadlines.deadline_s(key, path))
+                        began + self.deadlines.deadline_s(key, path), tag)
         result = self._run(call)
         self.deadlines.observe(key, time.monotonic() - began, path)
         return result
@@ -499,10 +502,12 @@ class ZmqExchange(Exchange):
         if self._fault is not None:
             self._fault.before_send(self.rank, message)
         header, tensors = to_wire(message, self.rank, self.run_id)
-        tracker = self._sockets.send(peer, codec.encode(header, tensors), control=isinstance(message, CONTROL),
+        frames = codec.encode(header, tensors)
+        tracker = self._sockets.send(peer, frames, control=isinstance(message, CONTROL),
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
-        if isinstance(message, Data):
-            with self._cond:
+        with self._cond:
+            self.wire_bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            if isinstance(message, Data):
                 self.bytes_sent += message.data.numel() * message.data.element_size()
         return tracker
 

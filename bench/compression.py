@@ -3,11 +3,12 @@
 Two parts, each one run, written to ``bench/results/compression.md`` with the command:
 
 * **quality**: the quality benchmark's setup (``bench/quality.py``: small model, virtual swarm, 4
-  workers, H = 16, R = 8, seeds 0 and 1) for ``globalm1-localm2`` and ``globalm1-adaptive`` with Mix2
-  sent as fp32 (``none``), ``bf16``, ``int8``, ``4bit``, ``topk`` (outer Nesterov momentum kept) and
-  ``topk-sparseloco`` (SparseLoCo's variant: the error-feedback accumulator decays by 0.95 and replaces
-  the outer momentum, ``outer.momentum = 0``): final validation loss against fp32's, max CD_L2, max
-  CD_JS, and Mix1 and Mix2 bytes sent per worker per round (``MixResult.bytes``: what a peer sends).
+  workers, H = 16, R = 8, seeds 0 and 1) for ``globalm1-localm2`` and ``globalm1-adaptive`` with both
+  mixes sent as fp32 (``none``), ``bf16``, ``int8`` or ``4bit``, and with Mix2 sent as ``topk`` (outer
+  Nesterov momentum kept) or ``topk-sparseloco`` (SparseLoCo's variant: the error-feedback accumulator
+  decays by 0.95 and replaces the outer momentum, ``outer.momentum = 0``): final validation loss
+  against fp32's, max CD_L2, max CD_JS, and Mix1 and Mix2 bytes sent per worker per round
+  (``MixResult.bytes``: what a peer sends).
 * **wire**: 4 real peers (``gossiploco peer``, ZeroMQ on loopback, small model, inner steps replaced by
   sleeps so only the exchanges run, monitors off) per preset and compression: bytes of every message
   a peer sent (``wire_bytes_sent``: the codec's frames, headers and control messages included) per
@@ -37,12 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ["globalm1-localm2", "globalm1-adaptive"]
 VARIANTS: dict[str, tuple[str, ...]] = {
     "none": (),
-    "bf16": ("mix2.compression=bf16",),
-    "int8": ("mix2.compression=int8",),
-    "4bit": ("mix2.compression=4bit",),
+    "bf16": ("mix1.compression=bf16", "mix2.compression=bf16"),
+    "int8": ("mix1.compression=int8", "mix2.compression=int8"),
+    "4bit": ("mix1.compression=4bit", "mix2.compression=4bit"),
     "topk": ("mix2.compression=topk",),
     "topk-sparseloco": ("mix2.compression=topk", "mix2.feedback_decay=0.95", "outer.momentum=0"),
 }
+"""``--set`` values of each row: the dense codecs compress both mixes, top-k only Mix2 (Mix1 stays fp32)."""
 TARGET_LOSS = {"int8": 0.5, "4bit": 1.0, "topk": 1.0, "topk-sparseloco": 1.0}
 """Most a variant's final validation loss may exceed fp32's, in percent (issue 16)."""
 TARGET_TOPK_BYTES = 50.0
@@ -103,7 +105,8 @@ def quality_section(args, by: dict[tuple[str, str], list[dict]], wall: float) ->
              f"Model `{args.model}`, M = {args.workers}, H = {args.inner_steps}, R = {args.rounds}, seeds {args.seeds}, "
              f"overrides {' '.join(args.sets)}; {wall / 60:.1f} min wall ({args.jobs} runs at a time, {args.threads} "
              "torch thread each). Loss is the final validation loss of the averaged model, mean over seeds; "
-             "bytes are what one worker sends per round (Mix1 is fp32 in every row: its compression is not built).",
+             "bytes are what one worker sends per round (a compressed Mix1's first round is fp32: no common "
+             "reference yet). Dense rows compress both mixes; top-k rows only Mix2.",
              "", "| preset | Mix2 | val loss | vs fp32 | target | max CD_L2 | max CD_JS | Mix1 B/round | Mix2 B/round | "
              "Mix2 bytes vs fp32 | wall s |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for preset in args.presets:
@@ -188,9 +191,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     lines = ["# Compression benchmark", "", f"Regenerate: `python bench/compression.py{' ' + argv_text if argv_text else ''}`", "",
-             f"Machine: {os.cpu_count()} cores; torch threads per run as stated. Mix1 compression is not built "
-             "(a Mix1 compressed against a reference every member holds needs that reference agreed): every row "
-             "sends Mix1 as fp32."]
+             f"Machine: {os.cpu_count()} cores; torch threads per run as stated."]
     if args.part in ("all", "wire"):
         lines += [""] + wire_section(args, run_wire(args))
     if args.part in ("all", "quality"):

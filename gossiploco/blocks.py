@@ -72,3 +72,28 @@ def select_parameters(param_names: Sequence[str], patterns: Iterable[str], field
     groups = group_by_block(param_names)
     chosen = set(select_blocks(list(groups), patterns, field))
     return [n for n in param_names if block_of(n) in chosen]
+
+
+FRAGMENT_ORDERS = ("forward", "backward")
+
+
+def split_fragments(param_names: Sequence[str], sizes: dict[str, int], count: int, order: str = "forward") -> list[list[str]]:
+    """``param_names`` cut into at most ``count`` runs of consecutive parameters of about equal total size
+    (Streaming DiLoCo's fragments), in model order (``forward``: embeddings first) or reversed
+    (``backward``: the LM head first). Every parameter is in exactly one fragment; none is empty."""
+    if count < 1:
+        raise ValueError(f"fragment count must be at least 1, got {count}")
+    if order not in FRAGMENT_ORDERS:
+        raise ValueError(f"fragment order must be one of {FRAGMENT_ORDERS}, got {order!r}")
+    names = list(param_names) if order == "forward" else list(reversed(param_names))
+    count = max(1, min(count, len(names)))
+    total = sum(sizes[n] for n in names)
+    parts: list[list[str]] = [[]]
+    done = 0
+    for i, name in enumerate(names):
+        # start the next fragment once this one reached its share, keeping a name for each one left
+        if parts[-1] and len(parts) < count and (done >= total * len(parts) / count or len(names) - i <= count - len(parts)):
+            parts.append([])
+        parts[-1].append(name)
+        done += sizes[name]
+    return parts

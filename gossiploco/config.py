@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gossiploco.blocks import FRAGMENT_ORDERS
 from gossiploco.errors import ConfigError
 from gossiploco.mixing.compression import COMPRESSIONS, TOPK_BITS, Codec, build_codec
 
@@ -202,6 +203,11 @@ class MixConfig:
     """topk: values per chunk (at most 65536: positions are uint16)."""
     topk_bits: int = 2
     """topk: bits per sent value (1, 2, 4 or 8: a sign and 2^(bits-1) magnitudes per chunk)."""
+    fragments: int = 1
+    """Mix1 only: streamed in this many fragments of about equal size (consecutive parameters), fragment j
+    starting at inner step j * inner_steps / fragments: the same mean, a 1/fragments share in flight at a time."""
+    fragment_order: str = "forward"
+    """Mix1 only: which fragment goes first: forward (the embeddings) or backward (the LM head)."""
 
     def check(self, p: str) -> None:
         _choice(f"{p}.kind", self.kind, MIX_KINDS)
@@ -216,6 +222,10 @@ class MixConfig:
             raise ConfigError(f"{p}.compression", "a compressed Mix1 sends differences from the last mean every member "
                               "holds, which only a global Mix1 has (gossip partners change every round): use kind = "
                               "\"global\" or compression = \"none\"")
+        _positive(f"{p}.fragments", self.fragments)
+        _choice(f"{p}.fragment_order", self.fragment_order, FRAGMENT_ORDERS)
+        if p == "mix2" and self.fragments != 1:
+            raise ConfigError(f"{p}.fragments", "Mix2 blocks on the whole pseudo-gradient at the round's end: only Mix1 streams")
         if not 0 <= self.feedback_decay <= 1:
             raise ConfigError(f"{p}.feedback_decay", f"must be in [0, 1], got {self.feedback_decay}")
         if self.block_size < 1:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gossiploco.blocks import select_parameters
+from gossiploco.blocks import select_parameters, split_fragments
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
 from gossiploco.optim import outer_step_on_delta
@@ -54,6 +54,20 @@ class RoundReport:
     the parameters off the GPU)."""
 
 
+def merge_fragments(results: list[MixResult], names: list[list[str]]) -> MixResult:
+    """One ``MixResult`` of Mix1's fragments: each fragment's parameters from its own result."""
+    if len(results) == 1:
+        return results[0]
+    values = [dict(d) for d in results[0].values]
+    for result, part in zip(results[1:], names[1:]):
+        for merged, mixed in zip(values, result.values):
+            merged.update({n: mixed[n] for n in part})
+    causes = [f"fragment {j}: {r.cause}" for j, r in enumerate(results) if not r.ok]
+    return MixResult(values, ok=not causes, cause="; ".join(causes) or None,
+                     partner=next((r.partner for r in results if r.partner is not None), None),
+                     seconds=sum(r.seconds for r in results), bytes=sum(r.bytes for r in results))
+
+
 class FactoredDiLoCo:
     """Algorithm 1 for one worker. Not thread-safe: one caller drives begin/inner/end in order."""
 
@@ -62,10 +76,15 @@ class FactoredDiLoCo:
         self.cfg = cfg
         self.exchange = exchange
         names = trainer.names
-        self.mix1 = build_mixer(cfg.mix1.kind, "mix1", select_parameters(names, cfg.mix1.blocks, "mix1.blocks"), cfg.seed,
-                                cfg.mix1.codec())  # no error feedback: a global Mix1 compresses against a reference
-        self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
         params = trainer.params()
+        mix1_names = select_parameters(names, cfg.mix1.blocks, "mix1.blocks")
+        parts = split_fragments(mix1_names, {n: params[n].numel() for n in names}, cfg.mix1.fragments, cfg.mix1.fragment_order)
+        # Streaming: fragment j of Mix1 starts at inner step j H / F of the round (each its own exchange, so the
+        # payload in flight at a time is 1/F of it); no error feedback: a global Mix1 compresses against a reference
+        self.mix1 = [build_mixer(cfg.mix1.kind, "mix1", part, cfg.seed, cfg.mix1.codec(),
+                                 key_suffix=f"/f{j}" if len(parts) > 1 else "") for j, part in enumerate(parts)]
+        self._mix1_starts = [j * cfg.inner_steps // len(parts) for j in range(len(parts))]
+        self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
         self.state_device = state_device(cfg.compute.outer_state, trainer.device, 4 * sum(p.numel() for p in params.values()))
         """Where z and the momentum live (gossiploco.outer_state)."""
         self._side = SideStream(self.state_device)
@@ -73,7 +92,10 @@ class FactoredDiLoCo:
         self.z: TensorDict = {n: p.to(self.state_device, torch.float32, copy=True) for n, p in params.items()}
         self.momentum: TensorDict = {n: torch.zeros_like(v) for n, v in self.z.items()}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mix1-rank{exchange.rank}")
-        self._mix1: Future[tuple[MixResult, object]] | None = None
+        self._mix1: list[Future[tuple[MixResult, object]]] = []
+        self._round: tuple[int, list[TensorDict], object] | None = None
+        """This round's index, Mix1's state and its readiness mark, while fragments are still to start."""
+        self._step = 0
 
     def set_state(self, z: TensorDict, momentum: TensorDict) -> None:
         """Adopt outer state from elsewhere (a catching-up peer's download) and load z into the model."""
@@ -93,22 +115,40 @@ class FactoredDiLoCo:
         return build_mixer(mix2.kind, "mix2", names, self.cfg.seed, mix2.codec(), mix2.error_feedback, mix2.feedback_decay)
 
     def begin_round(self, r: int) -> None:
-        """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background."""
+        """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background (with
+        fragments: the first now, the others as the round's inner steps reach their start)."""
         state = [self.z, self.momentum] if self.cfg.mix1.state else [self.z]
-        self._mix1 = self._pool.submit(self._run_mix1, state, r, self._side.mark())
+        self._round, self._step, self._mix1 = (r, state, self._side.mark()), 0, []
+        self._launch_mix1()
 
-    def _run_mix1(self, state: list[TensorDict], r: int, ready) -> tuple[MixResult, object]:
-        """Mix1 on the background thread. With the state on a GPU its copies (the mixed blocks to the host
-        and back) run on the side stream, after ``ready`` (z written), beside the inner steps; returns the
-        result, its values on the state device, and the event the outer step waits for."""
+    def _launch_mix1(self) -> None:
+        """Queue the Mix1 fragments due by now (z does not change during the round: the same result, later)."""
+        assert self._round is not None
+        r, state, ready = self._round
+        while len(self._mix1) < len(self.mix1) and self._mix1_starts[len(self._mix1)] <= self._step:
+            self._mix1.append(self._pool.submit(self._run_mix1, self.mix1[len(self._mix1)], state, r, ready))
+
+    def _run_mix1(self, mixer, state: list[TensorDict], r: int, ready) -> tuple[MixResult, object]:
+        """Mix1 (or one fragment of it) on the background thread. With the state on a GPU its copies (the mixed
+        blocks to the host and back) run on the side stream, after ``ready`` (z written), beside the inner
+        steps; returns the result, its values on the state device, and the event the outer step waits for."""
         with self._side.enter(ready):
-            result = self.mix1.mix(state, r, self.exchange)
+            result = mixer.mix(state, r, self.exchange)
             result.values = [to_device(d, self.state_device) for d in result.values]
             return result, self._side.done()
 
     def inner_step(self) -> torch.Tensor:
         """Lines 6-8: one inner AdamW step on y. Returns the training loss (a device tensor: reading it waits)."""
-        return self.trainer.inner_step()
+        loss = self.trainer.inner_step()
+        self.advance()
+        return loss
+
+    def advance(self) -> None:
+        """One inner step is done (by ``inner_step``, or by a benchmark's stand-in for it): start the Mix1
+        fragments due."""
+        self._step += 1
+        if self._round is not None:
+            self._launch_mix1()
 
     def end_round(self, r: int) -> RoundReport:
         """Lines 10-13: pseudo-gradient, blocking Mix2, wait for Mix1, outer step at the mixed point."""
@@ -126,11 +166,15 @@ class FactoredDiLoCo:
         mix2_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        assert self._mix1 is not None, "end_round without begin_round"
-        mix1, copied = self._mix1.result()  # line 12
-        self._mix1 = None
+        assert self._round is not None, "end_round without begin_round"
+        self._step = self.cfg.inner_steps
+        self._launch_mix1()  # (fragments not started yet: a round of fewer inner steps than fragments)
+        done = [f.result() for f in self._mix1]  # line 12
+        self._round, self._mix1 = None, []
         mix1_wait_s = time.perf_counter() - start
-        self._side.join(copied, [v for d in mix1.values for v in d.values()])
+        for result, copied in done:
+            self._side.join(copied, [v for d in result.values for v in d.values()])
+        mix1 = merge_fragments([result for result, _ in done], [m.names for m in self.mix1])
         x = mix1.values[0]
         momentum = mix1.values[1] if self.cfg.mix1.state else self.momentum
 

@@ -127,8 +127,10 @@ class Mixer(ABC):
     kind: str
 
     def __init__(self, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
-                 error_feedback: bool = False, feedback_decay: float = 1.0):
+                 error_feedback: bool = False, feedback_decay: float = 1.0, key_suffix: str = ""):
         self.label = label  # "mix1" or "mix2": keys exchanges and salts matchings
+        self.key_suffix = key_suffix
+        """Appended to the exchange key (``"/f2"``: fragment 2 of Mix1), so fragments are separate exchanges."""
         self.names = list(names)
         self.seed = seed
         self.codec = None if codec is None or isinstance(codec, Float32Codec) else codec
@@ -186,6 +188,10 @@ class Mixer(ABC):
     def _combine(self, flat: torch.Tensor, round_index: int, exchange: Exchange) -> tuple[torch.Tensor, int | None, int]:
         """Mixed version of ``flat`` (``flat`` itself for identity), the gossip partner if any, and the bytes sent."""
 
+    def key(self, round_index: int) -> str:
+        """This mix's exchange key in round ``round_index`` (``"mix1/12"``, ``"mix1/12/f2"``)."""
+        return f"{self.label}/{round_index}{self.key_suffix}"
+
     def _failed(self) -> None:
         """The exchange failed (or gave non-finite values): forget what depended on it succeeding."""
 
@@ -199,7 +205,7 @@ class IdentityMix(Mixer):
     kind = "identity"
 
     def __init__(self, label: str, names: Sequence[str] = (), seed: int = 0, codec: Codec | None = None,
-                 error_feedback: bool = False, feedback_decay: float = 1.0):
+                 error_feedback: bool = False, feedback_decay: float = 1.0, key_suffix: str = ""):
         super().__init__(label, [], seed)  # mixes nothing, so packs nothing
 
     def _combine(self, flat, round_index, exchange):
@@ -225,8 +231,8 @@ class GlobalMix(Mixer):
     kind = "global"
 
     def __init__(self, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
-                 error_feedback: bool = False, feedback_decay: float = 1.0):
-        super().__init__(label, names, seed, codec, error_feedback, feedback_decay)
+                 error_feedback: bool = False, feedback_decay: float = 1.0, key_suffix: str = ""):
+        super().__init__(label, names, seed, codec, error_feedback, feedback_decay, key_suffix)
         self.referenced = self.codec is not None and not self.error_feedback
         self.reference: torch.Tensor | None = None
         """The last successful mean (packed), or None: the next mix sends fp32."""
@@ -236,7 +242,7 @@ class GlobalMix(Mixer):
         self.reference, self.reference_tag = None, 0
 
     def _combine(self, flat, round_index, exchange):
-        key = f"{self.label}/{round_index}"
+        key = self.key(round_index)
         members = exchange.group(key, round_index)
         if len(members) <= 1:
             return flat, None, 0
@@ -245,7 +251,7 @@ class GlobalMix(Mixer):
         return exchange.all_reduce_mean(key, flat, members, inplace=True), None, sent
 
     def _combine_compressed(self, flat, round_index, exchange):
-        key = f"{self.label}/{round_index}"
+        key = self.key(round_index)
         members = exchange.group(key, round_index)
         if len(members) <= 1:
             return flat, None, None, 0
@@ -267,7 +273,7 @@ class GossipMix(Mixer):
     kind = "gossip"
 
     def _combine(self, flat, round_index, exchange):
-        key = f"{self.label}/{round_index}"
+        key = self.key(round_index)
         partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, 0
@@ -280,7 +286,7 @@ class GossipMix(Mixer):
         return theirs.add_(flat).div_(2), partner, flat.numel() * 4
 
     def _combine_compressed(self, flat, round_index, exchange):
-        key = f"{self.label}/{round_index}"
+        key = self.key(round_index)
         partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, None, 0
@@ -292,5 +298,5 @@ MIXERS: dict[str, type[Mixer]] = {"identity": IdentityMix, "global": GlobalMix, 
 
 
 def build_mixer(kind: str, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
-                error_feedback: bool = False, feedback_decay: float = 1.0) -> Mixer:
-    return MIXERS[kind](label, names, seed, codec, error_feedback, feedback_decay)
+                error_feedback: bool = False, feedback_decay: float = 1.0, key_suffix: str = "") -> Mixer:
+    return MIXERS[kind](label, names, seed, codec, error_feedback, feedback_decay, key_suffix)

@@ -511,6 +511,7 @@ class NetworkPeer:
         self._tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
         if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: compute replaced by a fixed sleep
             time.sleep(self.cfg.inner.synthetic_step_s)
+            self.algo.advance()
             return float("nan")
         return self.algo.inner_step()
 

@@ -641,7 +641,8 @@ def overlap_section(overlap: list[dict], args) -> list[str]:
         "synthetic random byte tokens, 1 torch thread) and times each inner step in alternating phases (cycles x "
         "steps per phase: " + ", ".join(sorted({f"{o['model']} {o['cycles']} x {o['steps']}" for o in overlap}))
         + "): *quiet* (no communication anywhere) and *Mix1* (Mix1 runs back to back: `GlobalMix.mix([z], r, "
-        "exchange)`, the operator FactoredDiLoCo's Mix1 calls: pack, in-place all-reduce over both peers, check, unpack; "
+        f"exchange)`, the operator FactoredDiLoCo's Mix1 calls, with `mix1.compression = {args.overlap_compression}`: "
+        "pack, (encode,) all-reduce over both peers, check, unpack; "
         "a step counts as in flight if an all-reduce was still running when it ended, and the phase ends after "
         "as many counted steps as a quiet phase has). Overhead = median in-flight step / median quiet step - 1. "
         "The training thread's CPU time per step is shown too: when it stays flat while the wall time grows, the "
@@ -724,6 +725,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-steps", type=int, default=0, help="steps per phase (0: per-model default)")
     p.add_argument("--overlap-cycles", type=int, default=0, help="quiet/Mix1 phase pairs (0: per-model default)")
     p.add_argument("--overlap-batch", type=int, default=1)
+    p.add_argument("--overlap-compression", default="none", help="mix1.compression of the overlapped Mix1 (none: fp32)")
     p.add_argument("--overlap-seq", type=int, default=64)
     p.add_argument("--no-verify", action="store_true", help="skip the result check (profiling only)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allreduce.md")

@@ -7,7 +7,9 @@ torch thread and times every inner step, in alternating phases:
 * quiet: ``steps`` inner steps, no communication anywhere;
 * Mix1: Mix1 runs back to back (``GlobalMix("mix1", ...).mix([z], r, exchange)``, the operator
   FactoredDiLoCo's Mix1 uses: pack the parameters into one flat fp32 vector, all-reduce it over
-  both peers, check and unpack; then again with the next r) while training goes on. A step
+  both peers, check and unpack; then again with the next r) while training goes on. With
+  ``--overlap-compression`` the operator compresses as ``mix1.compression`` does (encoding, decoding
+  and the fp32 sums in the same process). A step
   counts as *in flight* if an all-reduce was still running when it ended. When a training
   process has ``steps`` such steps, the peers agree on a last all-reduce index (the highest
   index any peer has started, under a shared lock) so every peer runs the same number of
@@ -124,7 +126,10 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
 
         if not trains:  # a parameter-sized stand-in for z
             z = {"flat": torch.randn(numel)}
-        mixer = GlobalMix("mix1", list(z), cfg["seed"])
+        from gossiploco.mixing.compression import build_codec
+
+        # a compressed Mix1 (``--overlap-compression``) mixes against its reference from the second index on
+        mixer = GlobalMix("mix1", list(z), cfg["seed"], build_codec(cfg["compression"]))
 
         def mix1(round_index: int) -> None:
             """One Mix1 of z, as FactoredDiLoCo runs it; a failure (identity fallback) is an error here."""
@@ -247,7 +252,7 @@ def run_overlap(model: str, mode: str, args) -> dict:
         "model": model, "mode": mode, "batch": args.overlap_batch, "seq": args.overlap_seq,
         "steps": args.overlap_steps or DEFAULT_STEPS.get(model, 10),
         "cycles": args.overlap_cycles or DEFAULT_CYCLES.get(model, 2),
-        "warmup_steps": 2, "seed": 0, "timeout_s": args.timeout, "zmq_impl": args.zmq_impl, "close_timeout_s": 15.0,
+        "warmup_steps": 2, "seed": 0, "timeout_s": args.timeout, "compression": args.overlap_compression, "zmq_impl": args.zmq_impl, "close_timeout_s": 15.0,
         "endpoints": [f"tcp://127.0.0.1:{p}" for p in ports], "run_id": f"overlap-{os.getpid()}-{model}-{mode}",
     }
     began = time.monotonic()

@@ -557,6 +557,9 @@ def preset_overrides(preset: str, args: argparse.Namespace) -> dict:
         "timeouts.startup_s": 120.0,
         "transport.chunk_mb": args.chunk_mb,
     }
+    for item in args.sets:  # e.g. mix1.compression=4bit: the peers run it, the prediction loads it
+        key, _, value = item.partition("=")
+        overrides[key] = tomllib.loads(f"v = {value}")["v"] if value[:1] in '0123456789-["tf' else value
     if not args.real_compute:
         overrides["inner.synthetic_step_s"] = args.step_time
     if load_config(preset).mix2.mode == "adaptive":
@@ -1113,6 +1116,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--presets", default="all", help="Comma-separated preset names, 'all' (every file in peers/) or "
                         "'none' (only the link probes).")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="A config override for every preset's peers and its prediction (e.g. mix1.compression=4bit).")
     parser.add_argument("--bandwidths", default="16,60", help="Link rates in Mbit/s (each direction, per peer), comma-separated.")
     parser.add_argument("--workers", type=int, default=4, help="Peers M (one namespace each).")
     parser.add_argument("--model", default="small", help="Model size (payload: its real parameter count, fp32).")

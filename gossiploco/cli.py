@@ -443,6 +443,7 @@ def utilization(
     with_monitors: bool = typer.Option(False, "--with-monitors", help="Also model the config's consensus measurements: a blocking all-reduce of the whole parameters each (off in the paper's tables)."),
     json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw utilization against bandwidth for every preset to this PNG."),
+    sets: Optional[list[str]] = typer.Option(None, "--set", help="Override a config field, e.g. --set mix1.compression=4bit (the mixes' compression sets their bytes)."),
 ) -> None:
     """Compute utilization of a configuration on a network of fixed per-link bandwidth (paper section 5.2)."""
     import json
@@ -451,7 +452,7 @@ def utilization(
     from gossiploco.config import load_config
 
     try:
-        cfg = load_config(config, {"model.size": model})
+        cfg = load_config(config, {"model.size": model, **parse_sets(sets or [])})
         vocab = util.default_vocab_size(cfg, vocab_size)
         scenario = util.resolve_scenario(
             cfg, bandwidth_mbps=bandwidth_mbps, params=params, vocab_size=vocab, workers=workers, inner_steps=inner_steps,

@@ -120,6 +120,10 @@ class MixLoad:
     """Fraction of the model's parameters in the mixed blocks, in (0, 1]."""
     state: bool = False
     """Also carries the outer momentum (as large as the mixed parameters): the payload doubles."""
+    scale: float = 1.0
+    """Wire bytes relative to fp32 by the operator's own schedule: a codec's encoded bytes per fp32 byte
+    (``mixK.compression``), times M / 2 for a top-k group mean (a sparse all-gather sends M - 1 payloads,
+    not a ring's 2 (M - 1) / M)."""
 
     def __post_init__(self) -> None:
         if self.kind not in MIX_KINDS:
@@ -173,10 +177,20 @@ class CommPlan:
         return cls(
             cfg.name,
             cfg.mode,
-            MixLoad(cfg.mix1.kind, block_fraction(cfg.model.size, vocab_size, cfg.mix1.blocks), cfg.mix1.state),
-            MixLoad(cfg.mix2.kind, mix2_fraction),
+            MixLoad(cfg.mix1.kind, block_fraction(cfg.model.size, vocab_size, cfg.mix1.blocks), cfg.mix1.state,
+                    compression_scale(cfg.mix1, cfg.workers)),
+            MixLoad(cfg.mix2.kind, mix2_fraction, scale=compression_scale(cfg.mix2, cfg.workers)),
             monitors_per_round(cfg) if with_monitors else 0,
         )
+
+
+def compression_scale(mix, workers: int) -> float:
+    """``MixLoad.scale`` of a ``[mixK]`` config: its codec's bytes per fp32 byte (on a long vector)."""
+    values = 1 << 24
+    scale = mix.codec().encoded_bytes(values) / (4 * values)
+    if mix.compression == "topk" and mix.kind == "global":
+        scale *= workers / 2
+    return scale
 
 
 @dataclass(frozen=True)
@@ -262,7 +276,7 @@ def wire_factor(kind: str, workers: int) -> float:
 
 def attempt_seconds(mix: MixLoad, sc: Scenario) -> float:
     """Link seconds of one attempt of ``mix``: ``a = v P b 8 / B``."""
-    bits = wire_factor(mix.kind, sc.workers) * mix.payload_values(sc.params) * sc.bytes_per_value * 8
+    bits = wire_factor(mix.kind, sc.workers) * mix.payload_values(sc.params) * sc.bytes_per_value * mix.scale * 8
     return bits / (sc.bandwidth_mbps * 1e6)
 
 
@@ -455,8 +469,8 @@ def report(plan: CommPlan, sc: Scenario, result: RoundTime) -> dict[str, Any]:
         "config": plan.name,
         "mode": plan.mode,
         **asdict(result),
-        "mix1": {**asdict(plan.mix1), "payload_bytes": plan.mix1.payload_values(sc.params) * sc.bytes_per_value},
-        "mix2": {**asdict(plan.mix2), "payload_bytes": plan.mix2.payload_values(sc.params) * sc.bytes_per_value},
+        "mix1": {**asdict(plan.mix1), "payload_bytes": plan.mix1.payload_values(sc.params) * sc.bytes_per_value * plan.mix1.scale},
+        "mix2": {**asdict(plan.mix2), "payload_bytes": plan.mix2.payload_values(sc.params) * sc.bytes_per_value * plan.mix2.scale},
         "monitors_per_round": plan.monitors,
         "scenario": asdict(sc),
     }
@@ -492,7 +506,7 @@ def describe(plan: CommPlan, sc: Scenario, result: RoundTime) -> str:
 
 
 def _mix_label(mix: MixLoad) -> str:
-    label = mix.kind + ("+state" if mix.state else "")
+    label = mix.kind + ("+state" if mix.state else "") + (f" x{mix.scale:.3g} bytes" if mix.scale != 1.0 and mix.kind != "identity" else "")
     return label if mix.fraction == 1.0 or mix.kind == "identity" else f"{label} ({100 * mix.fraction:.0f}%)"
 
 

@@ -86,12 +86,14 @@ def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("preset,compression", [("globalm1-localm2", "4bit"), ("diloco", "int8"), ("diloco", "topk"),
-                                                ("globalm1-localm2", "topk")])
-def test_peers_with_compressed_mix2_train_like_the_virtual_swarm(preset, compression, tmp_path):
+@pytest.mark.parametrize("preset,compression,mix1", [
+    ("globalm1-localm2", "4bit", {"mix1.compression": "4bit", "mix1.fragments": 2}), ("diloco", "int8", {}),
+    ("diloco", "topk", {}), ("globalm1-localm2", "topk", {})])
+def test_peers_with_compressed_mixes_train_like_the_virtual_swarm(preset, compression, mix1, tmp_path):
     """The compressed collectives over ZeroMQ (a swap of payloads, the two-phase group mean, the sparse
-    all-gather) give the virtual swarm's model, which runs the same arithmetic over the in-memory hub."""
-    overrides = {"mix2.compression": compression, "mix2.block_size": 64, "mix2.topk_chunk": 256}
+    all-gather; Mix1 against its reference, streamed in fragments) give the virtual swarm's model, which
+    runs the same arithmetic over the in-memory hub."""
+    overrides = {"mix2.compression": compression, "mix2.block_size": 64, "mix2.topk_chunk": 256, **mix1}
     with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
         peers.start()
         codes = peers.wait(180)

@@ -557,9 +557,9 @@ def preset_overrides(preset: str, args: argparse.Namespace) -> dict:
         "timeouts.startup_s": 120.0,
         "transport.chunk_mb": args.chunk_mb,
     }
-    for item in args.sets:  # e.g. mix1.compression=4bit: the peers run it, the prediction loads it
-        key, _, value = item.partition("=")
-        overrides[key] = tomllib.loads(f"v = {value}")["v"] if value[:1] in '0123456789-["tf' else value
+    from gossiploco.cli import parse_sets
+
+    overrides.update(parse_sets(args.sets))  # e.g. mix1.compression=4bit: the peers run it, the prediction loads it
     if not args.real_compute:
         overrides["inner.synthetic_step_s"] = args.step_time
     if load_config(preset).mix2.mode == "adaptive":

@@ -26,9 +26,9 @@ PRESETS = ["sync-dp", "diloco", "localm1m2", "globalm1", "globalm1-localm2", "gl
 PREDICTED_ORDER = ["diloco", "globalm1-localm2", "globalm1", "localm1m2"]
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", nargs="+", default=PRESETS)
+def add_run_args(p: argparse.ArgumentParser, presets: list[str]) -> None:
+    """The virtual-swarm settings of a quality run (``run_one``), shared with ``bench/compression.py``."""
+    p.add_argument("--presets", nargs="+", default=presets)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--inner-steps", type=int, default=16)
@@ -37,6 +37,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--set", dest="sets", nargs="*", default=["inner.lr=3e-3", "inner.warmup_steps=16", "monitor.every=4"])
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel")
     p.add_argument("--threads", type=int, default=1, help="torch threads per run")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p, PRESETS)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-quality")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "quality.md")
     p.add_argument("--report-only", action="store_true", help="rewrite the results from the summaries already in --out")

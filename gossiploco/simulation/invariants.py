@@ -79,7 +79,7 @@ class Checker:
         self.completed += ok
         self.failed += not ok
         if ok and isinstance(call, RingAllReduce):
-            self._check_mean(sim_peer.pid, call, now)
+            self.check_mean(sim_peer.pid, call.key, call.members, call.acc, now)
         if ok and isinstance(call, Swap):
             self._check_swap(sim_peer.pid, call, now)
         if isinstance(call, FetchState):
@@ -98,23 +98,24 @@ class Checker:
         if not torch.equal(before, after):
             self.flag("correctness.identity", now, peer, f"failed {key} changed the value")
 
-    def _check_mean(self, peer: int, call: RingAllReduce, now: float) -> None:
+    def check_mean(self, peer: int, key: str, members: list[int], result: torch.Tensor, now: float) -> None:
+        """A group mean (the ring's, or a compressed mean's two phases) that completed on ``peer``."""
         # A restarted peer may run a key its previous incarnation ran: groups are of incarnations.
-        group = self.began_with.get((call.key, peer)) or tuple((m, self.incarnation(m)) for m in call.members)
-        groups = self.groups[call.key]
+        group = self.began_with.get((key, peer)) or tuple((m, self.incarnation(m)) for m in members)
+        groups = self.groups[key]
         for other, who in groups.items():  # disjoint groups (views with different leaders) are fine; overlapping ones must agree
             if other != group and set(other) & set(group):
-                self.flag("agreement.group_mismatch", now, peer, f"{call.key}: {list(group)} here, {list(other)} on peer {who}")
+                self.flag("agreement.group_mismatch", now, peer, f"{key}: {list(group)} here, {list(other)} on peer {who}")
         groups.setdefault(group, peer)
-        inputs = self.inputs[call.key]
-        missing = [m for m in call.members if m not in inputs]
+        inputs = self.inputs[key]
+        missing = [m for m in members if m not in inputs]
         if missing:
-            self.flag("agreement.group_mismatch", now, peer, f"{call.key}: completed although {missing} never started it")
+            self.flag("agreement.group_mismatch", now, peer, f"{key}: completed although {missing} never started it")
             return
-        mean = torch.stack([inputs[m].double() for m in call.members]).mean(0).float()
-        if not torch.allclose(call.acc, mean, atol=TOLERANCE):
-            self.flag("correctness.mean", now, peer, f"{call.key} over {call.members}: max error "
-                      f"{(call.acc - mean).abs().max().item():.3g}")
+        mean = torch.stack([inputs[m].double() for m in members]).mean(0).float()
+        if not torch.allclose(result, mean, atol=TOLERANCE):
+            self.flag("correctness.mean", now, peer, f"{key} over {members}: max error "
+                      f"{(result - mean).abs().max().item():.3g}")
 
     def _check_swap(self, peer: int, call: Swap, now: float) -> None:
         partner = call.partner

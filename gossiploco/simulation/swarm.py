@@ -25,8 +25,9 @@ import torch
 
 from gossiploco.errors import ExchangeError
 from gossiploco.mixing.operators import pair_matching
-from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap
+from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap
 from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Send
+from gossiploco.protocol.ring import segment_bounds
 from gossiploco.runtime.peer import BOUNDARY_POLL_S, CATCH_UP_LAG, RECENT_LOSS_S
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
@@ -51,6 +52,7 @@ class Settings:
     chunk_elems: int = 8
     mailbox_bytes: int = 1 << 20
     mix2: str = "gossip"
+    """Mix2's exchange: gossip (a swap), global (the ring) or all-to-all (a compressed mean's two phases)."""
     behind_nat: tuple[int, ...] = ()
     """Peers behind NAT (nobody can dial them); the others are reachable."""
     relays: int = 0
@@ -185,6 +187,10 @@ class SimSwarm:
                 self.checker.started(key, peer.pid, value, members=group)
                 data = RingAllReduce(key, peer.pid, group, value.clone(), peer.node.chunk_elems, peer.now, peer.now + deadline_s)
                 out = yield from peer.run_call(data)
+            elif kind == "all-to-all":
+                self.checker.started(key, peer.pid, value, members=group)
+                out = yield from self.two_phase_mean(peer, key, group, value, peer.now + deadline_s)
+                self.checker.check_mean(peer.pid, key, group, out, peer.now)
             else:
                 partner = pair_matching(self.seed, r, label, group).get(peer.pid)
                 if partner is None:
@@ -203,6 +209,26 @@ class SimSwarm:
         finally:
             if deadline_s is not None:
                 self.checker.exchange_ended(peer, key, began, peer.now, deadline_s)
+
+    def two_phase_mean(self, peer: SimPeer, key: str, group: list[int], value: torch.Tensor, deadline: float):
+        """The compressed group mean's schedule (``mixing.compressed.group_mean``) with fp32 bytes for payloads:
+        each member's segment k to owner k, the owner's sum to everyone; both phases within one deadline."""
+        n, me = len(group), group.index(peer.pid)
+        bounds = segment_bounds(value.numel(), n)
+        segments = [value[bounds[k]:bounds[k + 1]].contiguous() for k in range(n)]
+        others = [m for m in group if m != peer.pid]
+        parts = {m: segments[k].view(torch.uint8) for k, m in enumerate(group) if m != peer.pid}
+        got = yield from peer.run_call(AllToAll(f"{key}/scatter", peer.pid, group, parts,
+                                                {m: 4 * segments[me].numel() for m in others}, peer.node.chunk_elems,
+                                                peer.now, deadline))
+        total = segments[me].clone()
+        for m in others:
+            total += got[m].view(torch.float32)
+        mean = total / n
+        got = yield from peer.run_call(AllToAll(f"{key}/gather", peer.pid, group, {m: mean.view(torch.uint8) for m in others},
+                                                {m: 4 * segments[k].numel() for k, m in enumerate(group) if m != peer.pid},
+                                                peer.node.chunk_elems, peer.now, deadline))
+        return torch.cat([mean if m == peer.pid else got[m].view(torch.float32) for m in group])
 
     def _mixed(self, pid: int, r: int) -> None:
         if pid in self.returned and pid not in self.mixed_after:
@@ -387,11 +413,13 @@ class SimSwarm:
                                   f"came back at t={when:.2f}s (swarm in round {swarm_round}); mixed again in round {mixed}")
 
 
-def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False) -> SimResult:
+def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False, mix2: str | None = None) -> SimResult:
     """One seeded run: the peer count (2 to 8 unless given), the faults, the reachability pattern and all
-    timings follow from ``seed``."""
+    timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
     settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
+    if mix2 is not None:
+        settings.mix2 = mix2
     faults = draw_faults(rng, settings)
     settings, relay_faults = draw_reachability(rng, settings)
     return SimSwarm(seed, settings, log=log).run(faults + relay_faults)

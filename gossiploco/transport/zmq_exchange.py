@@ -112,6 +112,8 @@ class ZmqExchange(Exchange):
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self.max_message_bytes = max_message_bytes
         self.chunk_bytes = chunk_bytes
+        self._scatter_began: dict[str, float] = {}
+        """Start of each compressed mean's first phase, by key (``all_to_all``)."""
         self.bytes_sent = 0
         self.wire_bytes_sent = 0
         """Bytes of every message this peer sent: the codec's frames, headers and payloads, control messages and
@@ -247,13 +249,23 @@ class ZmqExchange(Exchange):
             raise ValueError(f"members {members} include unknown peers (known: {self.known()})")
         if not others:
             return {}
-        began = time.monotonic()
+        # The two phases of a compressed mean (``KEY/scatter``, then ``KEY/gather``) share one deadline from
+        # the first's start, as a ring's steps do: a fault costs at most one deadline, and the deadline learns
+        # whole exchanges.
+        phase, now = key.rpartition("/"), time.monotonic()
+        with self._cond:
+            if phase[2] == "scatter":
+                self._scatter_began[phase[0]] = now
+                while len(self._scatter_began) > 64:
+                    self._scatter_began.pop(next(iter(self._scatter_began)))
+            began = self._scatter_began.pop(phase[0], now) if phase[2] == "gather" else now
         path = self._path_class(members)
         call = AllToAll(key, self.rank, members, {m: parts[m].detach().reshape(-1) for m in others},
                         {m: int(sizes[m]) for m in others}, self._node.chunk_elems, began,
                         began + self.deadlines.deadline_s(key, path), tag)
         result = self._run(call)
-        self.deadlines.observe(key, time.monotonic() - began, path)
+        if phase[2] != "scatter":
+            self.deadlines.observe(key, time.monotonic() - began, path)
         return result
 
     def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:

@@ -96,6 +96,8 @@ class FactoredDiLoCo:
         self._round: tuple[int, list[TensorDict], object] | None = None
         """This round's index, Mix1's state and its readiness mark, while fragments are still to start."""
         self._step = 0
+        self._mix1_done: MixResult | None = None
+        self._mix1_wait_s = 0.0
 
     def set_state(self, z: TensorDict, momentum: TensorDict) -> None:
         """Adopt outer state from elsewhere (a catching-up peer's download) and load z into the model."""
@@ -165,16 +167,9 @@ class FactoredDiLoCo:
         delta_hat = to_device(mix2.values[0], self.state_device)
         mix2_s = time.perf_counter() - start
 
-        start = time.perf_counter()
-        assert self._round is not None, "end_round without begin_round"
-        self._step = self.cfg.inner_steps
-        self._launch_mix1()  # (fragments not started yet: a round of fewer inner steps than fragments)
-        done = [f.result() for f in self._mix1]  # line 12
-        self._round, self._mix1 = None, []
-        mix1_wait_s = time.perf_counter() - start
-        for result, copied in done:
-            self._side.join(copied, [v for d in result.values for v in d.values()])
-        mix1 = merge_fragments([result for result, _ in done], [m.names for m in self.mix1])
+        mix1 = self.mix1_result()  # line 12
+        mix1_wait_s, self._mix1_wait_s = self._mix1_wait_s, 0.0
+        self._round, self._mix1, self._mix1_done = None, [], None
         x = mix1.values[0]
         momentum = mix1.values[1] if self.cfg.mix1.state else self.momentum
 
@@ -184,6 +179,26 @@ class FactoredDiLoCo:
         self.trainer.load_params(self.z)  # y_{m,r+1,0} <- z_{m,r+1}
         self.trainer.synchronize()  # (on a GPU the step only queues work: time it to its end)
         return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start, delta_s)
+
+    def start_all_mix1(self) -> None:
+        """Start the Mix1 fragments not started yet (Mix1's result is wanted now)."""
+        assert self._round is not None, "Mix1 asked for outside a round"
+        self._step = self.cfg.inner_steps
+        self._launch_mix1()
+
+    def mix1_result(self) -> MixResult:
+        """Wait for this round's Mix1 (starting any fragment not started yet) and return it, its values on
+        the state device: x_{m,r}, the mean of z_{m,r} (the monitors measure against it). The seconds
+        waited count as the round's Mix1 wait."""
+        if self._mix1_done is None:
+            start = time.perf_counter()
+            self.start_all_mix1()
+            done = [f.result() for f in self._mix1]
+            for result, copied in done:
+                self._side.join(copied, [v for d in result.values for v in d.values()])
+            self._mix1_done = merge_fragments([result for result, _ in done], [m.names for m in self.mix1])
+            self._mix1_wait_s += time.perf_counter() - start
+        return self._mix1_done
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from gossiploco.blocks import select_parameters
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, TokenStream
 from gossiploco.model import build_model
@@ -35,6 +36,17 @@ def mean_loss(losses: list[torch.Tensor | float]) -> float:
     if len(devices) > 1:
         values = [v.cpu() for v in values]
     return float(torch.stack(values).mean())
+
+
+def monitor_reuses_mix1(cfg: RunConfig, names: list[str]) -> bool:
+    """Whether a round's measurement at h = 0 takes its average from Mix1 instead of an all-reduce of its own.
+
+    At h = 0 of round r every worker holds z_{m,r}, and a global Mix1 of all the parameters averages
+    exactly that: its result x_{m,r} is the average the monitors need (the compressed mean, with
+    ``mix1.compression``). The measurement then waits for Mix1 (a peer measures at the round's end, when
+    Mix1 is done anyway) and sends no parameters: only the per-peer terms (a few floats)."""
+    return (cfg.mode == "factored" and cfg.mix1.kind == "global"
+            and set(select_parameters(names, cfg.mix1.blocks, "mix1.blocks")) == set(names))
 
 
 def measure_due(cfg: RunConfig, h: int) -> tuple[bool, bool]:

@@ -65,7 +65,7 @@ from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.reach.paths import PathPlanner, Reach
 from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
-from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats
+from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
 from gossiploco.runtime.peer_clock import PeerClock
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
@@ -214,6 +214,11 @@ class NetworkPeer:
         self._closed = False
         self.adaptive = AdaptiveMix2(cfg) if cfg.mix2.mode == "adaptive" and cfg.mode == "factored" else None
         self._round_js: list[float] = []
+        self._reuse_mix1 = monitor_reuses_mix1(cfg, self.names)
+        self._deferred: dict | None = None
+        """The round's h = 0 record while it waits for Mix1's average (``monitor_reuses_mix1``)."""
+        self._held: list[dict] = []
+        """Later records of that round, written after it (records stay in (round, h) order)."""
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -239,7 +244,8 @@ class NetworkPeer:
             self.exchange.current_round = cfg.rounds
             final = self._record(cfg.rounds, 0, val_loss=True, final=True)
             reach = self._reach_summary()
-        except BaseException:
+        except BaseException as exc:
+            self._write_held(f"the run stopped before Mix1's average ({type(exc).__name__})")
             self.close()
             raise
         self.close(linger_s=LEAVE_LINGER_S)
@@ -479,7 +485,9 @@ class NetworkPeer:
             algo.begin_round(r)
         for h in range(cfg.inner_steps):
             due, val_loss = measure_due(cfg, h)
-            if due:
+            if due and h == 0 and self._reuse_mix1:
+                self._deferred = self._record_start(r, h, val_loss)  # measured against Mix1's average at the end
+            elif due:
                 self._finish_compute()
                 self._record(r, h, val_loss=val_loss)
             t = time.perf_counter()
@@ -491,6 +499,8 @@ class NetworkPeer:
             self._losses.append(loss)
         self._finish_compute()
         if factored:
+            if self._deferred is not None:
+                self._record_deferred(algo)
             if self.adaptive is not None:
                 decision = self.adaptive.decide(r, max(self._round_js, default=None))
                 algo.set_mix2_blocks(decision.blocks)
@@ -558,48 +568,97 @@ class NetworkPeer:
         return self.trainer.params_cpu()
 
     def _record(self, r: int, h: int, *, val_loss: bool, final: bool = False) -> dict:
+        record = self._record_start(r, h, val_loss)
         t = time.perf_counter()
-        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
-        record["members"] = len(self.exchange.members(r))  # the group this measurement averages over
         record.update(self._measure(r, h, val_loss=val_loss, final=final))
         self.clock.tick("monitor_s", time.perf_counter() - t)
+        return self._record_end(record)
+
+    def _record_start(self, r: int, h: int, val_loss: bool) -> dict:
+        """A record's bookkeeping as of now (the losses and stats since the last one), before its measurement."""
+        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h, "val_loss_due": val_loss}
+        record["members"] = len(self.exchange.members(r))  # the group this measurement averages over
         if self._losses:
             record["loss"] = mean_loss(self._losses)
         record.update(self._pending)
+        self._pending, self._losses = {}, []
+        return record
+
+    def _record_end(self, record: dict) -> dict:
+        record.pop("val_loss_due")
         record.update(self.clock.take_record())
         record["bytes_sent"] = self.exchange.bytes_sent
         record["wire_bytes_sent"] = self.exchange.wire_bytes_sent
         record["bytes_received"] = self.exchange.bytes_received
-        self._pending, self._losses = {}, []
-        self.sink.write(record)
-        if self.on_record:
-            self.on_record(record)
+        if self._deferred is not None:  # written after the round's h = 0 record
+            self._held.append(record)
+            return record
+        for done in [record, *self._held]:
+            self.sink.write(done)
+            if self.on_record:
+                self.on_record(done)
+        self._held = []
         return record
 
-    def _measure(self, r: int, h: int, *, val_loss: bool, final: bool) -> dict:
-        """Swarm-wide consensus from per-peer terms (module docstring); own values if the group fails."""
+    def _write_held(self, cause: str) -> None:
+        """Write a deferred record unmeasured (saying why), and the records held behind it."""
+        if self._deferred is not None:
+            record, self._deferred = self._deferred, None
+            record["monitor_cause"] = cause
+            self._record_end(record)
+
+    def _record_deferred(self, algo: FactoredDiLoCo) -> None:
+        """The round's h = 0 measurement against Mix1's average (``monitor_reuses_mix1``), then the held records."""
+        record, self._deferred = self._deferred, None
+        t = time.perf_counter()
+        mix1 = algo.mix1_result()
+        self.clock.tick("monitor_s", time.perf_counter() - t)
+        t = time.perf_counter()
+        own = {n: v.detach().to("cpu", torch.float32) for n, v in algo.z.items()}  # z_{m,r}: the parameters at h = 0
+        avg = {n: v.detach().to("cpu", torch.float32) for n, v in mix1.values[0].items()} if mix1.ok else None
+        record.update(self._measure(record["round"], 0, val_loss=record["val_loss_due"], final=False, at=(own, avg)))
+        self.clock.tick("monitor_s", time.perf_counter() - t)
+        self._record_end(record)
+
+    def _measure(self, r: int, h: int, *, val_loss: bool, final: bool,
+                 at: tuple[TensorDict, TensorDict | None] | None = None) -> dict:
+        """Swarm-wide consensus from per-peer terms (module docstring); own values if the group fails.
+
+        ``at``: this peer's parameters and the average to measure them against (Mix1's; None when this
+        peer's Mix1 failed): no parameters are exchanged, and the group's terms average over the peers that
+        had an average (each sends a validity weight with its terms)."""
         ex = self.exchange
-        params = self._own_params()
+        params = self._own_params() if at is None else at[0]
         out: dict = {}
         try:
             members = ex.group(f"monitor/{r}/{h}", r)
-            flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members, inplace=True)
-            if not all_finite(flat):
-                raise ExchangeError("non-finite average")
-            avg = unpack(flat, [params], self.names)[0]
-            terms = consensus.l2_term(params, avg, self.groups)
-            self.eval_trainer.load_params(avg)
-            avg_logits = self.eval_trainer.logits(self.heldout)
-            js = consensus.js_term(self.trainer.logits(self.heldout), avg_logits, self.cfg.monitor.js_top_k)
+            if at is None:
+                flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members, inplace=True)
+                if not all_finite(flat):
+                    raise ExchangeError("non-finite average")
+                avg = unpack(flat, [params], self.names)[0]
+            else:
+                avg = at[1]
+            valid = avg is not None
+            terms = consensus.l2_term(params, avg if valid else params, self.groups)
+            if at is not None:  # the model now holds y_{m,r,H}: the scratch model gives z_{m,r}'s logits
+                self.eval_trainer.load_params(params)
+            own_logits = (self.trainer if at is None else self.eval_trainer).logits(self.heldout)
+            self.eval_trainer.load_params(avg if valid else params)
+            js = consensus.js_term(own_logits, self.eval_trainer.logits(self.heldout), self.cfg.monitor.js_top_k)
             blocks = list(terms)
             total = sum(terms.values())
             extra = [float(self.adaptive.size)] if self.adaptive is not None else []
-            mine = torch.tensor([math.sqrt(total), total, js] + [math.sqrt(terms[b]) for b in blocks] + extra,
-                                dtype=torch.float32)
+            weight = float(valid)
+            mine = torch.tensor([weight] + [weight * v for v in [math.sqrt(total), total, js]
+                                            + [math.sqrt(terms[b]) for b in blocks]] + extra, dtype=torch.float32)
             mean = ex.all_reduce_mean(f"monitor/{r}/{h}/terms", mine, members).tolist()
-            out.update(cd_l2=mean[0], cd_l2_sq=mean[1], cd_js=mean[2],
-                       cd_l2_blocks={b: mean[3 + i] for i, b in enumerate(blocks)})
-            self._round_js.append(mean[2])
+            if mean[0] <= 0:
+                raise ExchangeError("no peer of the group had Mix1's average to measure against")
+            mean = [mean[0]] + [v / mean[0] for v in mean[1:4 + len(blocks)]] + mean[4 + len(blocks):]
+            out.update(cd_l2=mean[1], cd_l2_sq=mean[2], cd_js=mean[3],
+                       cd_l2_blocks={b: mean[4 + i] for i, b in enumerate(blocks)})
+            self._round_js.append(mean[3])
             if self.adaptive is not None:
                 # Every member sees the same mean, so all adopt the same prefix (a late joiner, or
                 # a peer that missed a measurement, realigns here).

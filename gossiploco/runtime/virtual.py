@@ -24,7 +24,7 @@ from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batch
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
-from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats
+from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
 from gossiploco.trainer import resolve_device
 
 TensorDict = dict[str, torch.Tensor]
@@ -52,6 +52,7 @@ class VirtualSwarm:
         # A scratch model that holds averaged parameters for the JS monitor and validation.
         self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
         self.groups = group_by_block(self.trainers[0].names)
+        self.reuse_mix1 = monitor_reuses_mix1(cfg, self.trainers[0].names)
         self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
         self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="virtual-worker")
@@ -65,14 +66,23 @@ class VirtualSwarm:
     # -- measurement --------------------------------------------------------------------------
 
     def measure(self, r: int, h: int, *, val_loss: bool) -> dict:
-        """Consensus (CD_L2 eqs. 34/40 per block, CD_JS eq. 46) of the workers' current parameters."""
+        """Consensus (CD_L2 eqs. 34/40 per block, CD_JS eq. 46) of the workers' current parameters: against
+        their average or, at h = 0 of a round whose Mix1 is global (``monitor_reuses_mix1``), against Mix1's
+        result over the workers whose Mix1 succeeded, as network peers measure."""
         params = [t.params_cpu() for t in self.trainers]
-        avg = consensus.average(params)
+        avg, measured = consensus.average(params), list(range(len(params)))
+        if h == 0 and r < self.cfg.rounds and self.reuse_mix1:
+            for algo in self.algos:  # every worker's fragments first: each waits for the others' in the hub
+                algo.start_all_mix1()
+            mixes = [algo.mix1_result() for algo in self.algos]
+            ok = [m for m, mix in enumerate(mixes) if mix.ok]
+            if ok:
+                avg, measured = {n: v.cpu() for n, v in mixes[ok[0]].values[0].items()}, ok
         record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
-        l2 = consensus.aggregate_l2([consensus.l2_term(p, avg, self.groups) for p in params])
+        l2 = consensus.aggregate_l2([consensus.l2_term(params[m], avg, self.groups) for m in measured])
         self.eval_trainer.load_params(avg)
         avg_logits = self.eval_trainer.logits(self.heldout)
-        worker_logits = [t.logits(self.heldout) for t in self.trainers]
+        worker_logits = [self.trainers[m].logits(self.heldout) for m in measured]
         record.update(cd_l2=l2["cd_l2"], cd_l2_sq=l2["cd_l2_sq"])
         record["cd_js"] = consensus.consensus_js(worker_logits, avg_logits, self.cfg.monitor.js_top_k)
         record["cd_l2_blocks"] = l2["cd_l2_blocks"]

@@ -192,7 +192,7 @@ class ZmqCompressedPeer(ZmqPeer):
     def run(self, rep: int):
         from gossiploco.mixing.compressed import group_mean
 
-        return group_mean(f"mix2/{rep}", self.x, list(range(self.world)), self.ex, self.codec)[0]
+        return group_mean(f"mix2/{rep}", self.x, list(range(self.world)), self.ex, self.codec, inplace=True)[0]
 
 
 class ZmqInt8Peer(ZmqCompressedPeer):

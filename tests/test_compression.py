@@ -146,7 +146,7 @@ def test_a_compressed_group_mean_is_the_reference_and_quantizes_each_value_twice
     members, n = [2, 0, 3, 1], 1001
     values = {m: vec(n, m) for m in members}
     hub = MemoryHub(4, 10.0)
-    out = dict(zip(members, run_all([lambda m=m: group_mean("mix2/0", values[m], members, hub.exchange(m), codec)
+    out = dict(zip(members, run_all([lambda m=m: group_mean("mix2/0", values[m], members, hub.exchange(m), codec, feedback=True)
                                       for m in members])))
     bounds = segment_bounds(n, 4)
     expected = torch.empty(n)
@@ -174,7 +174,7 @@ def test_topk_group_and_pair_means_are_the_references():
     members = [0, 1, 2]
     values = [vec(500, 10 + m) for m in members]
     hub = MemoryHub(3, 10.0)
-    out = run_all([lambda m=m: group_mean("mix2/0", values[m], members, hub.exchange(m), codec) for m in members])
+    out = run_all([lambda m=m: group_mean("mix2/0", values[m], members, hub.exchange(m), codec, feedback=True) for m in members])
     expected = torch.zeros(500)
     for m in members:
         expected += codec.roundtrip(values[m])[1]
@@ -311,3 +311,19 @@ def test_the_utilization_simulator_sends_what_each_codec_sends(make_config):
     sc = util.resolve_scenario(cfg, bandwidth_mbps=100, vocab_size=256, step_time_s=0.1)
     fp32 = util.CommPlan.from_config(make_config("globalm1-localm2"), 256)
     assert util.attempt_seconds(plan.mix1, sc) == pytest.approx(util.attempt_seconds(fp32.mix1, sc) * plan.mix1.scale)
+
+
+@pytest.mark.parametrize("name,block", [("int8", 64), ("4bit", 3), ("4bit", 4096), ("e3m0", 5)])
+def test_coding_piece_by_piece_gives_the_bytes_of_one_piece(monkeypatch, name, block):
+    """Block codecs work on pieces of about PIECE_VALUES values (small temporaries): the payload and the
+    decoded values are those of coding the whole vector at once, odd block sizes included."""
+    from gossiploco.mixing import compression
+
+    codec = build_codec(name, block=block)
+    x = vec((1 << 18) * 2 + 7, 5)
+    payload, decoded = codec.roundtrip(x)
+    monkeypatch.setattr(compression, "PIECE_VALUES", 1 << 30)
+    whole, whole_decoded = codec.roundtrip(x)
+    assert torch.equal(payload, whole) and torch.equal(decoded, whole_decoded)
+    into = torch.full((x.numel(),), float("nan"))
+    assert codec.decode(payload, x.numel(), out=into) is into and torch.equal(into, decoded)

@@ -293,7 +293,7 @@ def test_a_compressed_group_mean_gives_the_same_bits_on_every_carrier(group, com
     members = [1, 2, 0]
 
     def run(exchanges):
-        return run_all([lambda r=r: group_mean("mix2/0", values[r], members, exchanges[r], codec) for r in range(3)])
+        return run_all([lambda r=r: group_mean("mix2/0", values[r], members, exchanges[r], codec, feedback=True) for r in range(3)])
 
     reference = run(_memory_exchanges(3))
     out = run(group(3).exchanges)

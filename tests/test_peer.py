@@ -103,6 +103,29 @@ def test_peers_with_compressed_mixes_train_like_the_virtual_swarm(preset, compre
     assert sent and max(sent) < fp32 / {"4bit": 7, "int8": 3.5, "topk": 15}[compression], (sent, fp32)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("preset", ["globalm1-localm2", "diloco"])
+def test_the_monitors_send_no_parameters_when_mix1_is_global(preset, tmp_path):
+    """Measured once a round (h = 0): with a global Mix1 the measurement takes Mix1's average, so a round
+    sends Mix1's and Mix2's bytes and a few floats of terms; without one (diloco) it all-reduces the
+    parameters: 2 (M - 1) / M of them in fp32 more per round."""
+    overrides = {"monitor.every": 0, "rounds": 4}
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
+        peers.start()
+        codes = peers.wait(180)
+    assert_matches_virtual_swarm(peers, codes, preset, **overrides)
+    params = sum(p.numel() for p in model(peers, 0).values())
+    for rank in range(4):
+        mine = [r for r in records(peers, rank) if r["h"] == 0]
+        for before, after in zip(mine, mine[1:-1]):  # round r's record to round r + 1's: round r's traffic
+            extra = after["bytes_sent"] - before["bytes_sent"] - after["mix1_bytes"] - after["mix2_bytes"]
+            if preset == "diloco":
+                assert extra >= 2 * 3 * params * 4 // 4, (extra, params)
+            else:
+                assert 0 <= extra < 4096, (extra, params)  # the terms: a few dozen floats
+
+
 def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **overrides) -> None:
     assert_exit(peers, codes, range(4))
     reference = VirtualSwarm(tiny_config(preset, **overrides)).run()

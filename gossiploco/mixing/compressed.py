@@ -44,10 +44,12 @@ from gossiploco.mixing.exchange import Exchange
 from gossiploco.protocol.ring import segment_bounds
 
 
-def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exchange,
-               codec: Codec, tag: int = 0) -> tuple[torch.Tensor, torch.Tensor, int]:
+def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exchange, codec: Codec, tag: int = 0,
+               *, feedback: bool = False, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     """``(mean over members, residual, bytes sent)`` of the fp32 vector ``v`` (module docstring); ``tag``
-    names the reference ``v`` is relative to (every member must give the same, see ``all_to_all``)."""
+    names the reference ``v`` is relative to (every member must give the same, see ``all_to_all``).
+    ``feedback``: also compute the error-feedback residual (else None). ``inplace``: the caller hands ``v``
+    over, and the mean is written into it (no vector-sized buffer besides)."""
     members = list(members)
     if isinstance(codec, TopKCodec):
         return _sparse_all_gather(key, v, members, exchange, codec)
@@ -60,25 +62,33 @@ def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exch
     def size(k: int) -> int:
         return codec.encoded_bytes(bounds[k + 1] - bounds[k])
 
-    residual = torch.empty_like(v)
+    residual = torch.empty_like(v) if feedback else None
     parts = {}
     for k, m in enumerate(members):
         if k != me:
-            parts[m], sent = codec.roundtrip(seg(v, k))
-            torch.sub(seg(v, k), sent, out=seg(residual, k))
+            parts[m] = codec.encode(seg(v, k))
+            if residual is not None:  # e = v - D(Q(v)) on the segments sent
+                torch.sub(seg(v, k), codec.decode(parts[m], bounds[k + 1] - bounds[k], out=seg(residual, k)),
+                          out=seg(residual, k))
     got = exchange.all_to_all(f"{key}/scatter", parts, members, {m: size(me) for m in members if m != exchange.rank}, tag)
     total = seg(v, me).clone()
+    decoded = torch.empty_like(total)
     for m in members:  # in member order: the owner's sum is one fixed sequence of fp32 additions
         if m != exchange.rank:
-            total += codec.decode(got[m], total.numel())
+            total += codec.decode(got[m], total.numel(), out=decoded)
     mean = total.div_(n)
-    payload, mean_sent = codec.roundtrip(mean)
-    torch.sub(mean, mean_sent, out=seg(residual, me)).mul_(n)
+    payload = codec.encode(mean)
+    mean_sent = codec.decode(payload, mean.numel(), out=decoded)
+    if residual is not None:
+        torch.sub(mean, mean_sent, out=seg(residual, me)).mul_(n)
     got = exchange.all_to_all(f"{key}/gather", {m: payload for m in members if m != exchange.rank}, members,
                               {m: size(k) for k, m in enumerate(members) if k != me}, tag)
-    out = torch.empty_like(v)
+    out = v.view(-1) if inplace else torch.empty_like(v)  # (a new tensor object either way)
     for k, m in enumerate(members):
-        seg(out, k).copy_(mean_sent if k == me else codec.decode(got[m], bounds[k + 1] - bounds[k]))
+        if k == me:
+            seg(out, k).copy_(mean_sent)
+        else:
+            codec.decode(got[m], bounds[k + 1] - bounds[k], out=seg(out, k))
     sent_bytes = sum(p.numel() for p in parts.values()) + payload.numel() * (n - 1)
     return out, residual, sent_bytes
 

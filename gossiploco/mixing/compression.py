@@ -36,6 +36,8 @@ import torch
 from gossiploco.errors import PeerFailed
 
 COMPRESSIONS = ("none", "bf16", "int8", "4bit", "e3m0", "topk")
+PIECE_VALUES = 1 << 18
+"""Values a block codec encodes or decodes at a time (1 MB of fp32)."""
 
 
 class Codec(ABC):
@@ -52,8 +54,9 @@ class Codec(ABC):
         """The uint8 payload of the fp32 CPU vector ``flat``."""
 
     @abstractmethod
-    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
-        """The fp32 vector of ``numel`` values ``payload`` holds; ``PeerFailed`` for a payload no encoder makes."""
+    def decode(self, payload: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 vector of ``numel`` values ``payload`` holds (written into ``out`` when given, and
+        returned); ``PeerFailed`` for a payload no encoder makes."""
 
     def roundtrip(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(payload, decode(payload))``: what is sent and what every receiver makes of it."""
@@ -80,11 +83,11 @@ class Float32Codec(Codec):
     def encode(self, flat):
         return _as_bytes(flat.to(torch.float32)).clone()
 
-    def decode(self, payload, numel):
+    def decode(self, payload, numel, out=None):
         self._check_size(payload, numel)
-        out = payload.view(torch.float32).clone()
-        _check_finite(out, self.name)
-        return out
+        values = payload.view(torch.float32)
+        _check_finite(values, self.name)
+        return values.clone() if out is None else out.copy_(values)
 
 
 class BFloat16Codec(Codec):
@@ -96,11 +99,16 @@ class BFloat16Codec(Codec):
     def encode(self, flat):
         return _as_bytes(flat.to(torch.bfloat16))
 
-    def decode(self, payload, numel):
+    def decode(self, payload, numel, out=None):
         self._check_size(payload, numel)
-        out = payload.view(torch.bfloat16).to(torch.float32)
-        _check_finite(out, self.name)
-        return out
+        values = payload.view(torch.bfloat16)
+        _check_finite(values, self.name)
+        return values.to(torch.float32) if out is None else out.copy_(values)
+
+
+def _pad(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``values`` with zeros appended up to ``size`` (itself when it has that size already: no copy)."""
+    return values if values.numel() == size else torch.nn.functional.pad(values, (0, size - values.numel()))
 
 
 def _check_finite(values: torch.Tensor, what: str) -> None:
@@ -142,41 +150,64 @@ class BlockCodec(Codec):
     def encoded_bytes(self, numel: int) -> int:
         return 4 * self._blocks(numel) + self._code_bytes(numel)
 
+    def _pieces(self, numel: int) -> list[tuple[int, int]]:
+        """Value ranges of about ``PIECE_VALUES`` (whole blocks, an even count), coded one at a time: the
+        temporaries stay small and in cache instead of several vector-sized ones."""
+        step = max(1, PIECE_VALUES // self.block) * self.block
+        step *= 1 + step % 2  # 4-bit codes pair values: every piece but the last holds an even count
+        return [(s, min(s + step, numel)) for s in range(0, numel, step)]
+
+    def _code_range(self, start: int, end: int) -> slice:
+        return slice(start, end) if self.bits == 8 else slice(start // 2, (end + 1) // 2)
+
     def encode(self, flat):
         flat = flat.detach().reshape(-1).to(torch.float32)
         numel, nb = flat.numel(), self._blocks(flat.numel())
-        padded = torch.nn.functional.pad(flat, (0, nb * self.block - numel)).view(nb, self.block)
-        scale = padded.abs().amax(dim=1)
-        if self.levels:  # a linear grid: code = round(x / step) + levels, step = absmax / levels
-            step = torch.where(scale > 0, scale / self.levels, torch.ones_like(scale))
-            codes = (torch.round(padded / step[:, None]).clamp_(-self.levels, self.levels) + self.levels).to(torch.uint8)
-        else:  # a table: the nearest grid value (halfway between two: the lower)
-            unit = padded / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-            codes = self._order[torch.bucketize(unit, self._midpoints)].to(torch.uint8)
-        codes = codes.reshape(-1)[:numel]
-        if self.bits == 4:
-            codes = torch.nn.functional.pad(codes, (0, numel % 2))
-            codes = codes[0::2] | (codes[1::2] << 4)
-        return torch.cat([_as_bytes(scale), codes])
+        payload = torch.empty(self.encoded_bytes(numel), dtype=torch.uint8)
+        scales, codes_out = payload[:4 * nb].view(torch.float32), payload[4 * nb:]
+        for start, end in self._pieces(numel):
+            n, first = end - start, start // self.block
+            blocks = self._blocks(n)
+            padded = _pad(flat[start:end], blocks * self.block).view(blocks, self.block)
+            scale = padded.abs().amax(dim=1)
+            scales[first:first + blocks] = scale
+            if self.levels:  # a linear grid: code = round(x / step) + levels, step = absmax / levels
+                step = torch.where(scale > 0, scale / self.levels, torch.ones_like(scale))
+                codes = padded.div(step[:, None]).round_().clamp_(-self.levels, self.levels).add_(self.levels).to(torch.uint8)
+            else:  # a table: the nearest grid value (halfway between two: the lower)
+                unit = padded.div(torch.where(scale > 0, scale, torch.ones_like(scale))[:, None])
+                codes = self._order[torch.bucketize(unit, self._midpoints)].to(torch.uint8)
+            codes = codes.reshape(-1)[:n]
+            if self.bits == 4:
+                codes = torch.nn.functional.pad(codes, (0, n % 2))
+                codes = codes[0::2] | (codes[1::2] << 4)
+            codes_out[self._code_range(start, end)] = codes
+        return payload
 
-    def decode(self, payload, numel):
+    def decode(self, payload, numel, out=None):
         self._check_size(payload, numel)
         nb = self._blocks(numel)
-        scale = payload[:4 * nb].clone().view(torch.float32)
-        if not bool((torch.isfinite(scale) & (scale >= 0)).all()):
+        scales = payload[:4 * nb].clone().view(torch.float32)
+        if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
             raise PeerFailed(f"{self.name} payload has a negative or non-finite block scale")
-        codes = payload[4 * nb:]
-        if self.bits == 4:
-            codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)[:numel]
-        if self.levels:
-            if bool((codes > 2 * self.levels).any()):
-                raise PeerFailed(f"{self.name} payload has a code outside [0, {2 * self.levels}]")
-            unit = codes.to(torch.float32) - self.levels
-            step = torch.where(scale > 0, scale / self.levels, torch.zeros_like(scale))
-        else:
-            unit, step = self.grid[codes.long()], scale
-        padded = torch.nn.functional.pad(unit, (0, nb * self.block - numel)).view(nb, self.block)
-        return (padded * step[:, None]).reshape(-1)[:numel]
+        steps = torch.where(scales > 0, scales / self.levels, torch.zeros_like(scales)) if self.levels else scales
+        codes_in = payload[4 * nb:]
+        out = torch.empty(numel, dtype=torch.float32) if out is None else out
+        for start, end in self._pieces(numel):
+            n, first = end - start, start // self.block
+            blocks = self._blocks(n)
+            codes = codes_in[self._code_range(start, end)]
+            if self.bits == 4:
+                codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)[:n]
+            if self.levels:
+                if bool((codes > 2 * self.levels).any()):
+                    raise PeerFailed(f"{self.name} payload has a code outside [0, {2 * self.levels}]")
+                unit = codes.to(torch.float32).sub_(self.levels)
+            else:
+                unit = self.grid[codes.long()]
+            unit = _pad(unit, blocks * self.block).view(blocks, self.block)
+            out[start:end] = unit.mul_(steps[first:first + blocks, None]).reshape(-1)[:n]
+        return out
 
 
 TOPK_BITS = (1, 2, 4, 8)
@@ -234,7 +265,7 @@ class TopKCodec(Codec):
         steps = (torch.arange(self.levels, dtype=torch.float32) + 0.5) / self.levels
         return bounds[:, 0:1] + (bounds[:, 1:2] - bounds[:, 0:1]) * steps
 
-    def decode(self, payload, numel):
+    def decode(self, payload, numel, out=None):
         self._check_size(payload, numel)
         n, k = self._shape(numel)
         bounds = payload[:8 * n].clone().view(torch.float32).view(n, 2)
@@ -249,9 +280,9 @@ class TopKCodec(Codec):
         codes = codes.reshape(-1)[:n * k].view(n, k)
         magnitude = self._magnitudes(bounds).gather(1, (codes >> 1).long())
         values = torch.where((codes & 1).bool(), -magnitude, magnitude)
-        out = torch.zeros(n, self.chunk, dtype=torch.float32)
-        out.scatter_(1, positions, values)
-        return out.reshape(-1)[:numel]
+        dense = torch.zeros(n, self.chunk, dtype=torch.float32)
+        dense.scatter_(1, positions, values)
+        return dense.reshape(-1)[:numel] if out is None else out.copy_(dense.reshape(-1)[:numel])
 
 
 def build_codec(name: str, *, block: int = 4096, density: float = 0.02, chunk: int = 4096, bits: int = 2) -> Codec:

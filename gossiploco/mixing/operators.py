@@ -8,8 +8,9 @@
 Each operator mixes only the parameters of its selected blocks; the others pass through
 unchanged (identity). With a ``codec`` (``gossiploco.mixing.compression``) the global and gossip
 operators exchange compressed payloads (``gossiploco.mixing.compressed``) and, with error feedback,
-keep per parameter the residual their last successful mix lost, to send with the next one. A failed exchange never raises: the operator falls back to identity
-and reports the cause in ``MixResult`` (house rule: weaker mixing, never a stalled run).
+keep per parameter the residual their last successful mix lost, to send with the next one. A
+failed exchange never raises: the operator falls back to identity and reports the cause in
+``MixResult`` (house rule: weaker mixing, never a stalled run).
 """
 
 from __future__ import annotations
@@ -255,17 +256,21 @@ class GlobalMix(Mixer):
         members = exchange.group(key, round_index)
         if len(members) <= 1:
             return flat, None, None, 0
+        # ``flat`` is this call's own packed copy: the mean is written into it
         if not self.referenced:
-            mean, residual, sent = group_mean(key, flat, members, exchange, self.codec)
+            mean, residual, sent = group_mean(key, flat, members, exchange, self.codec, feedback=self.error_feedback,
+                                              inplace=True)
             return mean, None, residual, sent
         ref = self.reference if self.reference is not None and self.reference.numel() == flat.numel() else None
         self._failed()  # until this mix succeeds
         if ref is None:
-            mean, _, sent = group_mean(key, flat, members, exchange, Float32Codec(), tag=0)
+            mean, _, sent = group_mean(key, flat, members, exchange, Float32Codec(), tag=0, inplace=True)
+            ref = torch.empty_like(mean)
         else:
-            mean, _, sent = group_mean(key, flat.sub_(ref), members, exchange, self.codec, tag=self.reference_tag)
+            mean, _, sent = group_mean(key, flat.sub_(ref), members, exchange, self.codec, tag=self.reference_tag,
+                                       inplace=True)
             mean.add_(ref)
-        self.reference, self.reference_tag = mean.clone(), reference_tag(round_index, members)
+        self.reference, self.reference_tag = ref.copy_(mean), reference_tag(round_index, members)
         return mean, None, None, sent
 
 

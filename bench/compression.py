@@ -44,6 +44,7 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "topk": ("mix2.compression=topk",),
     "topk-sparseloco": ("mix2.compression=topk", "mix2.feedback_decay=0.95", "outer.momentum=0"),
     "topk-10pct": ("mix2.compression=topk", "mix2.topk_density=0.1"),
+    "none-no-momentum": ("outer.momentum=0",),
 }
 """``--set`` values of each row: the dense codecs compress both mixes, top-k only Mix2 (Mix1 stays fp32)."""
 TARGET_LOSS = {"int8": 0.5, "4bit": 1.0, "topk": 1.0, "topk-sparseloco": 1.0}

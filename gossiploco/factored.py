@@ -91,6 +91,8 @@ class FactoredDiLoCo:
         # line 1: z_{m,0} <- x_0 (identical init on every worker)
         self.z: TensorDict = {n: p.to(self.state_device, torch.float32, copy=True) for n, p in params.items()}
         self.momentum: TensorDict = {n: torch.zeros_like(v) for n, v in self.z.items()}
+        for mixer in self.mix1:  # every worker starts from x_0: a compressed Mix1's first reference
+            mixer.start_reference([self.z, self.momentum] if cfg.mix1.state else [self.z])
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mix1-rank{exchange.rank}")
         self._mix1: list[Future[tuple[MixResult, object]]] = []
         self._round: tuple[int, list[TensorDict], object] | None = None
@@ -103,6 +105,8 @@ class FactoredDiLoCo:
         """Adopt outer state from elsewhere (a catching-up peer's download) and load z into the model."""
         self.z = {n: v.to(self.state_device, torch.float32, copy=True) for n, v in z.items()}
         self.momentum = {n: v.to(self.state_device, torch.float32, copy=True) for n, v in momentum.items()}
+        for mixer in self.mix1:  # the swarm's reference is a mean this peer did not take part in
+            mixer.forget_reference()
         self.trainer.load_params(self.z)
 
     def set_mix2_blocks(self, patterns: list[str]) -> None:

@@ -180,7 +180,7 @@ class CommPlan:
             MixLoad(cfg.mix1.kind, block_fraction(cfg.model.size, vocab_size, cfg.mix1.blocks), cfg.mix1.state,
                     compression_scale(cfg.mix1, cfg.workers)),
             MixLoad(cfg.mix2.kind, mix2_fraction, scale=compression_scale(cfg.mix2, cfg.workers)),
-            monitors_per_round(cfg) if with_monitors else 0,
+            monitors_per_round(cfg, block_fraction(cfg.model.size, vocab_size, cfg.mix1.blocks)) if with_monitors else 0,
         )
 
 
@@ -343,14 +343,17 @@ def simulate(plan: CommPlan, sc: Scenario) -> RoundTime:
 # Filling the inputs in
 
 
-def monitors_per_round(cfg: RunConfig) -> int:
-    """Consensus measurements per round of ``cfg`` (``runtime.common.measure_due``: h = 0, then every
-    ``monitor.every`` inner steps); 0 when the monitors are off or in sync-dp mode."""
+def monitors_per_round(cfg: RunConfig, mix1_fraction: float = 0.0) -> int:
+    """Consensus measurements per round of ``cfg`` that all-reduce the parameters (``runtime.common.measure_due``:
+    h = 0, then every ``monitor.every`` inner steps); 0 when the monitors are off or in sync-dp mode. The
+    one at h = 0 sends none when Mix1 is a global mean of every parameter (``mix1_fraction`` 1): it takes
+    Mix1's average (``runtime.common.monitor_reuses_mix1``)."""
     from gossiploco.runtime.common import measure_due
 
     if cfg.mode != "factored":
         return 0
-    return sum(measure_due(cfg, h)[0] for h in range(cfg.inner_steps))
+    reuse = cfg.mix1.kind == "global" and mix1_fraction >= 1.0
+    return sum(measure_due(cfg, h)[0] for h in range(cfg.inner_steps) if not (reuse and h == 0))
 
 
 def estimate_step_time(params: float, tokens_per_step: int, peak_tflops: float, mfu: float) -> float:

@@ -327,3 +327,15 @@ def test_coding_piece_by_piece_gives_the_bytes_of_one_piece(monkeypatch, name, b
     assert torch.equal(payload, whole) and torch.equal(decoded, whole_decoded)
     into = torch.full((x.numel(),), float("nan"))
     assert codec.decode(payload, x.numel(), out=into) is into and torch.equal(into, decoded)
+
+
+def test_a_fresh_swarm_compresses_its_first_mix1_against_x0(make_config):
+    """Every worker starts from x_0, so it is the first reference: no round is sent as fp32."""
+    from gossiploco.runtime.virtual import VirtualSwarm
+
+    cfg = make_config("globalm1-localm2", **{"mix1.compression": "4bit"})
+    result = VirtualSwarm(cfg).run()
+    sent = [r["mix1_bytes"] for r in result.records if "mix1_bytes" in r]
+    fp32 = 2 * 3 * sum(v.numel() for v in result.final_params.values()) * 4 // 4
+    assert len(sent) == cfg.rounds and all(b < fp32 / 7 for b in sent), (sent, fp32)
+    assert not any(r.get("mix1_failures") for r in result.records)

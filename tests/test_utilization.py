@@ -399,6 +399,10 @@ def test_monitors_per_round_follow_the_measurement_schedule(make_config):
     assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 4})) == 3  # h = 0, 4, 8
     assert monitors_per_round(make_config("globalm1", **{"monitor.enabled": False})) == 0
     assert monitors_per_round(make_config("sync-dp")) == 0
+    # with a global Mix1 of every parameter the h = 0 measurement takes Mix1's average: no all-reduce
+    assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 4}), 1.0) == 2
     cfg = make_config("globalm1-adaptive", **{"monitor.every": 0})
     assert CommPlan.from_config(cfg, 256).monitors == 0  # not modelled unless asked (the paper's tables)
+    assert CommPlan.from_config(cfg, 256, with_monitors=True).monitors == 0
+    cfg = make_config("diloco", **{"monitor.every": 0})
     assert CommPlan.from_config(cfg, 256, with_monitors=True).monitors == 1

@@ -11,6 +11,8 @@ by a ``key`` that every participant uses for the same operation (``"mix1/12"``: 
   ``m`` and receive ``sizes[m]`` bytes from each: the direct sends of the compressed collectives
   (``gossiploco.mixing.compressed``), which do their arithmetic outside the exchange. A member whose
   ``tag`` differs (it encodes against another reference) fails the exchange at once, for everyone.
+  A compressed mean's two calls, ``KEY/scatter`` then ``KEY/gather``, share one deadline over the
+  network (the in-memory hub gives each its own).
 
 Contract for implementations:
 

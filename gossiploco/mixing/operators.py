@@ -54,6 +54,11 @@ class MixResult:
     (``gossiploco.mixing.compressed``). When the exchange failed: what it would have sent."""
 
 
+INITIAL_REFERENCE = 1
+"""The tag of x_0, the reference every worker of a fresh swarm starts with (``reference_tag`` gives 1 only
+for a crc32 of 0: one chance in 2^32)."""
+
+
 def reference_tag(round_index: int, members: Sequence[int]) -> int:
     """The nonzero tag of the reference made by the mix of ``round_index`` over ``members`` (in order)."""
     return 1 + zlib.crc32(f"{round_index}:{','.join(map(str, members))}".encode())
@@ -196,6 +201,12 @@ class Mixer(ABC):
     def _failed(self) -> None:
         """The exchange failed (or gave non-finite values): forget what depended on it succeeding."""
 
+    def start_reference(self, dicts: Sequence[TensorDict]) -> None:
+        """The state every worker starts from (x_0, zero momentum): a compressed mean's first reference."""
+
+    def forget_reference(self) -> None:
+        """This worker's state came from elsewhere (a download): its next compressed mean sends fp32."""
+
     def _combine_compressed(self, flat: torch.Tensor, round_index: int,
                             exchange: Exchange) -> tuple[torch.Tensor, int | None, torch.Tensor | None, int]:
         """``_combine`` with ``self.codec``: also the residual and the bytes sent."""
@@ -227,7 +238,8 @@ class GlobalMix(Mixer):
     its next one uncompressed (fp32, tag 0) through the same two-phase exchange; the others fail that one
     too and drop theirs, so at most two mixes after a disagreement every member sends fp32, gets the
     exact mean, and holds it as the new common reference: a change of membership costs one failed Mix1
-    and one fp32 Mix1, never a deadline."""
+    and one fp32 Mix1, never a deadline. The first reference is x_0, where every worker starts
+    (``start_reference``); a worker that downloads its state has none (``forget_reference``)."""
 
     kind = "global"
 
@@ -241,6 +253,13 @@ class GlobalMix(Mixer):
 
     def _failed(self) -> None:
         self.reference, self.reference_tag = None, 0
+
+    def start_reference(self, dicts: Sequence[TensorDict]) -> None:
+        if self.referenced:
+            self.reference, self.reference_tag = pack(list(dicts), self.names), INITIAL_REFERENCE
+
+    def forget_reference(self) -> None:
+        self._failed()
 
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)

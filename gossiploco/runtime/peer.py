@@ -610,9 +610,7 @@ class NetworkPeer:
     def _record_deferred(self, algo: FactoredDiLoCo) -> None:
         """The round's h = 0 measurement against Mix1's average (``monitor_reuses_mix1``), then the held records."""
         record, self._deferred = self._deferred, None
-        t = time.perf_counter()
-        mix1 = algo.mix1_result()
-        self.clock.tick("monitor_s", time.perf_counter() - t)
+        mix1 = algo.mix1_result()  # the wait counts as the round's Mix1 wait (RoundReport.mix1_wait_s)
         t = time.perf_counter()
         own = {n: v.detach().to("cpu", torch.float32) for n, v in algo.z.items()}  # z_{m,r}: the parameters at h = 0
         avg = {n: v.detach().to("cpu", torch.float32) for n, v in mix1.values[0].items()} if mix1.ok else None

@@ -71,6 +71,7 @@ def test_the_checks_catch_a_broken_ring(monkeypatch):
     assert "correctness.mean" in found
 
 
+@pytest.mark.slow
 def test_the_compressed_means_all_to_all_holds_every_property_over_300_seeds():
     """Mix2 as a compressed mean's two all-to-all phases (``AllToAll``: direct sends to each owner, then
     from each owner), under each seed's faults: every completed mean is the group's, no exchange

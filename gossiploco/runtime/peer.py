@@ -486,7 +486,10 @@ class NetworkPeer:
         for h in range(cfg.inner_steps):
             due, val_loss = measure_due(cfg, h)
             if due and h == 0 and self._reuse_mix1:
-                self._deferred = self._record_start(r, h, val_loss)  # measured against Mix1's average at the end
+                # measured against Mix1's average at the round's end; its group is agreed now, beside Mix1's, as
+                # an undeferred measurement's is (a round waits no longer for a missing peer than before)
+                self._deferred = self._record_start(r, h, val_loss)
+                self._deferred["group"] = self._monitor_group(r, h)
             elif due:
                 self._finish_compute()
                 self._record(r, h, val_loss=val_loss)
@@ -584,8 +587,17 @@ class NetworkPeer:
         self._pending, self._losses = {}, []
         return record
 
+    def _monitor_group(self, r: int, h: int) -> list[int] | ExchangeError:
+        try:
+            return self.exchange.group(f"monitor/{r}/{h}", r)
+        except ExchangeClosed:
+            raise
+        except ExchangeError as exc:
+            return exc
+
     def _record_end(self, record: dict) -> dict:
         record.pop("val_loss_due")
+        record.pop("group", None)
         record.update(self.clock.take_record())
         record["bytes_sent"] = self.exchange.bytes_sent
         record["wire_bytes_sent"] = self.exchange.wire_bytes_sent
@@ -614,22 +626,27 @@ class NetworkPeer:
         t = time.perf_counter()
         own = {n: v.detach().to("cpu", torch.float32) for n, v in algo.z.items()}  # z_{m,r}: the parameters at h = 0
         avg = {n: v.detach().to("cpu", torch.float32) for n, v in mix1.values[0].items()} if mix1.ok else None
-        record.update(self._measure(record["round"], 0, val_loss=record["val_loss_due"], final=False, at=(own, avg)))
+        record.update(self._measure(record["round"], 0, val_loss=record["val_loss_due"], final=False, at=(own, avg),
+                                    group=record["group"]))
         self.clock.tick("monitor_s", time.perf_counter() - t)
         self._record_end(record)
 
     def _measure(self, r: int, h: int, *, val_loss: bool, final: bool,
-                 at: tuple[TensorDict, TensorDict | None] | None = None) -> dict:
+                 at: tuple[TensorDict, TensorDict | None] | None = None,
+                 group: list[int] | ExchangeError | None = None) -> dict:
         """Swarm-wide consensus from per-peer terms (module docstring); own values if the group fails.
 
         ``at``: this peer's parameters and the average to measure them against (Mix1's; None when this
         peer's Mix1 failed): no parameters are exchanged, and the group's terms average over the peers that
-        had an average (each sends a validity weight with its terms)."""
+        had an average (each sends a validity weight with its terms). ``group``: the members agreed earlier (or
+        why that failed)."""
         ex = self.exchange
         params = self._own_params() if at is None else at[0]
         out: dict = {}
         try:
-            members = ex.group(f"monitor/{r}/{h}", r)
+            if isinstance(group, ExchangeError):
+                raise group
+            members = ex.group(f"monitor/{r}/{h}", r) if group is None else group
             if at is None:
                 flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members, inplace=True)
                 if not all_finite(flat):

@@ -52,7 +52,7 @@ def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exch
     over, and the mean is written into it (no vector-sized buffer besides)."""
     members = list(members)
     if isinstance(codec, TopKCodec):
-        return _sparse_all_gather(key, v, members, exchange, codec)
+        return _sparse_all_gather(key, v, members, exchange, codec, feedback)
     n, me = len(members), members.index(exchange.rank)
     bounds = segment_bounds(v.numel(), n)
 
@@ -93,8 +93,8 @@ def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exch
     return out, residual, sent_bytes
 
 
-def _sparse_all_gather(key: str, v: torch.Tensor, members: list[int], exchange: Exchange,
-                       codec: Codec) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _sparse_all_gather(key: str, v: torch.Tensor, members: list[int], exchange: Exchange, codec: Codec,
+                       feedback: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
     payload, mine = codec.roundtrip(v)
     others = [m for m in members if m != exchange.rank]
     got = exchange.all_to_all(f"{key}/gather", {m: payload for m in others}, members,
@@ -102,14 +102,15 @@ def _sparse_all_gather(key: str, v: torch.Tensor, members: list[int], exchange: 
     total = torch.zeros_like(v)
     for m in members:
         total += mine if m == exchange.rank else codec.decode(got[m], v.numel())
-    return total.div_(len(members)), v - mine, payload.numel() * len(others)
+    return total.div_(len(members)), v - mine if feedback else None, payload.numel() * len(others)
 
 
-def pair_mean(key: str, v: torch.Tensor, partner: int, exchange: Exchange,
-              codec: Codec) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(mean of the pair, residual, bytes sent)``: swap payloads, average the decoded vectors."""
+def pair_mean(key: str, v: torch.Tensor, partner: int, exchange: Exchange, codec: Codec,
+              feedback: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``(mean of the pair, residual (with ``feedback``, else None), bytes sent)``: swap payloads, average
+    the decoded vectors."""
     payload, mine = codec.roundtrip(v)
     theirs = exchange.swap(key, partner, payload)
     if theirs.dtype != torch.uint8 or theirs.numel() != payload.numel():
         raise PeerFailed(f"partner {partner} sent {theirs.numel()} {theirs.dtype} values, expected {payload.numel()} bytes")
-    return codec.decode(theirs, v.numel()).add_(mine).div_(2), v - mine, payload.numel()
+    return codec.decode(theirs, v.numel()).add_(mine).div_(2), v - mine if feedback else None, payload.numel()

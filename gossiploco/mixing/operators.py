@@ -314,7 +314,7 @@ class GossipMix(Mixer):
         partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, None, 0
-        mean, residual, sent = pair_mean(key, flat, partner, exchange, self.codec)
+        mean, residual, sent = pair_mean(key, flat, partner, exchange, self.codec, self.error_feedback)
         return mean, partner, residual, sent
 
 

@@ -67,6 +67,13 @@ class AdaptiveMix2:
         self.history: list[float] = []
         self.calm = 0
 
+    def state(self) -> dict:
+        """What ``load_state`` needs to continue these decisions exactly (a checkpoint's JSON)."""
+        return {"size": self.size, "history": list(self.history), "calm": self.calm}
+
+    def load_state(self, state: dict) -> None:
+        self.size, self.history, self.calm = int(state["size"]), [float(v) for v in state["history"]], int(state["calm"])
+
     @property
     def blocks(self) -> list[str]:
         return self.floor + self.order[: self.size]

@@ -28,6 +28,7 @@ MODEL = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b.
 DEVICE = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N.")
 DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources).")
 SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
+RESUME = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint (same command otherwise); metrics are appended.")
 
 
 def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None, model=None, device=None,
@@ -54,30 +55,42 @@ def simulate(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
-    out: Path = typer.Option(Path("runs/simulate"), "--out", "-o", help="Output directory for metrics.jsonl and summary.json."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: metrics.jsonl, summary.json, model, checkpoints/ (default runs/simulate, or runs/simulate-N when that holds a run)."),
+    resume: bool = RESUME,
     set_: Optional[list[str]] = SETS,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
+    import signal
+
     from gossiploco.config import load_config
     from gossiploco.metrics import MetricsSink
+    from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
     from gossiploco.runtime.virtual import VirtualSwarm
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
+        out = output_dir(out, Path("runs/simulate"), resume)
+        checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
         swarm = VirtualSwarm(cfg)
+        if checkpoint is not None:
+            swarm.resume(checkpoint)
+        sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
     except GossiplocoError as exc:
         _fail(exc)
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops it like Ctrl+C: a checkpoint is written
+    writer = checkpoint_writer(cfg, out)
+    if checkpoint is not None:
+        console.print(f"resuming {out} at round {checkpoint.round} from {checkpoint.path.name}")
     console.print(
         f"[bold]{cfg.name}[/]: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, "
         f"model {cfg.model.size}, {swarm.corpus.description}, device {swarm.device}"
     )
-    sink = MetricsSink(out)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
-        task = progress.add_task("training", total=cfg.total_inner_steps)
+        task = progress.add_task("training", total=cfg.total_inner_steps, completed=swarm.start_round * cfg.inner_steps)
 
         def on_step(advance: int, record: dict | None) -> None:
             progress.advance(task, advance)
@@ -88,11 +101,13 @@ def simulate(
                 progress.update(task, description=text)
 
         try:
-            result = swarm.run(sink, on_step)
+            result = swarm.run(sink, on_step, writer)
         except KeyboardInterrupt:
             sink.close()
-            console.print("[yellow]interrupted[/]; metrics so far are in", out / "metrics.jsonl")
+            progress.stop()
+            stop_checkpoints(writer, out, interrupted=True)
             raise typer.Exit(code=130)
+    stop_checkpoints(writer, out, interrupted=False)
     result.summary["run_config"] = cfg.to_dict()
     sink.write_summary(result.summary)
     sink.close()
@@ -209,6 +224,36 @@ def peer(
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
+
+
+def checkpoint_writer(cfg, out: Path):
+    """The run's checkpoint writer (None with ``checkpoint.enabled = false``)."""
+    from gossiploco.checkpoint import CheckpointWriter, run_checkpoints
+
+    return CheckpointWriter(run_checkpoints(out), cfg.to_dict(), cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
+
+
+def stop_checkpoints(writer, out: Path, interrupted: bool) -> None:
+    """Finish writing checkpoints (a second Ctrl+C abandons the one being written: the previous one stays) and say
+    how to continue an interrupted run."""
+    if writer is None:
+        if interrupted:
+            console.print(f"[yellow]interrupted[/]; checkpoints are off (checkpoint.enabled = false): metrics so far "
+                          f"are in {out / 'metrics.jsonl'}")
+        return
+    try:
+        writer.close()
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted again[/]: the checkpoint being written was abandoned")
+    if writer.failures:
+        console.print(f"[bold red]{writer.failures} checkpoint(s) could not be written[/] (see the errors above)")
+    if interrupted:
+        from gossiploco.checkpoint import checkpoint_files, run_checkpoints
+
+        files = checkpoint_files(run_checkpoints(out))
+        last = files[0].name if files else "none"
+        console.print(f"[yellow]interrupted[/]; newest checkpoint: {last} in {out / 'checkpoints'}; continue with the "
+                      f"same command plus --resume --out {out}")
 
 
 @app.command()

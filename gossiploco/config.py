@@ -8,7 +8,7 @@ and raises ``ConfigError`` naming the offending field (``mix2.blocks: no block m
 TOML layout: run-level keys at the top (``name``, ``mode``, ``workers``, ``inner_steps``,
 ``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[compute]``, ``[data]``,
 ``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``, ``[transport]``,
-``[adaptive]``.
+``[adaptive]``, ``[checkpoint]``.
 """
 
 from __future__ import annotations
@@ -342,6 +342,24 @@ class TransportConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When a run writes checkpoints to OUT/checkpoints/ (gossiploco.checkpoint). Each peer's own choice: not
+    part of the run id, and a resumed run may change it."""
+
+    every: int = 1
+    """Write a checkpoint every this many rounds (at the round's start); 0: only at the end and on Ctrl+C / SIGTERM."""
+    keep: int = 2
+    """Checkpoints kept (the newest); older ones are deleted once a newer one is complete."""
+    enabled: bool = True
+    """False: no checkpoints at all (benchmarks); the run cannot be resumed."""
+
+    def check(self, p: str) -> None:
+        if self.every < 0:
+            raise ConfigError(f"{p}.every", f"must be >= 0, got {self.every}")
+        _positive(f"{p}.keep", self.keep)
+
+
+@dataclass
 class RunConfig:
     name: str = "custom"
     """Preset name (the paper's configuration this run reproduces)."""
@@ -368,6 +386,7 @@ class RunConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -378,7 +397,8 @@ class RunConfig:
             raise ConfigError("seed", f"must be >= 0, got {self.seed}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        for name in ("model", "compute", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive"):
+        for name in ("model", "compute", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive",
+                     "checkpoint"):
             getattr(self, name).check(name)
         micro = self.compute.micro_batch_size
         if micro and self.data.batch_size % micro:

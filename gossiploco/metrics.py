@@ -7,6 +7,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from gossiploco.errors import GossiplocoError
+
+
+class MetricsError(GossiplocoError):
+    """A metrics file cannot be continued."""
+
 
 def _clean(value: Any) -> Any:
     """JSON-safe: non-finite floats become null (strict JSON has no NaN)."""
@@ -20,15 +26,36 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsSink:
-    """Keeps every record and, when given a directory, appends it to ``DIR/metrics.jsonl``."""
+    """Keeps every record and, when given a directory, appends it to ``DIR/metrics.jsonl``.
 
-    def __init__(self, out_dir: str | Path | None):
+    ``resume_bytes``: continue a run whose checkpoint was taken when the file was that long: what was
+    written after it (the records of a round cut short) is cut off, the records before it are read
+    back, and new ones are appended. None: a new file."""
+
+    def __init__(self, out_dir: str | Path | None, resume_bytes: int | None = None):
         self.records: list[dict] = []
         self.out_dir = Path(out_dir) if out_dir else None
         self._file = None
         if self.out_dir:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self._file = (self.out_dir / "metrics.jsonl").open("w")
+            path = self.out_dir / "metrics.jsonl"
+            if resume_bytes is None:
+                self._file = path.open("w")
+            else:
+                self._file = path.open("a+")
+                size = self._file.seek(0, 2)
+                if size < resume_bytes:
+                    raise MetricsError(f"{path} has {size} bytes, fewer than the {resume_bytes} its checkpoint saw "
+                                       "(it was replaced or truncated); move it away to resume without the earlier records")
+                self._file.truncate(resume_bytes)
+                self._file.seek(0)
+                self.records = [json.loads(line) for line in self._file.read().splitlines() if line.strip()]
+                self._file.seek(0, 2)
+
+    @property
+    def bytes_written(self) -> int:
+        """The length of metrics.jsonl so far (0 without a file)."""
+        return self._file.tell() if self._file else 0
 
     def write(self, record: dict) -> None:
         self.records.append(record)
@@ -38,7 +65,10 @@ class MetricsSink:
 
     def write_summary(self, summary: dict) -> None:
         if self.out_dir:
-            (self.out_dir / "summary.json").write_text(json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n")
+            from gossiploco.checkpoint import atomic_write_bytes
+
+            text = json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n"
+            atomic_write_bytes(self.out_dir / "summary.json", text.encode())
 
     def close(self) -> None:
         if self._file:

@@ -54,6 +54,7 @@ import torch
 from gossiploco import consensus
 from gossiploco.adaptive import AdaptiveMix2
 from gossiploco.blocks import group_by_block
+from gossiploco.checkpoint import NOT_IDENTITY
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
@@ -96,8 +97,8 @@ def run_id_for(cfg: RunConfig) -> str:
     (``[compute]``: compilation, micro-batches, checkpointing, where the outer state lives) may differ per peer.
     """
     shared = cfg.to_dict()
-    shared.pop("device", None)
-    shared.pop("compute", None)
+    for own in NOT_IDENTITY:  # the device, how it computes, how it checkpoints: each peer's own choice
+        shared.pop(own, None)
     digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
     return f"{cfg.name}-{digest}"
 

@@ -18,6 +18,7 @@ import torch
 
 from gossiploco import consensus
 from gossiploco.adaptive import AdaptiveMix2
+from gossiploco.checkpoint import Checkpoint, CheckpointWriter, Snapshot
 from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
@@ -25,6 +26,7 @@ from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
+from gossiploco.runtime.worker_state import Copier, capture, restore
 from gossiploco.trainer import resolve_device
 
 TensorDict = dict[str, torch.Tensor]
@@ -61,7 +63,13 @@ class VirtualSwarm:
         self.sink = MetricsSink(None)
         self.on_step: Callable[[int, dict | None], None] | None = None
         self._pending: dict = {}  # last round's communication stats, attached to the next record
-        self._losses: list[torch.Tensor] = []  # training losses since the last record
+        self._losses: list[torch.Tensor | float] = []  # training losses since the last record
+        self.start_round = 0
+        """The round ``run`` starts with (a resumed run's checkpoint round)."""
+        self._snapshot: Snapshot | None = None
+        """The state at the start of the current round (what Ctrl+C saves)."""
+        self.checkpoint_s = 0.0
+        """Seconds the training thread spent taking snapshots (the writing happens on the writer's thread)."""
 
     # -- measurement --------------------------------------------------------------------------
 
@@ -92,21 +100,73 @@ class VirtualSwarm:
 
     # -- the run ------------------------------------------------------------------------------
 
-    def run(self, sink: MetricsSink | None = None, on_step: Callable[[int, dict | None], None] | None = None) -> SwarmResult:
-        """All R rounds, then the final measurement (r = R, h = 0) and the final model's validation loss."""
+    def run(self, sink: MetricsSink | None = None, on_step: Callable[[int, dict | None], None] | None = None,
+            checkpoints: CheckpointWriter | None = None) -> SwarmResult:
+        """All R rounds (from ``start_round``), then the final measurement (r = R, h = 0) and the final model's
+        validation loss. With ``checkpoints``: a snapshot of every round's start, written every
+        ``checkpoint.every`` rounds, at the end, and when the run is interrupted (KeyboardInterrupt: Ctrl+C,
+        or SIGTERM where the caller turns it into one), which then propagates."""
         self.sink = sink or MetricsSink(None)
         self.on_step = on_step
         start = time.perf_counter()
+        every = self.cfg.checkpoint.every
         try:
-            for r in range(self.cfg.rounds):
-                self.run_round(r)
+            for r in range(self.start_round, self.cfg.rounds + 1):
+                if checkpoints is not None:
+                    self._take_snapshot(r)
+                    if r > self.start_round and (r == self.cfg.rounds or (every and r % every == 0)):
+                        checkpoints.submit(self._snapshot)
+                if r < self.cfg.rounds:
+                    self.run_round(r)
             self._record(self.cfg.rounds, 0, val_loss=True)
+        except KeyboardInterrupt:
+            snapshot = self._snapshot  # the current round's start: what this run adds to the newest checkpoint
+            if (checkpoints is not None and snapshot is not None and snapshot.round > self.start_round
+                    and snapshot.round > checkpoints.last_submitted):
+                checkpoints.submit(snapshot)
+            raise
         finally:
             self.close()
         # The last record (r = R, h = 0) already holds the validation loss of the averaged model.
         final_val = self.sink.records[-1]["val_loss"]
         summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
+        summary.update(resumed_from=self.start_round if self.start_round else None, checkpoint_s=self.checkpoint_s,
+                       **(checkpoints.stats() if checkpoints is not None else {}))
         return SwarmResult(final_params=self.final_params(), summary=summary, records=self.sink.records)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _take_snapshot(self, r: int) -> None:
+        """Every worker's state at the start of round ``r``, and the run's own (pending metrics, adaptive Mix2)."""
+        t = time.perf_counter()
+        copier = Copier()
+        tensors: dict[str, torch.Tensor] = {}
+        workers: dict[str, dict] = {}
+        for m, algo in enumerate(self.algos):
+            state, meta = capture(algo, f"w{m}", copier)
+            tensors.update(state)
+            workers[f"w{m}"] = meta
+        meta = {"workers": list(workers), "worker_state": workers, "metrics_bytes": self.sink.bytes_written,
+                "pending": dict(self._pending), "losses": [float(v) for v in self._losses],
+                "adaptive": self.adaptive.state() if self.adaptive is not None else None}
+        self._snapshot = Snapshot(r, tensors, meta, copier.wait)
+        self.checkpoint_s += time.perf_counter() - t
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue from ``checkpoint`` (its configuration checked by the caller): every worker's state, the
+        pending metrics, adaptive Mix2; ``run`` then starts at the checkpoint's round."""
+        meta = checkpoint.meta
+        if len(meta["workers"]) != len(self.algos):
+            from gossiploco.checkpoint import CheckpointError
+
+            raise CheckpointError(f"{checkpoint.path}: {len(meta['workers'])} workers, this run has {len(self.algos)}")
+        for algo, worker in zip(self.algos, meta["workers"]):
+            restore(algo, worker, checkpoint.tensors, meta["worker_state"][worker])
+        self._pending = dict(meta["pending"])
+        self._losses = list(meta["losses"])
+        if self.adaptive is not None and meta.get("adaptive") is not None:
+            self.adaptive.load_state(meta["adaptive"])
+        self.start_round = checkpoint.round
 
     def run_round(self, r: int) -> list[RoundReport]:
         """One round of every worker: Mix1 launched, H inner steps (measured every N), Mix2 and outer step."""

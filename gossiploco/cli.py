@@ -103,6 +103,7 @@ def simulate(
         try:
             result = swarm.run(sink, on_step, writer)
         except KeyboardInterrupt:
+            sink.write_summary({**swarm.summary_so_far(), "run_config": cfg.to_dict()})
             sink.close()
             progress.stop()
             stop_checkpoints(writer, out, interrupted=True)
@@ -130,6 +131,7 @@ def peer(
     announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
     dht_port: int = typer.Option(0, "--dht-port", help="With --join: TCP port of this peer's own DHT node (0: any; give one, forwarded, with --announce behind NAT)."),
     workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: peers to wait for before the first round (default: the preset's)."),
+    resume: bool = RESUME,
     relay: Optional[list[str]] = typer.Option(None, "--relay", help="With --join: a relay multiaddr (/ip4/HOST/tcp/PORT/p2p/ID: a reachable DHT node) for when this peer is behind NAT; repeatable (default: the --join nodes)."),
     reachability: str = typer.Option("auto", "--reachability", help="With --join: auto (a dial-back check at start), public (skip the check: others can dial --announce) or nat (behind NAT: reverse connections and relays)."),
     inner_steps: Optional[int] = INNER_STEPS,
@@ -188,12 +190,24 @@ def peer(
         console.print("[yellow]interrupted[/] during start-up")
         raise typer.Exit(code=130)
     out = out or Path(f"runs/peer-{rank}")
-    # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept.
+    try:
+        from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
+
+        output_dir(out, out, resume)  # never over a run without --resume
+        checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
+        if checkpoint is not None:
+            node.resume(checkpoint)
+            console.print(f"resuming {out} at round {checkpoint.round} from {checkpoint.path.name}")
+        sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
+    except GossiplocoError as exc:
+        node.close()
+        _fail(exc)
+    writer = checkpoint_writer(cfg, out)
+    # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept, a checkpoint written.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     console.print(f"[bold]{cfg.name}[/] peer {rank} at {node.endpoint}: {cfg.rounds} rounds x "
                   f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
-    sink = MetricsSink(out)
 
     def on_record(record: dict) -> None:
         if quiet:
@@ -206,14 +220,17 @@ def peer(
         console.print(text)
 
     try:
-        result = node.run(sink, on_record)
+        result = node.run(sink, on_record, writer)
     except KeyboardInterrupt:
+        sink.write_summary({**node.summary_so_far(), "run_config": cfg.to_dict()})
         sink.close()
-        console.print(f"[yellow]interrupted[/]; metrics so far are in {out / 'metrics.jsonl'}")
+        stop_checkpoints(writer, out, interrupted=True)
         raise typer.Exit(code=130)
     except GossiplocoError as exc:
         sink.close()
+        stop_checkpoints(writer, out, interrupted=False)
         _fail(exc)
+    stop_checkpoints(writer, out, interrupted=False)
     result.summary["run_config"] = cfg.to_dict()
     sink.write_summary(result.summary)
     sink.close()
@@ -351,7 +368,8 @@ def swarm(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
-    out: Path = typer.Option(Path("runs/swarm"), "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model) and peer-I.log."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model, checkpoints) and peer-I.log (default runs/swarm, or runs/swarm-N when that holds a run)."),
+    resume: bool = typer.Option(False, "--resume", help="Restart a stopped swarm: every peer continues from its newest checkpoint in --out (default: the newest runs/swarm*)."),
     set_: Optional[list[str]] = SETS,
 ) -> None:
     """The main job: a bootstrap DHT node and N peer processes on this machine, training together with live progress."""
@@ -369,9 +387,12 @@ def swarm(
             raise ConfigError("--peers", f"must be at least 1, got {peers}")
         cfg = load_config(config, training_overrides(workers=peers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
+        from gossiploco.runtime.run_dir import output_dir
+
+        out = output_dir(out, Path("runs/swarm"), resume)
     except GossiplocoError as exc:
         _fail(exc)
-    args = ["--config", config, "--run-id", run_id_for(cfg), "--quiet"]
+    args = ["--config", config, "--run-id", run_id_for(cfg), "--quiet"] + (["--resume"] if resume else [])
     for flag, value in (("--inner-steps", inner_steps), ("--rounds", rounds), ("--seed", seed), ("--model", model),
                         ("--device", device)):
         if value is not None:

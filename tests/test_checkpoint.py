@@ -122,6 +122,8 @@ def test_ctrl_c_then_resume_on_the_command_line_gives_the_uninterrupted_run(tmp_
     finally:
         proc.kill()
     assert "--resume" in err, err
+    interrupted = json.loads((out / "summary.json").read_text())
+    assert interrupted["interrupted"] and interrupted["round_reached"] >= 3 and interrupted["final_val_loss"] is not None
     stopped_at = latest_checkpoint(run_checkpoints(out)).round
     assert 3 <= stopped_at < 8  # Ctrl+C saved the round it interrupted (checkpoint.every = 2 would give round 2)
     again = subprocess.run(simulate_command(out, "--resume"), capture_output=True, text=True, timeout=240)

@@ -54,7 +54,7 @@ import torch
 from gossiploco import consensus
 from gossiploco.adaptive import AdaptiveMix2
 from gossiploco.blocks import group_by_block
-from gossiploco.checkpoint import NOT_IDENTITY
+from gossiploco.checkpoint import NOT_IDENTITY, Checkpoint, CheckpointWriter, Snapshot
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
@@ -67,6 +67,7 @@ from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.reach.paths import PathPlanner, Reach
 from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
+from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
@@ -220,14 +221,22 @@ class NetworkPeer:
         """The round's h = 0 record while it waits for Mix1's average (``monitor_reuses_mix1``)."""
         self._held: list[dict] = []
         """Later records of that round, written after it (records stay in (round, h) order)."""
+        self._started = time.perf_counter()
+        self.start_round = 0
+        """The round of the checkpoint this peer resumed from (0: a new peer)."""
+        self._round_snapshot: Snapshot | None = None
+        """The state at the start of the current round (what Ctrl+C saves)."""
 
     # -- the run ---------------------------------------------------------------------------------
 
-    def run(self, sink: MetricsSink | None = None, on_record: Callable[[dict], None] | None = None) -> PeerResult:
-        """Join, train every round, measure the final model. Ctrl+C (KeyboardInterrupt) propagates after close()."""
+    def run(self, sink: MetricsSink | None = None, on_record: Callable[[dict], None] | None = None,
+            checkpoints: CheckpointWriter | None = None) -> PeerResult:
+        """Join, train every round, measure the final model. Ctrl+C (KeyboardInterrupt) propagates after close().
+        ``checkpoints``: the state at each round's start, written every ``checkpoint.every`` rounds, after the
+        last round and when the run is interrupted (``gossiploco.runtime.peer_checkpoint``)."""
         self.sink = sink or MetricsSink(None)
         self.on_record = on_record
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         try:
             self.clock.add("compile_s", self.compile_s)
             t = time.perf_counter()
@@ -239,8 +248,10 @@ class NetworkPeer:
                 r = self._maybe_catch_up(r)
                 if r >= cfg.rounds:
                     break
+                self._checkpoint(checkpoints, r)
                 self._run_round(r)
                 r += 1
+            self._checkpoint(checkpoints, cfg.rounds)
             self.clock.add("rounds_s", time.perf_counter() - t)
             self.exchange.current_round = cfg.rounds
             final = self._record(cfg.rounds, 0, val_loss=True, final=True)
@@ -248,12 +259,45 @@ class NetworkPeer:
         except BaseException as exc:
             self._write_held(f"the run stopped before Mix1's average ({type(exc).__name__})")
             self.close()
+            if checkpoints is not None and isinstance(exc, KeyboardInterrupt):
+                self._checkpoint_interrupted(checkpoints)
             raise
         self.close(linger_s=LEAVE_LINGER_S)
         wall = time.perf_counter() - start
         summary = make_summary(self.cfg, self.sink.records, final.get("val_loss"), wall)
         summary.update(self._peer_summary(wall), reach=reach)
         return PeerResult(final_params=self._final_params or self._own_params(), summary=summary, records=self.sink.records)
+
+    def _checkpoint(self, checkpoints: CheckpointWriter | None, r: int) -> None:
+        """Snapshot the state at the start of round ``r`` (kept for Ctrl+C); hand it to the writer when due."""
+        if checkpoints is None:
+            return
+        t = time.perf_counter()
+        self._round_snapshot = peer_snapshot(self, r)
+        every = self.cfg.checkpoint.every
+        if r > self.start_round and (r == self.cfg.rounds or (every and r % every == 0)):
+            checkpoints.submit(self._round_snapshot)
+        self.clock.add("checkpoint_s", time.perf_counter() - t)
+
+    def _checkpoint_interrupted(self, checkpoints: CheckpointWriter) -> None:
+        """Interrupted: the start of the round it was in, unless a checkpoint has it already."""
+        snapshot = self._round_snapshot
+        if snapshot is not None and snapshot.round > max(self.start_round, checkpoints.last_submitted):
+            checkpoints.submit(snapshot)
+
+    def summary_so_far(self) -> dict:
+        """The summary of a run that stopped before its end (``interrupted``): what it measured until then."""
+        wall = time.perf_counter() - self._started
+        val = next((r["val_loss"] for r in reversed(self.sink.records) if r.get("val_loss") is not None), None)
+        summary = make_summary(self.cfg, self.sink.records, val, wall)
+        summary.update(self._peer_summary(wall), interrupted=True,
+                       round_reached=max((r["round"] for r in self.sink.records), default=self.start_round))
+        return summary
+
+    def resume(self, checkpoint: Checkpoint) -> None:
+        """Continue from this peer's ``checkpoint`` (configuration checked by the caller): ``run`` then starts at
+        its round, or downloads a newer state if the swarm went on."""
+        restore_peer(self, checkpoint)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the exchange first (wakes a Mix1 still waiting), then the algorithm's thread. Idempotent.
@@ -280,16 +324,19 @@ class NetworkPeer:
             log.warning("rank %d: peers %s not connected after %.0fs; starting without them until they say hello",
                         self.rank, ex.drop_unconnected(), t.startup_s)
         rounds = self._ask_rounds()
-        ahead = {p: r for p, r in rounds.items() if r >= 1}
+        # A new peer starts at round 0, a resumed one at its checkpoint's round k (a whole swarm restarting
+        # starts again where it stopped); where others are further, the swarm went on: download its state.
+        k = self.start_round
+        ahead = {p: r for p, r in rounds.items() if r > k}
         if not ahead:
-            ex.announce(0)
-            if self.directory is not None:  # a fresh swarm: start together once `workers` peers are in
-                members = ex.wait_members(0, self.cfg.workers, t.startup_s)
+            ex.announce(k)
+            if self.directory is not None:  # start together once `workers` peers are in
+                members = ex.wait_members(k, self.cfg.workers, t.startup_s)
                 if len(members) < self.cfg.workers:
-                    log.warning("rank %d: starting round 0 with %s (%d of %d peers); others join when they come",
-                                self.rank, members, len(members), self.cfg.workers)
-            return 0
-        return self._catch_up(ahead, fresh=True)
+                    log.warning("rank %d: starting round %d with %s (%d of %d peers); others join when they come",
+                                self.rank, k, members, len(members), self.cfg.workers)
+            return k
+        return self._catch_up(ahead, fresh=k == 0, current=k, resumed=k > 0)
 
     def _discover_at_start(self) -> None:
         """Check this peer is reachable, announce it, and wait (up to ``timeouts.startup_s``) until
@@ -387,17 +434,21 @@ class NetworkPeer:
             ex.announce(r)  # they are not ahead: just take part again from this round
         return r
 
-    def _catch_up(self, ahead: dict[int, int], fresh: bool, current: int = 0) -> int:
+    def _catch_up(self, ahead: dict[int, int], fresh: bool, current: int = 0, resumed: bool = False) -> int:
         """At the next round boundary k, download (z, momentum, round k) from a peer in round k; train round k in step.
         If no peer gives its state (the others finished or are gone), a peer that has a state of its own
-        goes on from ``current`` with it; a fresh process has nothing to go on with and raises ``ExchangeError``."""
+        goes on from ``current`` with it; a fresh process has nothing to go on with and raises ``ExchangeError``.
+        ``resumed``: this process starts from its checkpoint of round ``current``; peers one round further
+        (a swarm stopped across a round boundary and started again: they wait for the others at its start)
+        give their state at once, without waiting for the next boundary."""
         if self.cfg.mode == "sync-dp":
             raise ExchangeError(f"rank {self.rank}: the swarm is past round 0 (peers' rounds {ahead}) and the "
                                 "sync-dp baseline cannot rejoin a running swarm; restart every peer")
         start = time.perf_counter()
-        if not fresh:  # the others count on us: tell them we step out, or each exchange waits a grace window for us
+        if not fresh and not resumed:  # the others count on us: tell them we step out, or each exchange waits a grace window for us
             self.exchange.announce(STEPPING_OUT, ask_reply=False)
-        ahead = self._next_round_begins(ahead)
+        if not (resumed and max(ahead.values()) == current + 1):
+            ahead = self._next_round_begins(ahead)
         latest = max(ahead.values())
         donors = sorted(p for p, k in ahead.items() if k == latest)
         donors = donors[self.rank % len(donors):] + donors[:self.rank % len(donors)]  # spread newcomers over donors
@@ -716,4 +767,5 @@ class NetworkPeer:
                          "encrypted": self.trust is not None, **self.exchange.security_counts()},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self._final_params is not None else "own",
+            "resumed_from": self.start_round or None,
         }

@@ -69,6 +69,7 @@ class VirtualSwarm:
         self._snapshot: Snapshot | None = None
         """The state at the start of the current round (what Ctrl+C saves)."""
         self.checkpoint_s = 0.0
+        self._started = time.perf_counter()
         """Seconds the training thread spent taking snapshots (the writing happens on the writer's thread)."""
 
     # -- measurement --------------------------------------------------------------------------
@@ -108,7 +109,7 @@ class VirtualSwarm:
         or SIGTERM where the caller turns it into one), which then propagates."""
         self.sink = sink or MetricsSink(None)
         self.on_step = on_step
-        start = time.perf_counter()
+        start = self._started = time.perf_counter()
         every = self.cfg.checkpoint.every
         try:
             for r in range(self.start_round, self.cfg.rounds + 1):
@@ -133,6 +134,14 @@ class VirtualSwarm:
         summary.update(resumed_from=self.start_round if self.start_round else None, checkpoint_s=self.checkpoint_s,
                        **(checkpoints.stats() if checkpoints is not None else {}))
         return SwarmResult(final_params=self.final_params(), summary=summary, records=self.sink.records)
+
+    def summary_so_far(self) -> dict:
+        """The summary of a run stopped before its end (``interrupted``): what it measured until then."""
+        val = next((r["val_loss"] for r in reversed(self.sink.records) if r.get("val_loss") is not None), None)
+        summary = make_summary(self.cfg, self.sink.records, val, time.perf_counter() - self._started)
+        summary.update(interrupted=True, round_reached=max((r["round"] for r in self.sink.records), default=self.start_round),
+                       resumed_from=self.start_round or None)
+        return summary
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -51,6 +51,15 @@ class AdaptiveDeadlines:
                 return self.max_s
             return min(self.max_s, max(self.min_s, self.factor * max(seen)))
 
+    def state(self) -> dict[str, list[float]]:
+        """The durations seen, per kind (a checkpoint's JSON): ``load_state`` continues with them."""
+        with self._lock:
+            return {kind: list(values) for kind, values in self._seen.items()}
+
+    def load_state(self, state: dict[str, list[float]]) -> None:
+        with self._lock:
+            self._seen = {kind: deque((float(v) for v in values), maxlen=self.window) for kind, values in state.items()}
+
     def observe(self, key: str, seconds: float, path: str = "") -> None:
         """Record a successful exchange that took ``seconds`` (over ``path``)."""
         with self._lock:

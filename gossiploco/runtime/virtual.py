@@ -131,8 +131,7 @@ class VirtualSwarm:
         # The last record (r = R, h = 0) already holds the validation loss of the averaged model.
         final_val = self.sink.records[-1]["val_loss"]
         summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
-        summary.update(resumed_from=self.start_round if self.start_round else None, checkpoint_s=self.checkpoint_s,
-                       **(checkpoints.stats() if checkpoints is not None else {}))
+        summary.update(resumed_from=self.start_round or None, checkpoint_s=self.checkpoint_s)
         return SwarmResult(final_params=self.final_params(), summary=summary, records=self.sink.records)
 
     def summary_so_far(self) -> dict:

@@ -9,9 +9,11 @@ generator of its own seeded by the run's seed, gossip matchings are drawn from (
 nothing draws from torch's global generators (tests/test_checkpoint.py checks that a run leaves them
 as they were), so there is nothing else to save.
 
-``capture`` copies what later steps change in place (the AdamW moments, the references); z and the
-momentum are new tensors every outer step, so they are referenced as they are (on a GPU, copied to
-page-locked host memory on the compute stream: the host does not wait; ``Snapshot.ready`` does).
+``capture`` copies what later steps change in place (the AdamW moments, a Mix1 reference); z, the
+momentum and the error feedback are new tensors every round, so in host memory they are referenced
+as they are. From a GPU everything is copied to page-locked host memory on the compute stream (the
+host does not wait; ``Snapshot.ready`` does): one host copy of z, the momentum and the moments, four
+times the fp32 model, per snapshot.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ class Copier:
     def __init__(self) -> None:
         self.events: list[torch.cuda.Event] = []
 
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor, immutable: bool = False) -> torch.Tensor:
+        """A host copy of ``t`` as it is now; ``immutable``: nothing writes into ``t`` later (z, the momentum and
+        the error feedback are new tensors every round), so in host memory it is taken as it is."""
         t = t.detach()
         if t.device.type != "cuda":
-            return t.to(torch.float32, copy=True) if t.is_floating_point() else t.clone()
+            return t if immutable else t.clone()
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
@@ -53,8 +57,8 @@ def capture(algo: FactoredDiLoCo | SyncDP, prefix: str, copier: Copier | None = 
     tensors: TensorDict = {}
     meta: dict = {}
     if isinstance(algo, FactoredDiLoCo):
-        tensors.update({f"{prefix}/z/{n}": copy(v) for n, v in algo.z.items()})
-        tensors.update({f"{prefix}/momentum/{n}": copy(v) for n, v in algo.momentum.items()})
+        tensors.update({f"{prefix}/z/{n}": copy(v, immutable=True) for n, v in algo.z.items()})
+        tensors.update({f"{prefix}/momentum/{n}": copy(v, immutable=True) for n, v in algo.momentum.items()})
         references = {}
         for j, mixer in enumerate(algo.mix1):
             reference = getattr(mixer, "reference", None)
@@ -62,7 +66,7 @@ def capture(algo: FactoredDiLoCo | SyncDP, prefix: str, copier: Copier | None = 
                 tensors[f"{prefix}/mix1_reference/{j}"] = copy(reference)
             references[str(j)] = getattr(mixer, "reference_tag", 0)
         meta["mix1_reference_tags"] = references
-        tensors.update({f"{prefix}/mix2_residual/{n}": copy(v) for n, v in algo.mix2.residual.items()})
+        tensors.update({f"{prefix}/mix2_residual/{n}": copy(v, immutable=True) for n, v in algo.mix2.residual.items()})
     else:
         tensors.update({f"{prefix}/params/{n}": copy(v) for n, v in trainer.params().items()})
     opt = trainer.inner_opt

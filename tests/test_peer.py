@@ -197,6 +197,7 @@ def test_a_restarted_peer_downloads_the_state_and_ends_in_consensus(tmp_path):
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:
         peers.start(env={3: {FAULT_ENV: "KILL:mix1/2:0"}})
         assert peers.wait(60, ranks=[3])[3] == -signal.SIGKILL
+        peers.per_rank[3] = ["--resume"]  # its --out holds its run: continued from its newest checkpoint
         peers.start([3])  # the same rank and address, a fresh process
         codes = peers.wait(200)
     assert_exit(peers, codes, range(4))
@@ -206,8 +207,9 @@ def test_a_restarted_peer_downloads_the_state_and_ends_in_consensus(tmp_path):
     # The swarm may still begin the next round before the download has landed; the peer then re-aligns
     # once more through the straggler path (it costs one grace window). More than that would be a bug.
     assert 1 <= rejoined["catchups"] <= 2, [line for line in log.splitlines() if "caught up" in line]
-    first = records(peers, 3)[0]  # the restarted process's own metrics start where it caught up
+    first = next(r for r in records(peers, 3) if "catchup_from" in r)  # the restarted process caught up there
     assert first["round"] >= 2 and first["catchup_from"] in (0, 1, 2)
+    assert rejoined["resumed_from"] in (None, 1, 2)  # round 2's checkpoint may have been written before the kill
     finals = [model(peers, r) for r in range(4)]
     assert all(relative_error(f, finals[0]) == 0.0 for f in finals)  # the final average includes the newcomer
     assert records(peers, 3)[-1]["members"] == 4

@@ -110,7 +110,8 @@ class LocalSwarm:
             path = self.out_dir / f"peer-{rank}" / "summary.json"
             summary = json.loads(path.read_text()) if path.exists() else None
             peers.append({"rank": rank, "exit_code": self.progress[rank].exit_code, "summary": summary})
-        done = [p["summary"] for p in peers if p["summary"] is not None]
+        # a peer stopped before its end writes a summary too (``interrupted``): only finished runs count here
+        done = [p["summary"] for p in peers if p["summary"] is not None and not p["summary"].get("interrupted")]
         losses = [s["final_val_loss"] for s in done if s.get("final_val_loss") is not None]
         first = done[0] if done else {}
         return {

@@ -67,7 +67,8 @@ def load_run(run_dir: str | Path) -> Run:
         raise ConfigError(str(run_dir), "no such run directory")
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
-        raise ConfigError(str(run_dir), "no metrics.jsonl in this directory (not a simulate or peer output directory?)")
+        raise ConfigError(str(run_dir), "no metrics.jsonl in this directory or its peer-N directories (not the output "
+                          "directory of simulate, peer or swarm?)")
     records = read_metrics(metrics)
     summary = {}
     try:
@@ -78,6 +79,24 @@ def load_run(run_dir: str | Path) -> Run:
     name = run_dir.resolve().name
     label = f"{name} ({config})" if config and config != name else name
     return Run(run_dir, records, summary if isinstance(summary, dict) else {}, label)
+
+
+def load_runs(paths: Sequence[str | Path]) -> list[Run]:
+    """The runs named by ``paths``: run directories, and swarm directories (``gossiploco swarm --out``), which
+    stand for their peers' directories (``peer-0``, ``peer-1``, ...) in peer order."""
+    runs = []
+    for path in map(Path, paths):
+        peer_dirs = swarm_peer_dirs(path)
+        runs += [load_run(d) for d in peer_dirs] if peer_dirs else [load_run(path)]
+    return runs
+
+
+def swarm_peer_dirs(path: Path) -> list[Path]:
+    """A swarm directory's peer directories that hold metrics, sorted by peer number; [] for anything else."""
+    if not path.is_dir() or (path / "metrics.jsonl").exists():
+        return []
+    found = [d for d in path.glob("peer-*") if d.is_dir() and d.name[5:].isdigit() and (d / "metrics.jsonl").is_file()]
+    return sorted(found, key=lambda d: int(d.name[5:]))
 
 
 def windowed_stats(values: Sequence[float], window: int) -> tuple[list[float], list[float], list[float]]:

@@ -7,6 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+# The Python that will run gossiploco: the existing .venv's, or the one that creates it
+if [ -x .venv/bin/python ]; then RUNNER=.venv/bin/python; else RUNNER=$PYTHON; fi
+if ! "$RUNNER" -c 'import sys; sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1; then
+    echo "bootstrap.sh: gossiploco needs Python 3.11 or newer (the version it is tested with); $RUNNER is" \
+         "$("$RUNNER" --version 2>&1 || echo 'not runnable'). Run with PYTHON=python3.11 ./scripts/bootstrap.sh" \
+         "(remove .venv first if it was made with an older Python)." >&2
+    exit 1
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv --system-site-packages .venv
 fi

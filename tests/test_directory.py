@@ -420,7 +420,7 @@ def test_unreachable_initial_peer_raises_a_clear_error_within_the_timeout(dht_di
 
 @pytest.mark.parametrize("address", ["/ip4/127.0.0.1/tcp/1", "tcp://127.0.0.1:5555", "garbage"])
 def test_malformed_initial_peer_is_a_config_error(dht_dirs, address):
-    with pytest.raises(ConfigError, match="initial_peers.*gossiploco bootstrap"):
+    with pytest.raises(ConfigError, match="--join.*gossiploco dht"):
         dht_dirs("run", [address])
 
 

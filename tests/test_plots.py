@@ -152,3 +152,16 @@ def test_errors_name_the_problem(tmp_path):
     result = run_cli([good, "--window", "0"])
     assert result.exit_code == 2 and "--window: must be >= 1" in " ".join(result.output.split())
     assert not (good / "metrics.png").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_swarm_directory_plots_every_peer(tmp_path):
+    swarm = tmp_path / "swarm"
+    for rank in (1, 0, 10):  # peer order is numeric, not the directory listing's
+        write_run(swarm / f"peer-{rank}", synthetic_records(seed=rank))
+    (swarm / "peer-3").mkdir()  # a peer that wrote nothing yet is left out
+    (swarm / "summary.json").write_text("{}")
+    result = run_cli([swarm])
+    assert result.exit_code == 0, result.output
+    assert_png(swarm / "metrics.png")
+    assert [r.path.name for r in plots.load_runs([swarm])] == ["peer-0", "peer-1", "peer-10"]

@@ -3,7 +3,7 @@
 Peers find each other through a hivemind DHT (``gossiploco.membership.directory``). To join it,
 a new node needs the multiaddr of one node already in it, including that node's libp2p peer id:
 ``/ip4/203.0.113.7/tcp/31337/p2p/QmXyz...``. A bootstrap node is a plain DHT node started for
-that purpose (``gossiploco bootstrap``): it announces no peer record, it only answers DHT
+that purpose (``gossiploco dht``): it announces no peer record, it only answers DHT
 requests and stores its share of the records like every other node.
 
 The bootstrap node is not a single point of failure for a running swarm: every peer's

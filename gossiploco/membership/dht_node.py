@@ -41,17 +41,17 @@ def check_initial_peers(initial_peers: Sequence[str]) -> list[str]:
     from hivemind.utils.multiaddr import Multiaddr
 
     if isinstance(initial_peers, str):
-        raise ConfigError("initial_peers", f"must be a list of multiaddrs, got the single string {initial_peers!r}")
+        raise ConfigError("--join", f"must be a list of multiaddrs, got the single string {initial_peers!r}")
     checked = []
     for item in initial_peers:
-        hint = "expected a multiaddr printed by `gossiploco bootstrap`, like /ip4/203.0.113.7/tcp/31337/p2p/QmXyz..."
+        hint = "expected a multiaddr printed by `gossiploco dht`, like /ip4/203.0.113.7/tcp/31337/p2p/QmXyz..."
         if not isinstance(item, str):
-            raise ConfigError("initial_peers", f"{hint}; got {item!r}")
+            raise ConfigError("--join", f"{hint}; got {item!r}")
         try:
             address = Multiaddr(item)
             PeerID.from_base58(address["p2p"])
         except Exception:  # multiaddr raises a zoo of exception types on bad input
-            raise ConfigError("initial_peers", f"{hint}; got {item!r} (is the /p2p/<peer id> part complete?)") \
+            raise ConfigError("--join", f"{hint}; got {item!r} (is the /p2p/<peer id> part complete?)") \
                 from None
         checked.append(item)
     return checked
@@ -126,7 +126,7 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         if initial_peers:
             raise DirectoryError(
                 f"could not join the DHT through {', '.join(initial_peers)} within {timeout_s:g} s ({cause}). "
-                "Check that the bootstrap node is running (gossiploco bootstrap), that each address is copied "
+                "Check that the bootstrap node is running (`gossiploco dht`), that each address is copied "
                 "whole including /p2p/<peer id>, and that its host and TCP port are reachable from this "
                 "machine (firewall, NAT, wrong IP)") from exc
         raise DirectoryError(f"could not start a DHT node listening on {', '.join(host_maddrs)} within "

@@ -161,7 +161,7 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
         # It believes it takes part but its hello never reached us (it froze, came back and kept
         # its view): adopt it from the next round rather than leave it out forever.
         peers.on_join(sender, message.round + 1)
-        node.note(f"peer {sender} is back (ready for {key!r}); it takes part from round {message.round + 1}")
+        node.note(f"peer {sender} is back (ready for {key!r}); it takes part from round {message.round + 1}", routine=True)
     decided = node.decided.get(key)
     if decided is not None:  # a straggler (or a duplicate): the group went on
         group, when = decided

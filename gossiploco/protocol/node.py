@@ -112,16 +112,18 @@ class PeerNode:
         self.bytes_received = 0
         self.malformed_messages = 0
         self.refused_chunks = 0
-        self.notes: list[str] = []
-        """Log lines the owner should write (the node does not log itself, so a simulator can stay quiet)."""
+        self.notes: list[tuple[bool, str]] = []
+        """Log lines the owner should write, each with whether it is routine (a peer joining or leaving: an info
+        line) or a sign of trouble (a warning). The node does not log itself, so a simulator can stay quiet."""
+        self._left: set[int] = set()  # peers that said goodbye: their connection dropping is no news
 
     # -- views ----------------------------------------------------------------------------------
 
     def members(self, round_index: int | None = None) -> list[int]:
         return self.peers.members(round_index)
 
-    def note(self, text: str) -> None:
-        self.notes.append(text)
+    def note(self, text: str, routine: bool = False) -> None:
+        self.notes.append((routine, text))
         del self.notes[:-256]
 
     # -- events from the carrier ------------------------------------------------------------------
@@ -136,7 +138,7 @@ class PeerNode:
         return []
 
     def disconnected(self, peer: int, now: float) -> list[Action]:
-        if self.peers.on_disconnected(peer, now):
+        if self.peers.on_disconnected(peer, now) and peer not in self._left:
             self.note(f"lost the connection to peer {peer}")
         return []
 
@@ -197,14 +199,18 @@ class PeerNode:
     def _hello(self, sender: int, message: Hello, now: float) -> list[Action]:
         if message.join_round == LEAVING:
             self.peers.on_leave(sender, now)
-            self.note(f"peer {sender} left")
+            self._left.add(sender)
+            self.note(f"peer {sender} left", routine=True)
             return []
         if message.join_round >= 0:
+            news = self.peers.joined.get(sender) != message.join_round  # hellos repeat; say it once
             self.peers.on_join(sender, message.join_round)
-            if message.join_round == STEPPING_OUT:
-                self.note(f"peer {sender} steps out while it catches up (it is in round {message.current_round})")
-            else:
-                self.note(f"peer {sender} takes part from round {message.join_round} (it is in round {message.current_round})")
+            self._left.discard(sender)
+            if news and message.join_round == STEPPING_OUT:
+                self.note(f"peer {sender} steps out while it catches up (it is in round {message.current_round})", routine=True)
+            elif news:
+                self.note(f"peer {sender} takes part from round {message.join_round} (it is in round {message.current_round})",
+                          routine=True)
         if message.echo == self.probe_id:  # an answer to our latest question (not an older one that crossed it)
             self.peers.reported[sender] = message.current_round
         if message.ask_reply:

@@ -73,12 +73,16 @@ def merge_stats(pending: dict, stats: dict) -> None:
 def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float | None, wall_s: float) -> dict:
     cd_l2 = [r["cd_l2"] for r in records if "cd_l2" in r]
     cd_js = [r["cd_js"] for r in records if "cd_js" in r]
+    # A network peer's records count the group each measurement averaged over; the run's workers are the most that
+    # took part at once (the configured number is only what the peers waited for at the start)
+    members = [r["members"] for r in records if isinstance(r.get("members"), int)]
     return {
         "config": cfg.name,
         "mode": cfg.mode,
         "model": cfg.model.size,
         "seed": cfg.seed,
-        "workers": cfg.workers,
+        "workers": max(members) if members else cfg.workers,
+        "configured_workers": cfg.workers,
         "inner_steps": cfg.inner_steps,
         "rounds": cfg.rounds,
         "final_val_loss": final_val_loss,

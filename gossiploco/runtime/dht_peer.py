@@ -49,7 +49,9 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     port = port or free_ports(1, check_host)[0]  # the check needs the port the data plane will use
     found = find_reachability(reachability, join, check_host, port, t.hello_s)
     behind_nat = found.reachable is not True
-    log.warning("peer %d: %s%s", trust.peer_id, describe(found), f" ({found.detail})" if found.detail else "")
+    # Behind NAT is worth a warning (it costs relays and reverse connections); reachable is just news
+    log.log(logging.WARNING if behind_nat else logging.INFO, "peer %d: %s%s", trust.peer_id, describe(found),
+            f" ({found.detail})" if found.detail else "")
     if announce:
         advertise = f"tcp://{announce}" if ":" in announce else f"tcp://{announce}:{port}"
     elif found.reachable and found.address:

@@ -118,6 +118,8 @@ class LocalSwarm:
             "config": first.get("config"),
             "run_id": first.get("run_id"),
             "peers": self.count,
+            "workers": max((s.get("workers", 0) for s in done), default=None),  # the most that trained together
+            "configured_workers": first.get("configured_workers"),
             "finished": len(done),
             "interrupted": interrupted,
             "bootstrap": self.bootstrap,

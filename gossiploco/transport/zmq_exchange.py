@@ -667,9 +667,9 @@ class ZmqExchange(Exchange):
                 else:  # a failed handshake: libzmq gives up on the connection, so we retry ourselves
                     delay = self._sockets.refused_by(peer, time.monotonic())
                     if self._sockets.refusals[peer] in (4, 16, 64):  # the first few are expected while a peer joins
-                        self._node.notes.append(f"peer {peer} refused the handshake ({self._sockets.refusals[peer]} "
-                                                f"time(s); it may not have read this peer's record yet, or the keys "
-                                                f"differ); trying again in {delay:g} s")
+                        self._node.note(f"peer {peer} refused the handshake ({self._sockets.refusals[peer]} "
+                                        f"time(s); it may not have read this peer's record yet, or the keys "
+                                        f"differ); trying again in {delay:g} s")
                     actions = []
                 self._cond.notify_all()
             self._dispatch(actions)
@@ -708,5 +708,5 @@ class ZmqExchange(Exchange):
     def _flush_notes(self) -> None:
         with self._cond:
             notes, self._node.notes = self._node.notes, []
-        for note in notes:
-            log.warning("rank %d: %s", self.rank, note)
+        for routine, note in notes:
+            log.log(logging.INFO if routine else logging.WARNING, "rank %d: %s", self.rank, note)

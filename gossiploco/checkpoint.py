@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gossiploco.errors import GossiplocoError
+from gossiploco.tokenizer import tokenizer_digest
 
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
@@ -79,13 +80,27 @@ class Checkpoint:
 # -- configuration identity ------------------------------------------------------------------------
 
 
-def identity_config(config: dict) -> dict:
-    """The config fields a checkpoint must agree on to be resumed (all but ``NOT_IDENTITY``)."""
-    return {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+def shared_config(config: dict) -> dict:
+    """The config (a ``RunConfig.to_dict()``) as every peer of a run, and every checkpoint it resumes, must
+    agree on it: all but ``NOT_IDENTITY``, and the tokenizer named by its content, ``data.tokenizer =
+    "sha256:<hex>"``, not by its path (peers keep the file where they like; a moved file is the same run).
+    The byte-level tokenizer leaves ``data.tokenizer`` out, so byte-level runs keep the identity they had
+    before the field existed (their checkpoints still resume). The one definition behind the run id
+    (``runtime.peer.run_id_for``) and checkpoint compatibility; idempotent. ``ConfigError`` if the
+    tokenizer file cannot be read."""
+    shared = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    data = shared.get("data")
+    if isinstance(data, dict) and "tokenizer" in data:
+        data = dict(data)
+        digest = tokenizer_digest(str(data.pop("tokenizer")))
+        if digest is not None:
+            data["tokenizer"] = digest
+        shared["data"] = data
+    return shared
 
 
 def config_digest(config: dict) -> str:
-    return hashlib.sha256(json.dumps(identity_config(config), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(shared_config(config), sort_keys=True).encode()).hexdigest()
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -98,8 +113,9 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_differences(saved: dict, current: dict) -> list[str]:
-    """``field: checkpoint X, now Y`` for every identity field that differs."""
-    a, b = _flatten(identity_config(saved)), _flatten(identity_config(current))
+    """``field: checkpoint X, now Y`` for every identity field that differs (``saved``: best its shared form,
+    whose tokenizer is a digest, since the file may have moved since)."""
+    a, b = _flatten(shared_config(saved)), _flatten(shared_config(current))
     return [f"{k}: checkpoint {a.get(k, '(absent)')!r}, now {b.get(k, '(absent)')!r}"
             for k in sorted(set(a) | set(b)) if a.get(k, "(absent)") != b.get(k, "(absent)")]
 
@@ -108,7 +124,7 @@ def check_compatible(checkpoint: Checkpoint, config: dict) -> None:
     """Raise ``CheckpointError`` naming every field where ``config`` differs from the checkpoint's run."""
     if checkpoint.meta.get("config_sha256") == config_digest(config):
         return
-    diffs = config_differences(checkpoint.meta.get("config", {}), config)
+    diffs = config_differences(checkpoint.meta.get("identity") or checkpoint.meta.get("config", {}), config)
     raise CheckpointError(
         f"{checkpoint.path} belongs to a run with another configuration; it differs in "
         + "; ".join(diffs or ["(the digest only)"])
@@ -161,7 +177,9 @@ def checkpoint_paths(directory: Path, round_index: int) -> tuple[Path, Path]:
 
 
 def write_checkpoint(directory: Path, snapshot: Snapshot, config: dict) -> Path:
-    """Write ``snapshot`` as a checkpoint of the run configured by ``config``; returns the JSON's path."""
+    """Write ``snapshot`` as a checkpoint of the run configured by ``config``; returns the JSON's path.
+    The config is stored as given and in its shared form (``identity``), which names the tokenizer by
+    its digest: a resume is checked against that after the tokenizer file moved."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -170,7 +188,9 @@ def write_checkpoint(directory: Path, snapshot: Snapshot, config: dict) -> Path:
     tensor_path, meta_path = checkpoint_paths(directory, snapshot.round)
     tensors = {k: v.detach().contiguous() for k, v in snapshot.tensors.items()}
     atomic_write(tensor_path, lambda tmp: save_file(tensors, str(tmp)))
-    meta = {"format": FORMAT, "round": snapshot.round, "config": config, "config_sha256": config_digest(config),
+    identity = shared_config(config)
+    meta = {"format": FORMAT, "round": snapshot.round, "config": config, "identity": identity,
+            "config_sha256": config_digest(identity),
             "tensors": {"file": tensor_path.name, "bytes": tensor_path.stat().st_size, "sha256": _sha256(tensor_path)},
             "written_at": time.time(), **snapshot.meta}
     atomic_write_bytes(meta_path, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())

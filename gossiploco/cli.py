@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
+from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_summary, progress_line, progress_table,
+                                   slowest_round)
+from gossiploco.cli_tokenizer import tokenizer_app
 from gossiploco.errors import ConfigError, GossiplocoError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
@@ -67,6 +68,7 @@ def simulate(
     from gossiploco.metrics import MetricsSink
     from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
     from gossiploco.runtime.virtual import VirtualSwarm
+    from gossiploco.tokenizer import load_tokenizer, save_tokenizer_copy
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -74,6 +76,7 @@ def simulate(
                                                      model=model, device=device, data=data, sets=set_))
         out = output_dir(out, Path("runs/simulate"), resume)
         checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
+        save_tokenizer_copy(load_tokenizer(cfg.data.tokenizer), out)  # OUT/tokenizer.json: the model's tokenizer
         swarm = VirtualSwarm(cfg)
         if checkpoint is not None:
             swarm.resume(checkpoint)
@@ -89,7 +92,9 @@ def simulate(
         f"model {cfg.model.size}, {swarm.corpus.description}, device {swarm.device}"
     )
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
-    with Progress(*columns, console=console, disable=quiet, transient=False) as progress:
+    # A terminal gets a bar redrawn in place; a pipe or a log file a line at least every PLAIN_EVERY_S seconds
+    plain = PlainProgress(console) if not (quiet or console.is_terminal) else None
+    with Progress(*columns, console=console, disable=quiet or plain is not None, transient=False) as progress:
         task = progress.add_task("training", total=cfg.total_inner_steps, completed=swarm.start_round * cfg.inner_steps)
 
         def on_step(advance: int, record: dict | None) -> None:
@@ -99,6 +104,11 @@ def simulate(
                 if "loss" in record:
                     text += f"  loss {record['loss']:.3f}"
                 progress.update(task, description=text)
+            if plain is not None:
+                done = int(progress.tasks[0].completed)
+                plain.update(f"training: step {done}/{cfg.total_inner_steps}"
+                             + (f" ({progress.tasks[0].description})" if progress.tasks[0].description != "training" else ""),
+                             done // cfg.inner_steps)
 
         try:
             result = swarm.run(sink, on_step, writer)
@@ -192,9 +202,11 @@ def peer(
     out = out or Path(f"runs/peer-{rank}")
     try:
         from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
+        from gossiploco.tokenizer import load_tokenizer, save_tokenizer_copy
 
         output_dir(out, out, resume)  # never over a run without --resume
         checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
+        save_tokenizer_copy(load_tokenizer(cfg.data.tokenizer), out)  # OUT/tokenizer.json: the model's tokenizer
         if checkpoint is not None:
             node.resume(checkpoint)
             console.print(f"resuming {out} at round {checkpoint.round} from {checkpoint.path.name}")
@@ -407,40 +419,30 @@ def swarm(
 
     signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the swarm like Ctrl+C: peers leave, summary kept
     local = LocalSwarm(peers, out, args)
-    with Live(_progress_table(local.progress, cfg.rounds), console=console, refresh_per_second=2,
-              transient=False, redirect_stdout=False) as live:
-        try:
-            summary = local.run(lambda progress: live.update(_progress_table(progress, cfg.rounds)))
-        except KeyboardInterrupt:
+    # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
+    # at least every PLAIN_EVERY_S seconds
+    live = Live(progress_table(local.progress, cfg.rounds), console=console, refresh_per_second=2, transient=False,
+                redirect_stdout=False) if console.is_terminal else None
+    plain = PlainProgress(console)
+    show = (lambda progress: live.update(progress_table(progress, cfg.rounds))) if live is not None else \
+        (lambda progress: plain.update(progress_line(progress, cfg.rounds), slowest_round(progress)))
+    try:
+        if live is not None:
+            live.start()
+        summary = local.run(show)
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
+        raise typer.Exit(code=130)
+    finally:
+        if live is not None:
             live.stop()
-            console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
-            raise typer.Exit(code=130)
     console.print()
-    finished = [p["summary"] for p in summary["per_peer"] if p["summary"] is not None]
-    if finished:
-        print_summary(finished)
+    print_swarm_summary(summary)
     failed = {p["rank"]: p["exit_code"] for p in summary["per_peer"] if p["exit_code"] != 0}
     console.print(f"swarm summary: {out / 'summary.json'}; per peer: {out}/peer-I/")
     if failed:
         console.print(f"[bold red]peers that did not finish:[/] {failed} (exit codes); see {out}/peer-I.log")
         raise typer.Exit(code=1)
-
-
-def _progress_table(progress: dict, rounds: int) -> Table:
-    table = Table(title="gossiploco swarm", caption="Ctrl+C stops every peer")
-    for column in ("peer", "round", "loss", "val loss", "CD_L2", "CD_JS", "members", "state"):
-        table.add_column(column, justify="right")
-
-    def fmt(record: dict, key: str, spec: str) -> str:
-        value = record.get(key)
-        return "" if value is None else format(value, spec)
-
-    for rank, p in sorted(progress.items()):
-        r = p.record
-        state = "running" if p.exit_code is None else ("done" if p.exit_code == 0 else f"exit {p.exit_code}")
-        table.add_row(str(rank), f"{r.get('round', '-')}/{rounds}", fmt(r, "loss", ".3f"), fmt(r, "val_loss", ".3f"),
-                      fmt(r, "cd_l2", ".3g"), fmt(r, "cd_js", ".3g"), str(r.get("members", "")), state)
-    return table
 
 
 def save_model(params: dict, out: Path) -> None:
@@ -465,17 +467,6 @@ def parse_sets(items: list[str]) -> dict:
         except tomllib.TOMLDecodeError:
             parsed[key.strip()] = value
     return parsed
-
-
-def print_summary(summaries: list[dict]) -> None:
-    table = Table(title="gossiploco")
-    for column in ("config", "workers", "H", "rounds", "val loss", "val ppl", "max CD_L2", "max CD_JS", "wall s"):
-        table.add_column(column, justify="right")
-    for s in summaries:
-        table.add_row(s["config"], str(s["workers"]), str(s["inner_steps"]), str(s["rounds"]), f"{s['final_val_loss']:.4f}",
-                      f"{s['final_val_ppl']:.3f}", f"{s['max_cd_l2']:.4g}", f"{s['max_cd_js']:.4g}", f"{s['wall_s']:.1f}")
-    out = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
-    out.print(table)
 
 
 @app.command()
@@ -590,7 +581,7 @@ def sensitivity(
 
 @app.command()
 def plot(
-    run_dirs: list[Path] = typer.Argument(..., help="Output directories of simulate runs or network peers (each with metrics.jsonl)."),
+    run_dirs: list[Path] = typer.Argument(..., help="Output directories of simulate runs, network peers (each with metrics.jsonl) or swarms (all their peers)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG to write (default: RUN_DIR/metrics.png for one run, plot.png for several)."),
     window: int = typer.Option(10, "--window", help="Records per rolling window of the CD_JS median/min/max panel (Figure 4, right)."),
 ) -> None:
@@ -599,8 +590,11 @@ def plot(
 
     out = out or (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("plot.png"))
     try:
-        runs = [plots.load_run(d) for d in run_dirs]
+        runs = plots.load_runs(run_dirs)
         plots.plot_runs(runs, out, window)
     except GossiplocoError as exc:
         _fail(exc)
     console.print(f"plot: {out}")
+
+
+app.add_typer(tokenizer_app, name="tokenizer")

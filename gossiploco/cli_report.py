@@ -16,18 +16,20 @@ PLAIN_EVERY_S = 10.0
 
 class PlainProgress:
     """Progress as plain lines, for a console that is not a terminal (where a redrawn bar or table shows
-    nothing until the end): the first line at once, then one at most every ``every_s`` seconds."""
+    nothing until the end): the first line at once, then one every ``every_s`` seconds, and one whenever the
+    ``milestone`` (a new round) changes."""
 
     def __init__(self, console: Console, every_s: float = PLAIN_EVERY_S, clock: Callable[[], float] = time.monotonic):
         self.console, self.every_s, self.clock = console, every_s, clock
         self.started = clock()
         self._last: float | None = None
+        self._milestone: object = None
 
-    def update(self, text: str) -> None:
+    def update(self, text: str, milestone: object = None) -> None:
         now = self.clock()
-        if self._last is not None and now - self._last < self.every_s:
+        if self._last is not None and now - self._last < self.every_s and milestone == self._milestone:
             return
-        self._last = now
+        self._last, self._milestone = now, milestone
         self.console.print(f"[{now - self.started:6.0f} s] {text}", highlight=False, soft_wrap=True)
 
 
@@ -52,12 +54,18 @@ def progress_table(progress: dict, rounds: int) -> Table:
     return table
 
 
+def slowest_round(progress: dict) -> int | None:
+    """The round of the peer furthest behind (None before any peer has measured anything)."""
+    records = [p.record for p in progress.values() if p.record]
+    return min(r.get("round", 0) for r in records) if records else None
+
+
 def progress_line(progress: dict, rounds: int) -> str:
     """The same as one line: the slowest peer's round, the latest losses, how many peers run."""
     records = [p.record for p in progress.values() if p.record]
-    if not records:
+    reached = slowest_round(progress)
+    if reached is None:
         return f"swarm: {len(progress)} peers starting (finding each other, loading data)"
-    reached = min(r.get("round", 0) for r in records)
     losses = [r["loss"] for r in records if r.get("loss") is not None]
     vals = [r["val_loss"] for r in records if r.get("val_loss") is not None]
     running = sum(p.exit_code is None for p in progress.values())

@@ -24,6 +24,7 @@ from typing import Any
 from gossiploco.blocks import FRAGMENT_ORDERS
 from gossiploco.errors import ConfigError
 from gossiploco.mixing.compression import COMPRESSIONS, TOPK_BITS, Codec, build_codec
+from gossiploco.tokenizer import BYTE_SPECS
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "peers"
 MIX_KINDS = ("identity", "global", "gossip")
@@ -109,6 +110,8 @@ class DataConfig:
     """Validation batches (of batch_size sequences) for the validation loss."""
     max_corpus_mb: float = 0.0
     """Read at most this many MB of text (0: no limit)."""
+    tokenizer: str = ""
+    """Tokenizer of text data: "" (or "bytes") byte-level, 256 ids; else the path of a tokenizer JSON file trained with `gossiploco tokenizer train`. Its SHA-256, not its path, is part of the run id."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.seq_len", self.seq_len)
@@ -122,6 +125,12 @@ class DataConfig:
             raise ConfigError(f"{p}.vocab_size", f"must be >= 0, got {self.vocab_size}")
         if self.max_corpus_mb < 0:
             raise ConfigError(f"{p}.max_corpus_mb", f"must be >= 0, got {self.max_corpus_mb}")
+        if self.tokenizer not in BYTE_SPECS:
+            if not Path(self.tokenizer).is_file():
+                raise ConfigError(f"{p}.tokenizer", f"no such file {self.tokenizer!r}; train one with `gossiploco "
+                                                    "tokenizer train`, or leave it empty for byte-level tokens")
+            if any(path.endswith(".bin") for path in self.paths):
+                raise ConfigError(f"{p}.tokenizer", ".bin data is already tokenized; a tokenizer is for text files")
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""Corpus, byte tokenizer, per-worker token streams and fixed held-out batches.
+"""Corpus (tokenized text or .bin tokens), per-worker token streams and fixed held-out batches.
 
 Nothing is downloaded. The default corpus is the Python standard library's source files on
-this machine (deterministic sorted file list). User data is either text files / globs
-(byte-level tokens) or pre-tokenized ``.bin`` files of uint16 / uint32 tokens (memory-mapped).
+this machine (deterministic sorted file list). User data is either text files / globs, encoded
+with the configured tokenizer (``data.tokenizer``: bytes by default, or a BPE file; see
+``gossiploco.tokenizer``), or pre-tokenized ``.bin`` files of uint16 / uint32 tokens (memory-mapped).
 
 Text is split into train and validation *by document* with a stable hash of each document's
 path, so the split does not depend on file order or on which other files exist. ``.bin``
@@ -26,24 +27,14 @@ import torch
 
 from gossiploco.config import DataConfig
 from gossiploco.errors import DataError
+from gossiploco.tokenizer import BYTE_VOCAB, ByteTokenizer, load_tokenizer
 
-BYTE_VOCAB = 256
-DOC_SEPARATOR = 0  # NUL never occurs in text; it marks document boundaries in the byte stream
+__all__ = ["BYTE_VOCAB", "DOC_SEPARATOR", "ByteTokenizer", "Corpus", "TokenStream", "fixed_batches", "heldout_batch",
+           "expand_paths", "load_corpus", "stdlib_files", "validation_batches"]
+DOC_SEPARATOR = ByteTokenizer.separator_id  # NUL never occurs in text; it marks document boundaries in the byte stream
 _STREAM_SALT = 0x5EED
 _HELDOUT_SALT = 0x4E1D
 _VAL_SALT = 0x7A1
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens 0..255; token 0 (NUL) separates documents."""
-
-    vocab_size = BYTE_VOCAB
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-    def decode(self, tokens) -> str:
-        return bytes(int(t) for t in tokens if t != DOC_SEPARATOR).decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -63,7 +54,8 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _expand(paths: list[str]) -> list[Path]:
+def expand_paths(paths: list[str]) -> list[Path]:
+    """The files ``paths`` name (globs expanded, sorted per entry); ``DataError`` for an entry matching none."""
     found: list[Path] = []
     for entry in paths:
         matches = sorted(glob.glob(entry, recursive=True)) if glob.has_magic(entry) else [entry]
@@ -96,8 +88,9 @@ def load_corpus(cfg: DataConfig) -> Corpus:
 
 
 def _load_text(cfg: DataConfig) -> Corpus:
+    tokenizer = load_tokenizer(cfg.tokenizer)
     if cfg.paths:
-        files = _expand(cfg.paths)
+        files = expand_paths(cfg.paths)
         keys = [str(p) for p in files]
         description = f"{len(files)} text file(s)"
     else:
@@ -125,21 +118,23 @@ def _load_text(cfg: DataConfig) -> Corpus:
             break
     if not train_docs and not val_docs:
         raise DataError(f"{description}: every file is empty")
+    if cfg.tokenizer:
+        description += f", {Path(cfg.tokenizer).name} ({tokenizer.vocab_size} ids)"
     if not val_docs or not train_docs:
-        # Too few documents for a split by document: split the concatenation instead.
-        joined = b"\x00".join(train_docs + val_docs)
+        # Too few documents for a split by document: split the concatenation (without its last separator).
+        joined = tokenizer.encode_documents(train_docs + val_docs)[:-1]
         cut = int(len(joined) * (1 - cfg.val_fraction))
-        train_docs, val_docs = [joined[:cut]], [joined[cut:]]
-    sep = bytes([DOC_SEPARATOR])
-    train = np.frombuffer(sep.join(train_docs) + sep, dtype=np.uint8)
-    val = np.frombuffer(sep.join(val_docs) + sep, dtype=np.uint8)
-    return Corpus(train=train, val=val, vocab_size=BYTE_VOCAB, description=description)
+        sep = np.array([tokenizer.separator_id], dtype=joined.dtype)
+        train, val = np.concatenate([joined[:cut], sep]), np.concatenate([joined[cut:], sep])
+    else:
+        train, val = tokenizer.encode_documents(train_docs), tokenizer.encode_documents(val_docs)
+    return Corpus(train=train, val=val, vocab_size=tokenizer.vocab_size, description=description)
 
 
 def _load_bin(cfg: DataConfig) -> Corpus:
     if cfg.vocab_size <= 0:
         raise DataError("data.vocab_size: required for pre-tokenized .bin files")
-    files = _expand(cfg.paths)
+    files = expand_paths(cfg.paths)
     dtype = np.dtype(cfg.bin_dtype)
     train_parts, val_parts = [], []
     for path in files:

@@ -443,8 +443,14 @@ def resolve_scenario(
 
 
 def default_vocab_size(cfg: RunConfig, vocab_size: int | None = None) -> int:
-    """``vocab_size`` if given, else the config's ``data.vocab_size``, else 256 (byte-level text)."""
-    return vocab_size if vocab_size is not None else (cfg.data.vocab_size or 256)
+    """``vocab_size`` if given, else the config's ``data.vocab_size`` (.bin data), else its tokenizer's (text)."""
+    if vocab_size is not None:
+        return vocab_size
+    if cfg.data.vocab_size:
+        return cfg.data.vocab_size
+    from gossiploco.tokenizer import load_tokenizer
+
+    return load_tokenizer(cfg.data.tokenizer).vocab_size
 
 
 def preset_plans(model_size: str, vocab_size: int, subset_fraction: float | None = None) -> list[CommPlan]:

@@ -51,3 +51,13 @@ def test_the_swarm_table_has_a_row_per_peer_and_the_shared_loss_once(capsys):
     assert len(rows) == 3 and len(set(rows)) == 3
     assert "5.0" in rows[0] and "2" in rows[0] and "50%" in rows[1] and "exit 1" in rows[2]
     assert out.count("final val loss 2.5000") == 1 and "one averaged model" in out
+
+
+def test_plain_progress_also_prints_when_a_round_begins():
+    now = [0.0]
+    buffer = io.StringIO()
+    plain = PlainProgress(Console(file=buffer, width=200), clock=lambda: now[0])
+    for step in range(12):  # 0.1 s per step, 4 steps per round: far quicker than the interval
+        plain.update(f"step {step}", milestone=step // 4)
+        now[0] += 0.1
+    assert [line.rsplit(" ", 1)[1] for line in buffer.getvalue().splitlines()] == ["0", "4", "8"]

@@ -54,7 +54,7 @@ import torch
 from gossiploco import consensus
 from gossiploco.adaptive import AdaptiveMix2
 from gossiploco.blocks import group_by_block
-from gossiploco.checkpoint import NOT_IDENTITY, Checkpoint, CheckpointWriter, Snapshot
+from gossiploco.checkpoint import Checkpoint, CheckpointWriter, Snapshot, shared_config
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
@@ -96,11 +96,9 @@ def run_id_for(cfg: RunConfig) -> str:
     Peers started with different settings (seed, model, mixing, data...) get different ids, so
     their messages are rejected instead of silently mixed. The device and how it computes
     (``[compute]``: compilation, micro-batches, checkpointing, where the outer state lives) may differ per peer.
+    The tokenizer counts by its file's content, not its path (``checkpoint.shared_config``).
     """
-    shared = cfg.to_dict()
-    for own in NOT_IDENTITY:  # the device, how it computes, how it checkpoints: each peer's own choice
-        shared.pop(own, None)
-    digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(json.dumps(shared_config(cfg.to_dict()), sort_keys=True).encode()).hexdigest()[:12]
     return f"{cfg.name}-{digest}"
 
 

@@ -61,3 +61,14 @@ def test_plain_progress_also_prints_when_a_round_begins():
         plain.update(f"step {step}", milestone=step // 4)
         now[0] += 0.1
     assert [line.rsplit(" ", 1)[1] for line in buffer.getvalue().splitlines()] == ["0", "4", "8"]
+
+
+def test_a_summary_counts_the_workers_that_took_part_not_the_configured_number():
+    from gossiploco.config import load_config
+    from gossiploco.runtime.common import make_summary
+
+    cfg = load_config("diloco", {"workers": 4})
+    records = [{"round": 0, "members": 2}, {"round": 1, "members": 3}, {"round": 2, "members": 3}]
+    summary = make_summary(cfg, records, 2.0, 1.0)
+    assert summary["workers"] == 3 and summary["configured_workers"] == 4
+    assert make_summary(cfg, [{"round": 0}], 2.0, 1.0)["workers"] == 4  # the virtual swarm: all configured ones run

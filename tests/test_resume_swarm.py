@@ -71,6 +71,8 @@ def test_a_whole_swarm_stopped_with_ctrl_c_restarts_with_resume_at_the_same_roun
     for r in range(3):
         peer_summary = json.loads((out / f"peer-{r}" / "summary.json").read_text())
         assert peer_summary["interrupted"] and peer_summary["round_reached"] >= stopped[r], peer_summary
+    stopped_swarm = json.loads((out / "summary.json").read_text())
+    assert stopped_swarm["interrupted"] and stopped_swarm["val_loss_at_stop"] is not None  # no longer None
     cfg = load_config("globalm1-localm2", {"workers": 3, "rounds": 30, "inner_steps": 20, "model.size": "tiny", **SETS})
     expected = val_loss_of_average(out, range(3), cfg) if len(set(stopped.values())) == 1 else None
 

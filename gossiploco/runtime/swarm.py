@@ -113,7 +113,9 @@ class LocalSwarm:
         # a peer stopped before its end writes a summary too (``interrupted``): only finished runs count here
         done = [p["summary"] for p in peers if p["summary"] is not None and not p["summary"].get("interrupted")]
         losses = [s["final_val_loss"] for s in done if s.get("final_val_loss") is not None]
-        first = done[0] if done else {}
+        stopped = [p["summary"] for p in peers if p["summary"] is not None and p["summary"].get("interrupted")]
+        stopped_losses = [s["final_val_loss"] for s in stopped if s.get("final_val_loss") is not None]
+        first = done[0] if done else (stopped[0] if stopped else {})
         return {
             "config": first.get("config"),
             "run_id": first.get("run_id"),
@@ -126,6 +128,9 @@ class LocalSwarm:
             "wall_s": wall_s,
             "final_val_loss": sum(losses) / len(losses) if losses else None,
             "final_val_loss_spread": max(losses) - min(losses) if losses else None,
+            # a stopped swarm's model is in the peers' checkpoints; this is its last measured validation loss
+            "val_loss_at_stop": sum(stopped_losses) / len(stopped_losses) if stopped_losses else None,
+            "round_reached": max((s.get("round_reached", 0) for s in stopped), default=None),
             "max_cd_l2": max((s.get("max_cd_l2", 0.0) for s in done), default=None),
             "max_cd_js": max((s.get("max_cd_js", 0.0) for s in done), default=None),
             "compute_utilization": (sum(s.get("compute_utilization", 0.0) for s in done) / len(done)) if done else None,

@@ -128,7 +128,9 @@ def test_a_corpus_encoded_with_bpe_is_shorter_and_has_the_tokenizers_vocabulary(
     assert by_bpe.train.dtype == np.uint16 and by_bpe.vocab_size == tokenizer.vocab_size
     assert len(by_bpe.train) + len(by_bpe.val) < 0.6 * (len(by_bytes.train) + len(by_bytes.val))
     separators = lambda c: int((c.train == 0).sum() + (c.val == 0).sum())  # noqa: E731
-    assert separators(by_bpe) == separators(by_bytes) == len(files)  # one after each document
+    # one after each document (and one more where every document fell into one split, which the temporary
+    # directory's name decides: the loader then cuts the joined documents in two)
+    assert separators(by_bpe) == separators(by_bytes) in (len(files), len(files) + 1)
     assert int(by_bpe.train.max()) < tokenizer.vocab_size
     text = tokenizer.decode(by_bpe.train) + tokenizer.decode(by_bpe.val)
     assert sorted(text.splitlines()) == sorted(line for f in files for line in f.read_text().splitlines())

@@ -346,7 +346,7 @@ def oversize(sw: Swarm, ids: dict[int, int], learnt: dict) -> Result:
 
     def check(sw: Swarm) -> None:
         quiet = sw.baseline_hwm
-        model = (sw.peers.peer_dir(victim) / "model.pt").stat().st_size >> 10
+        model = (sw.peers.peer_dir(victim) / "model.safetensors").stat().st_size >> 10
         got = sw.hwm.get(victim, 0)
         res.happened.append(f"victim peak RSS {got >> 10} MiB vs quiet {quiet >> 10} MiB (+{RSS_SLACK_MIB} MiB + "
                             f"model {model} KiB allowed); {security(sw.summary(victim))}")

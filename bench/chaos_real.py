@@ -7,7 +7,8 @@
 What runs. One bootstrap DHT node (``gossiploco dht``) for the whole bench; per trial M peer processes
 ``python -m gossiploco peer --rank I --join BOOTSTRAP --swarm-key OUT/swarm.key --identity RUN/peer-I/identity.key
 --workers M`` with ranks 1..M (identities made so that peer ids increase with the rank), each in its own
-process group and output directory, a run id of their own (so no two trials ever mix) and the same
+process group and output directory, a run id of their own (so no two trials ever mix; ``--new-run``, since
+a peer killed in the previous trial stays in the swarm's list of runs for ``announce_ttl_s``) and the same
 training seed in every trial. The default config is ``globalm1-localm2`` scaled down like the tests'
 ``TINY`` (tiny model, 32-token sequences, batch 4, a 2 MB corpus slice), R = 12 rounds of H = 150
 *real* inner steps (7-25 ms each on this 2-core machine depending on its load, so a round takes 1-4 s
@@ -586,7 +587,7 @@ class Swarm:
         cmd = [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), "--join", self.ctx.bootstrap_addr,
                "--swarm-key", str(self.ctx.swarm_key), "--identity", str(self.identity(rank)),
                "--host", host, "--workers", str(self.spec.peers), "--out", str(out_dir), "--config", self.spec.config,
-               "--run-id", self.run_id, *peer_set_args(self.overrides)]
+               "--run-id", self.run_id, "--new-run", *peer_set_args(self.overrides)]
         return [*net.exec_prefix(rank), *cmd] if net else cmd
 
     def start(self, rank: int, env: dict[str, str] | None = None) -> Life:

@@ -227,7 +227,9 @@ def measure_swarm(bed: NatTestbed, out: Path, join: str, rate: float, args: argp
     sets = [a for k, v in overrides.items() if k != "workers" for a in ("--set", f"{k}={json.dumps(v)}")]
     d = out / f"swarm-{rate:g}-{ring_order}"
     load0, t0 = os.getloadavg(), time.monotonic()
-    with netns_peers([bed.host(h) for h in SWARM_HOSTS], d, ["--config", PRESET, "--quiet", *sets], env=child_env(),
+    # --new-run: each measured swarm is a run of its own beside the earlier ones' entries, which may outlive them
+    # (announce_ttl_s) where a tombstone did not get through a relay
+    with netns_peers([bed.host(h) for h in SWARM_HOSTS], d, ["--config", PRESET, "--quiet", "--new-run", *sets], env=child_env(),
                     join=join, swarm_key=out / "swarm.key") as peers:
         peers.start()
         codes = peers.wait(args.swarm_timeout_s)

@@ -42,7 +42,9 @@ def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None
 
 
 def _fail(exc: Exception) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a message's "[true, false]" is text, not a style
     raise typer.Exit(code=2)
 
 
@@ -122,9 +124,11 @@ def simulate(
     result.summary.update(run_config=cfg.to_dict(), **(writer.stats() if writer is not None else {}))
     sink.write_summary(result.summary)
     sink.close()
-    save_model(result.final_params, out)
+    from gossiploco.model_file import save_model
+
+    model_path = save_model(result.final_params, out, cfg.to_dict())
     print_summary([result.summary])
-    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {out / 'model.pt'}")
+    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {model_path}")
 
 
 @app.command()
@@ -140,7 +144,8 @@ def peer(
     port: int = typer.Option(0, "--port", help="With --join: data-plane TCP port (0: any free port)."),
     announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
     dht_port: int = typer.Option(0, "--dht-port", help="With --join: TCP port of this peer's own DHT node (0: any; give one, forwarded, with --announce behind NAT)."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: peers to wait for before the first round (default: the preset's)."),
+    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: the number of peers of the run, waited for before the first round (default: the preset's); every peer needs the same value."),
+    new_run: bool = typer.Option(False, "--new-run", help="With --join: start this run even though the swarm runs another one with other settings (else this peer is refused, the differences named)."),
     resume: bool = RESUME,
     relay: Optional[list[str]] = typer.Option(None, "--relay", help="With --join: a relay multiaddr (/ip4/HOST/tcp/PORT/p2p/ID: a reachable DHT node) for when this peer is behind NAT; repeatable (default: the --join nodes)."),
     reachability: str = typer.Option("auto", "--reachability", help="With --join: auto (a dial-back check at start), public (skip the check: others can dial --announce) or nat (behind NAT: reverse connections and relays)."),
@@ -187,7 +192,7 @@ def peer(
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
-                               relays=relay or [], reachability=reachability)
+                               relays=relay or [], reachability=reachability, new_run=new_run)
             rank = trust.peer_id
         else:
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id,
@@ -234,6 +239,10 @@ def peer(
     try:
         result = node.run(sink, on_record, writer)
     except KeyboardInterrupt:
+        if _forget_unstarted_run(sink, out, resume):
+            stop_checkpoints(writer, out, interrupted=False)  # nothing was submitted: this only stops its thread
+            console.print(f"[yellow]interrupted[/] before the first round: nothing kept in {out}")
+            raise typer.Exit(code=130)
         sink.write_summary({**node.summary_so_far(), "run_config": cfg.to_dict()})
         sink.close()
         stop_checkpoints(writer, out, interrupted=True)
@@ -241,14 +250,28 @@ def peer(
     except GossiplocoError as exc:
         sink.close()
         stop_checkpoints(writer, out, interrupted=False)
+        _forget_unstarted_run(sink, out, resume)
         _fail(exc)
     stop_checkpoints(writer, out, interrupted=False)
     result.summary.update(run_config=cfg.to_dict(), **(writer.stats() if writer is not None else {}))
     sink.write_summary(result.summary)
     sink.close()
-    save_model(result.final_params, out)
+    from gossiploco.model_file import save_model
+
+    model_path = save_model(result.final_params, out, cfg.to_dict())
     print_summary([result.summary])
-    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {out / 'model.pt'}")
+    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {model_path}")
+
+
+def _forget_unstarted_run(sink, out: Path, resume: bool) -> bool:
+    """A peer stopped before its first record (refused at start, or Ctrl+C while it waited for the others, to
+    restart it with other settings) leaves no run in ``out``, so the corrected command may use it again. True
+    when it removed it."""
+    if resume or sink.records:
+        return False
+    sink.close()
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    return True
 
 
 def _raise_interrupt(signum, frame) -> None:
@@ -445,14 +468,6 @@ def swarm(
         raise typer.Exit(code=1)
 
 
-def save_model(params: dict, out: Path) -> None:
-    """The final (averaged) parameters as a plain tensor state dict: ``torch.load(path, weights_only=True)``."""
-    import torch
-
-    out.mkdir(parents=True, exist_ok=True)
-    torch.save({n: t.contiguous() for n, t in params.items()}, out / "model.pt")
-
-
 def parse_sets(items: list[str]) -> dict:
     """``["inner.lr=3e-4", "mix2.blocks=['embed']"]`` -> dotted overrides; values parse as TOML, else strings."""
     import tomllib
@@ -598,3 +613,7 @@ def plot(
 
 
 app.add_typer(tokenizer_app, name="tokenizer")
+
+from gossiploco.cli_model import register as register_model_commands  # noqa: E402 - after the app exists
+
+register_model_commands(app)

@@ -2,6 +2,7 @@
 
     GossiplocoError                 base of everything raised on purpose
     ├── ConfigError                 a config field or CLI flag is wrong (the message names the field)
+    │   └── RunMismatch             a run with other settings is going in the swarm this peer joins
     ├── DataError                   the corpus is missing, empty, unreadable or too short
     ├── DirectoryError              the peer directory (hivemind DHT) cannot start or be joined
     │   └── DirectoryClosed         this side's directory was closed
@@ -35,6 +36,14 @@ class ConfigError(GossiplocoError, ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class RunMismatch(ConfigError):
+    """The swarm a peer joins already runs a run with other settings than the peer's (the message names
+    every differing field and how to fix it; ``runtime.run_match``)."""
+
+    def __init__(self, message: str):
+        super().__init__("run", message)
 
 
 class DataError(GossiplocoError):

@@ -39,6 +39,7 @@ from gossiploco.membership import (
     start_bootstrap,
 )
 from gossiploco.membership.bootstrap import load_saved_peers, usable_maddrs
+from gossiploco.membership.runs import RunEntry
 from gossiploco.runtime.launch import free_ports
 
 TTL_S = 2.0
@@ -289,6 +290,25 @@ def test_two_runs_on_one_swarm_never_see_each_other(swarm):
 
 
 @pytest.mark.timeout(60)
+def test_every_run_of_a_swarm_sees_each_runs_entry_while_its_peer_is_there(swarm):
+    red, blue = swarm("red"), swarm("blue")
+    entries = {0: RunEntry(0, "red", {"workers": 2}), 1: RunEntry(1, "blue", {"workers": 3}, separate=True)}
+    for peer, directory in ((0, red), (1, blue)):
+        directory.announce(record(peer))
+        directory.announce_run(entries[peer])
+        assert directory.runs()[peer] == entries[peer]  # its own at once
+    assert wait_until(lambda: red.runs() == entries and blue.runs() == entries), (red.runs(), blue.runs())
+    assert keys_of(blue) == [1]  # the runs' peer records stay apart
+    deadline = time.monotonic() + 1.5 * TTL_S  # refreshed with the record: still there after its ttl
+    while time.monotonic() < deadline:
+        assert blue.runs() == entries
+    red.close()  # leaving withdraws the entry with the record
+    assert wait_until(lambda: list(blue.runs()) == [1], TTL_S / 2), blue.runs()
+    with pytest.raises(DirectoryClosed):
+        red.runs()
+
+
+@pytest.mark.timeout(60)
 def test_misuse_and_closed_directories_raise_clear_errors(swarm):
     a, b = swarm(), swarm()
     with pytest.raises(DirectoryError, match="before announce"):
@@ -405,6 +425,27 @@ def test_malformed_and_incompatible_records_are_dropped_and_counted(bootstrap, d
     assert keys_of(reader) == [0]
     assert (reader.malformed_records, reader.incompatible_records) == (3, 1)  # each counted once
     assert "protocol version 99" in caplog.text and "peer must be in" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_forged_and_malformed_run_entries_are_dropped_and_counted(bootstrap, dht_dirs, caplog):
+    reader, writer = dht_dirs("red", bootstrap), dht_dirs("blue", bootstrap)
+    good = RunEntry(0, "red", {"workers": 2})
+    reader.announce_run(good)
+    expiration = time.time() + 30  # distinct per store: hivemind orders equal expirations by subkey
+    wire = RunEntry(1, "blue", {"workers": 3}).to_wire()
+    writer._dht.store(writer.runs_key, {**wire, "version": 7}, expiration, subkey=1)
+    writer._dht.store(writer.runs_key, {**wire, "peer": 2, "config": {"a": "x" * 5000}}, expiration + 0.1, subkey=2)
+    writer._dht.store(writer.runs_key, {**wire, "peer": 3}, expiration + 0.2, subkey=4)  # under another peer's subkey
+    writer._dht.store(writer.runs_key, "x" * 10_000, expiration + 0.3, subkey="junk")
+
+    def all_seen() -> bool:
+        reader.runs()
+        return (reader.malformed_records, reader.incompatible_records) == (3, 1)
+
+    assert wait_until(all_seen), (reader.malformed_records, reader.incompatible_records)
+    assert reader.runs() == {0: good}
+    assert "printable text" in caplog.text and "stored under subkey" in caplog.text
 
 
 @pytest.mark.timeout(30)

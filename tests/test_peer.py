@@ -33,7 +33,9 @@ def summary(peers: LocalPeers, rank: int) -> dict:
 
 
 def model(peers: LocalPeers, rank: int) -> dict[str, torch.Tensor]:
-    return torch.load(peers.peer_dir(rank) / "model.pt", weights_only=True)
+    from safetensors.torch import load_file
+
+    return load_file(peers.peer_dir(rank) / "model.safetensors")
 
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -95,6 +95,7 @@ def test_a_restarted_bootstrap_node_does_not_stop_a_running_swarm(tmp_path):
 @pytest.mark.timeout(240)
 def test_two_runs_on_one_dht_never_mix(tmp_path, bootstrap):
     args = tiny_peer_args("globalm1-localm2", rounds=3)
+    args += ["--new-run"]  # two runs in one swarm on purpose (else whichever starts second is refused, its settings differing)
     with LocalPeers(2, tmp_path / "a", [*args, "--run-id", "run-a"], env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as a, \
             LocalPeers(2, tmp_path / "b", [*args, "--run-id", "run-b", "--set", "seed=1"], env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as b:
         a.start()
@@ -114,6 +115,7 @@ def test_two_runs_on_one_dht_never_mix(tmp_path, bootstrap):
 @pytest.mark.timeout(120)
 def test_ctrl_c_makes_a_peer_leave_and_the_others_drop_it_at_once(tmp_path, bootstrap):
     args = tiny_peer_args("globalm1-localm2", rounds=40, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    args.remove("--quiet")  # a goodbye is routine news, logged at info level, which --quiet leaves out
     with LocalPeers(3, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start()
         assert wait_until(lambda: reached_round(peers, 0, 2), 90), peers.log(0)[-2000:]
@@ -161,7 +163,7 @@ def test_swarm_command_runs_the_main_job_and_writes_summaries(tmp_path):
     assert swarm["workers"] == 3 == swarm["configured_workers"]
     assert swarm["final_val_loss_spread"] == 0.0  # one averaged model
     for rank in range(3):
-        assert (out / f"peer-{rank}" / "summary.json").exists() and (out / f"peer-{rank}" / "model.pt").exists()
+        assert (out / f"peer-{rank}" / "summary.json").exists() and (out / f"peer-{rank}" / "model.safetensors").exists()
 
 
 @pytest.mark.timeout(180)

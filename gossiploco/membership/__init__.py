@@ -1,6 +1,7 @@
 """Membership: finding the peers of a run (the only package that imports hivemind).
 
-``record`` is what a peer tells its run about itself (``PeerRecord``, validated strictly);
+``record`` is what a peer tells its run about itself (``PeerRecord``, validated strictly), ``runs``
+what it tells every run of the swarm (its run's id and settings, ``RunEntry``);
 ``directory`` holds the ``Directory`` interface with its in-memory and hivemind-DHT
 implementations; ``bootstrap`` starts the DHT node new peers join through; ``lifeline`` makes the
 DHT's processes (hivemind's DHT process and its p2pd) die with the process that started them, even

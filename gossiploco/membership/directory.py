@@ -45,6 +45,11 @@ other's records even on a shared DHT.
   ``incompatible_records``), and so are expired ones. When the DHT does not answer in time,
   ``peers()`` logs why and returns the last records it knew that have not expired.
 
+The swarm's list of runs (``gossiploco.membership.runs``): besides its record, a peer announces
+one ``RunEntry`` (its run id and settings) under a key of the whole swarm, with the same subkey,
+expirations, heartbeat and tombstone as its record (``announce_run``, ``runs``), so a peer about to
+start can see the runs already going and whether its settings differ from theirs.
+
 Bootstrap restarts: a node that fails to answer is dropped from hivemind's routing tables, and a
 restarted bootstrap node starts with an empty table, so after a restart the swarm and the
 bootstrap node would not know each other, and a peer joining through it would find nobody. Two
@@ -97,6 +102,7 @@ from gossiploco.errors import ConfigError, DirectoryClosed, DirectoryError
 from gossiploco.membership.dht_node import (_TIMEOUTS, check_announce_maddrs, check_initial_peers, host_maddr,
                                             reconnect, start_dht, visible_maddrs)
 from gossiploco.membership.record import IncompatibleRecord, PeerRecord
+from gossiploco.membership.runs import RunEntry, runs_key
 from gossiploco.security.identity import peer_id_of
 
 if TYPE_CHECKING:
@@ -146,8 +152,17 @@ class Directory(ABC):
         """The live records of this run by peer id, this peer's own included."""
 
     @abstractmethod
+    def announce_run(self, entry: RunEntry) -> None:
+        """Publish this peer's line in the swarm's list of runs; it is refreshed, withdrawn and expires
+        with the peer's record. Blocks like ``announce``."""
+
+    @abstractmethod
+    def runs(self) -> dict[int, RunEntry]:
+        """The swarm's live run entries by peer id, every run's (this peer's own included); blocks like ``peers``."""
+
+    @abstractmethod
     def withdraw(self) -> None:
-        """Remove this peer's record now (best effort). A no-op when nothing is announced."""
+        """Remove this peer's record and run entry now (best effort). A no-op when nothing is announced."""
 
     @abstractmethod
     def close(self) -> None:
@@ -227,10 +242,11 @@ class MemoryDirectoryHub:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[tuple[str, int], tuple[PeerRecord, float]] = {}
-        """(run id, peer id) -> (record, expiry time on ``clock``; ``inf`` while its owner is alive)."""
+        self._entries: dict[tuple[str, int], tuple[PeerRecord | RunEntry, float]] = {}
+        """(run id, peer id) -> (record, expiry time on ``clock``; ``inf`` while its owner is alive); the
+        swarm's list of runs is the run ``RUNS_BOARD``."""
 
-    def _put(self, run_id: str, record: PeerRecord, expires_at: float = math.inf) -> None:
+    def _put(self, run_id: str, record: PeerRecord | RunEntry, expires_at: float = math.inf) -> None:
         with self._lock:
             self._entries[run_id, record.peer] = (record, expires_at)
 
@@ -238,12 +254,17 @@ class MemoryDirectoryHub:
         with self._lock:
             self._entries.pop((run_id, peer), None)
 
-    def _live(self, run_id: str) -> dict[int, PeerRecord]:
+    def _live(self, run_id: str) -> dict[int, Any]:
         now = self.clock()
         with self._lock:
             for key in [k for k, (_, expires_at) in self._entries.items() if expires_at <= now]:
                 del self._entries[key]
             return dict(sorted((peer, record) for (run, peer), (record, _) in self._entries.items() if run == run_id))
+
+
+RUNS_BOARD = ""
+"""A ``MemoryDirectoryHub`` keeps the swarm's list of runs as the entries of this run id (no run's id
+is empty)."""
 
 
 class MemoryDirectory(Directory):
@@ -261,6 +282,7 @@ class MemoryDirectory(Directory):
         self.ttl_s = float(ttl_s)
         self._lock = threading.Lock()
         self._record: PeerRecord | None = None
+        self._run_entry: RunEntry | None = None
         self._closed = False
 
     def announce(self, record: PeerRecord) -> None:
@@ -269,6 +291,17 @@ class MemoryDirectory(Directory):
             if old is not None and old.peer != record.peer:
                 self.hub._remove(self.run_id, old.peer)
             self.hub._put(self.run_id, record)
+
+    def announce_run(self, entry: RunEntry) -> None:
+        with self._lock:
+            self._check_open()
+            self._run_entry = entry
+            self.hub._put(RUNS_BOARD, entry)
+
+    def runs(self) -> dict[int, RunEntry]:
+        with self._lock:
+            self._check_open()
+        return self.hub._live(RUNS_BOARD)
 
     def update(self, **fields: Any) -> None:
         with self._lock:
@@ -292,6 +325,9 @@ class MemoryDirectory(Directory):
         if self._record is not None:
             self.hub._remove(self.run_id, self._record.peer)
             self._record = None
+        if self._run_entry is not None:
+            self.hub._remove(RUNS_BOARD, self._run_entry.peer)
+            self._run_entry = None
 
     def simulate_crash(self) -> None:
         """Stop refreshing the record without withdrawing it (it expires ``ttl_s`` from now); closes this directory."""
@@ -300,6 +336,8 @@ class MemoryDirectory(Directory):
             self._closed = True
             if self._record is not None:
                 self.hub._put(self.run_id, self._record, self.hub.clock() + self.ttl_s)
+            if self._run_entry is not None:
+                self.hub._put(RUNS_BOARD, self._run_entry, self.hub.clock() + self.ttl_s)
 
     def close(self) -> None:
         with self._lock:
@@ -357,6 +395,8 @@ class DhtDirectory(Directory):
         self.run_id = _check_run_id(run_id)
         self.trust = trust
         self.key = trust.swarm.dht_key(run_id) if trust is not None and trust.swarm is not None else dht_key(run_id)
+        self.runs_key = runs_key(trust.swarm if trust is not None else None)
+        """The DHT key of the swarm's list of runs (``membership.runs``)."""
         self.ttl_s, self.heartbeat_s, self.timeout_s = float(ttl_s), float(heartbeat_s), float(timeout_s)
         self.initial_peers = check_initial_peers(initial_peers)
         announce_maddrs = check_announce_maddrs(announce_maddrs)
@@ -369,6 +409,8 @@ class DhtDirectory(Directory):
         self._lock = threading.Lock()  # guards the fields below
         self._dht_lock = threading.Lock()  # serializes requests on the DHT's pipe (not thread-safe)
         self._record: PeerRecord | None = None
+        self._run_entry: RunEntry | None = None
+        self._known_runs: dict[int, tuple[RunEntry, float]] = {}  # last run entries read
         self._last_expiration = -math.inf  # latest expiration this directory stored; only grows
         self._known: dict[int, tuple[PeerRecord, float]] = {}  # last records read: peer -> (record, expiration)
         self._reported: set[tuple[str, float]] = set()  # bad entries already warned about
@@ -432,30 +474,52 @@ class DhtDirectory(Directory):
         return entry_subkey(self.trust.swarm, peer)
 
     def _store(self, peer: int, value: dict | None, expiration: float, timeout_s: float | None = None) -> bool:
-        """Store one subkey within ``timeout_s`` (default: the directory's); True when at least one
-        DHT node accepted it. Logs, never raises."""
+        """Store one subkey of the run's key within ``timeout_s`` (default: the directory's); True when at
+        least one DHT node accepted it. Logs, never raises."""
+        return self._store_each([(self.key, peer, value)], expiration, timeout_s)[0]
+
+    def _store_each(self, items: list[tuple[str, int, dict | None]], expiration: float,
+                    timeout_s: float | None = None) -> list[bool]:
+        """Store peer ``peer``'s subkey of ``key`` with ``value`` for each ``(key, peer, value)``, all at once,
+        within ``timeout_s`` (default: the directory's) in all; whether each was accepted by at least one
+        DHT node. Logs, never raises."""
         if not self._dht_alive():
-            return False
+            return [False] * len(items)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        accepted = []
         try:
             with self._dht_lock:
-                future = self._dht.store(self.key, value, expiration_time=expiration, subkey=self._subkey(peer),
-                                         return_future=True)
-            return bool(future.result(timeout=timeout_s))
-        except _TIMEOUTS:
-            log.debug("run %s: storing the record of peer %d timed out after %g s", self.run_id, peer, timeout_s)
+                futures = [self._dht.store(key, value, expiration_time=expiration, subkey=self._subkey(peer),
+                                           return_future=True) for key, peer, value in items]
         except Exception as exc:  # a dead DHT process breaks its pipe; hivemind raises various types
-            log.debug("run %s: storing the record of peer %d failed: %r", self.run_id, peer, exc)
-        return False
+            log.debug("run %s: storing %d entries failed: %r", self.run_id, len(items), exc)
+            return [False] * len(items)
+        for (key, peer, _), future in zip(items, futures):
+            try:
+                accepted.append(bool(future.result(timeout=max(0.0, deadline - time.monotonic()))))
+                continue
+            except _TIMEOUTS:
+                log.debug("run %s: storing peer %d's entry of %s timed out after %g s", self.run_id, peer, key, timeout_s)
+            except Exception as exc:
+                log.debug("run %s: storing peer %d's entry of %s failed: %r", self.run_id, peer, key, exc)
+            accepted.append(False)
+        return accepted
 
     def _publish(self) -> None:
-        """Store the current record with a fresh expiration (if one is announced)."""
+        """Store the current record and run entry with a fresh expiration (if one is announced)."""
         with self._lock:
-            record = self._record
-            if record is None:
+            record, entry = self._record, self._run_entry
+            if record is None and entry is None:
                 return
             expiration = self._next_expiration()
-        ok = self._store(record.peer, record.to_wire(), expiration)
+        items = [(self.runs_key, entry.peer, entry.to_wire())] if entry is not None else []
+        if record is not None:
+            items.append((self.key, record.peer, record.to_wire()))
+        accepted = self._store_each(items, expiration)
+        if record is None:
+            return
+        ok = accepted[-1]
         if not ok and not self._publish_failing:
             log.warning("run %s: could not publish peer %d's record to the DHT; retrying every %g s",
                         self.run_id, record.peer, self.heartbeat_s)
@@ -499,6 +563,12 @@ class DhtDirectory(Directory):
         with self._lock:
             self._record = self._updated_record(fields)
 
+    def announce_run(self, entry: RunEntry) -> None:
+        with self._lock:
+            self._check_open()
+            self._run_entry = entry
+        self._publish()
+
     def publish_now(self) -> None:
         """Store the current record now instead of at the next heartbeat (bounded by the deadline)."""
         self._publish()
@@ -514,30 +584,38 @@ class DhtDirectory(Directory):
             raise DirectoryError(f"the DHT process could not run {getattr(fn, 'func', fn).__name__}: "
                                  f"{type(exc).__name__}: {exc}") from exc
 
-    def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
-        """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
+    def _get_latest(self, key: str, what: str) -> dict | None:
+        """The entries of dictionary ``key`` (subkey -> hivemind's ``ValueWithExpiration``; {} if none), or
+        None when the DHT did not answer (``what``: how the warning names them)."""
         if not self._dht_alive():
             return None
         try:
             with self._dht_lock:
-                future = self._dht.get(self.key, latest=True, return_future=True)
+                future = self._dht.get(key, latest=True, return_future=True)
             found = future.result(timeout=self.timeout_s)
         except _TIMEOUTS:
-            log.warning("run %s: the DHT did not answer within %g s; using the last known peers",
-                        self.run_id, self.timeout_s)
+            log.warning("run %s: the DHT did not answer within %g s; using the last known %s",
+                        self.run_id, self.timeout_s, what)
             return None
         except Exception as exc:
-            log.warning("run %s: reading peers from the DHT failed (%r); using the last known peers", self.run_id, exc)
+            log.warning("run %s: reading %s from the DHT failed (%r); using the last known ones", self.run_id, what, exc)
             return None
         if found is None:
             return {}
         if not isinstance(found.value, dict):
-            self._report(("<key>", found.expiration_time), "malformed",
-                         f"key {self.key!r} holds a {type(found.value).__name__}, not a dictionary of records")
+            self._report((f"<{key}>", found.expiration_time), "malformed",
+                         f"key {key!r} holds a {type(found.value).__name__}, not a dictionary of records")
             return {}
+        return found.value
+
+    def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
+        """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
+        found = self._get_latest(self.key, "peers")
+        if found is None:
+            return None
         now = _dht_time()
         records: dict[int, tuple[PeerRecord, float]] = {}
-        for subkey, item in found.value.items():
+        for subkey, item in found.items():
             value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
             if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
                 continue  # expired, or a withdrawn record's tombstone
@@ -559,6 +637,38 @@ class DhtDirectory(Directory):
                 continue
             records[record.peer] = (record, float(expiration))
         return records
+
+    def runs(self) -> dict[int, RunEntry]:
+        with self._lock:
+            self._check_open()
+        found = self._get_latest(self.runs_key, "runs of the swarm")
+        now = _dht_time()
+        if found is not None:
+            entries: dict[int, tuple[RunEntry, float]] = {}
+            for subkey, item in found.items():
+                value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
+                if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
+                    continue  # expired, or a departed peer's tombstone
+                tag = (f"runs/{repr(subkey)[:64]}", float(expiration))
+                try:
+                    entry = RunEntry.from_wire(value)
+                except IncompatibleRecord as exc:
+                    self._report(tag, "incompatible", f"ignoring the run entry under subkey {tag[0]}: {exc}")
+                    continue
+                except ValueError as exc:
+                    self._report(tag, "malformed", f"ignoring a malformed run entry under subkey {tag[0]}: {exc}")
+                    continue
+                if subkey != self._subkey(entry.peer):
+                    self._report(tag, "malformed", f"ignoring a run entry of peer {entry.peer} stored under subkey {tag[0]}")
+                    continue
+                entries[entry.peer] = (entry, float(expiration))
+            with self._lock:
+                self._known_runs = entries
+        with self._lock:
+            live = {peer: entry for peer, (entry, expiration) in self._known_runs.items() if expiration > now}
+            if self._run_entry is not None:
+                live[self._run_entry.peer] = self._run_entry
+        return dict(sorted(live.items()))
 
     def confirm_swarm(self) -> None:
         """Check that the DHT joined holds this run's swarm beacon, which only a bootstrap node holding
@@ -621,11 +731,16 @@ class DhtDirectory(Directory):
     def _withdraw(self, timeout_s: float | None = None) -> None:
         with self._lock:
             record, self._record = self._record, None
-            if record is None:
+            entry, self._run_entry = self._run_entry, None
+            if record is None and entry is None:
                 return
             expiration = self._next_expiration()
-            self._known.pop(record.peer, None)
-        if not self._store(record.peer, None, expiration, timeout_s):
+            if record is not None:
+                self._known.pop(record.peer, None)
+        items = [(self.runs_key, entry.peer, None)] if entry is not None else []
+        if record is not None:
+            items.append((self.key, record.peer, None))
+        if not self._store_each(items, expiration, timeout_s)[-1] and record is not None:
             log.warning("run %s: could not withdraw peer %d's record; it expires within %g s",
                         self.run_id, record.peer, self.ttl_s)
 

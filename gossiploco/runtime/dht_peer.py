@@ -14,6 +14,7 @@ from gossiploco.reach.dialback import Reachability, check_reachability, describe
 from gossiploco.reach.paths import Reach
 from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import NetworkPeer
+from gossiploco.runtime.run_match import RunWatch
 from gossiploco.security.trust import Trust
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def find_reachability(mode: str, join: list[str], host: str, port: int, timeout_
 
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
                 announce: str | None, run_id: str, dht_port: int = 0, *, relays: list[str] | None = None,
-                reachability: str = "auto") -> NetworkPeer:
+                reachability: str = "auto", new_run: bool = False) -> NetworkPeer:
     """A ``NetworkPeer`` that finds its run through the DHT at ``join`` (bootstrap multiaddrs), listens
     on ``host:port``, and tells the others ``announce`` (``HOST`` or ``HOST:PORT``); ``dht_port``
     fixes its DHT node's port. ``stream``: its data stream (default: its peer id).
@@ -41,7 +42,8 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     ``find_reachability``), prints it, and publishes it: a reachable peer without ``--announce``
     advertises the address the checker reached; a peer behind NAT runs its DHT node as a client
     connected to its ``relays`` (default: the ``join`` nodes) and is reached by reverse
-    connections and relayed streams (``gossiploco.reach.paths``)."""
+    connections and relayed streams (``gossiploco.reach.paths``). ``new_run``: start this run even where
+    the swarm runs another one (``runtime.run_match``)."""
     t = cfg.timeouts
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]
     relays = check_initial_peers(relays) if relays else []
@@ -71,10 +73,14 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
                              heartbeat_s=t.discovery_s, timeout_s=t.hello_s + 5, trust=trust, behind_nat=behind_nat,
                              relays=relay_list)
     try:
+        # Before the model is built (minutes, compiled): a wrong swarm key, or other settings than the run
+        # going in the swarm, stop the peer at once (``NetworkPeer`` checks again before it announces itself)
+        directory.confirm_swarm()
+        RunWatch.for_config(cfg, run_id, trust.peer_id, new_run=new_run).check_start(directory.runs())
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
                       p2p=directory.p2p_id, verified=found.checker is not None)
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
-                           run_id=run_id, trust=trust, stream=stream, reach=reach)
+                           run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run)
     except BaseException:
         directory.close()
         raise

@@ -5,11 +5,13 @@ same class, only the exchange is a ``ZmqExchange``. Inner steps run on the main 
 when available), Mix1 on the algorithm's background thread, Mix2 and the outer step block.
 
 Finding the others: a static list of every peer's address, or a ``Directory`` (the hivemind
-DHT, ``--join``): then the peer checks that its advertised endpoint answers, announces itself
-(endpoint, round, tokens; refreshed every ``timeouts.discovery_s``), connects to every peer of its
-run it finds (``ZmqExchange.add_peer``, again every ``discovery_s``), and a fresh swarm starts
-round 0 together once ``workers`` peers are in (at most ``startup_s``). Closing withdraws the
-announcement and tells the others it leaves.
+DHT, ``--join``): then the peer checks that its settings match the run going in the swarm
+(``run_match``: refused, naming the differences, unless ``--new-run``) and that its advertised
+endpoint answers, announces itself (endpoint, round, tokens; refreshed every ``timeouts.discovery_s``)
+and its run's settings, connects to every peer of its run it finds (``ZmqExchange.add_peer``, again
+every ``discovery_s``), and a fresh swarm starts round 0 together once ``workers`` peers are in (at
+most ``startup_s``, saying meanwhile who is here and who is missing: ``waiting_line``). Closing
+withdraws the announcement and tells the others it leaves.
 
 Start-up (``_join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
 then ask the connected peers which round they are in (``timeouts.hello_s``). If one is already
@@ -69,6 +71,8 @@ from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
+from gossiploco.runtime.run_match import RunWatch
+from gossiploco.runtime.waiting_line import WaitingReport, short_start_line
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -88,6 +92,8 @@ BOUNDARY_POLL_S = 0.25
 """How often a catching-up peer asks the others' rounds while it waits for the next round to begin."""
 LEAVE_LINGER_S = 2.0
 """After its last exchange a finishing peer keeps its sockets this long so its final chunks arrive."""
+RUN_WATCH_EVERY = 5
+"""A running peer reads the swarm's list of runs every this many ``discovery_s`` (a run started beside it)."""
 
 
 def run_id_for(cfg: RunConfig) -> str:
@@ -141,7 +147,8 @@ class NetworkPeer:
     def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str] | None = None, *,
                  directory: Directory | None = None, bind: str | None = None, advertise: str | None = None,
                  run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None,
-                 trust: Trust | None = None, stream: int | None = None, reach: Reach | None = None):
+                 trust: Trust | None = None, stream: int | None = None, reach: Reach | None = None,
+                 new_run: bool = False):
         if (endpoints is None) == (directory is None):
             raise ConfigError("peers", "give either a static peer list or a directory to join, not both or neither")
         if endpoints is not None:
@@ -176,6 +183,8 @@ class NetworkPeer:
         self.run_id = run_id or run_id_for(cfg)
         chunk = int(cfg.transport.chunk_mb * (1 << 20)) // 4 * 4
         t = cfg.timeouts
+        self.runs = RunWatch.for_config(cfg, self.run_id, rank, new_run=new_run)
+        """The other runs of the swarm (with a directory): ``new_run`` starts beside them on purpose."""
         deadlines = AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor)
         self.directory = directory
         self.trust = trust
@@ -316,8 +325,8 @@ class NetworkPeer:
     def _join(self) -> int:
         """Wait for the others, ask where they are; returns the round this peer starts with."""
         ex, t = self.exchange, self.cfg.timeouts
-        if self.directory is not None:
-            self._discover_at_start()
+        started = time.monotonic()
+        deadline = self._discover_at_start() if self.directory is not None else started + t.startup_s
         if not ex.wait_connected(t.startup_s if self.directory is None else t.hello_s):
             log.warning("rank %d: peers %s not connected after %.0fs; starting without them until they say hello",
                         self.rank, ex.drop_unconnected(), t.startup_s)
@@ -328,20 +337,26 @@ class NetworkPeer:
         ahead = {p: r for p, r in rounds.items() if r > k}
         if not ahead:
             ex.announce(k)
-            if self.directory is not None:  # start together once `workers` peers are in
-                members = ex.wait_members(k, self.cfg.workers, t.startup_s)
+            if self.directory is not None:  # start together once `workers` peers are in, or with those here by the deadline
+                # (at least hello_s more: peers found just before it are still saying which round they start)
+                members = ex.wait_members(k, self.cfg.workers, max(deadline - time.monotonic(), t.hello_s))
                 if len(members) < self.cfg.workers:
-                    log.warning("rank %d: starting round %d with %s (%d of %d peers); others join when they come",
-                                self.rank, k, members, len(members), self.cfg.workers)
+                    log.warning("rank %d: %s", self.rank, short_start_line(k, members, self.cfg.workers,
+                                                                           time.monotonic() - started))
             return k
         return self._catch_up(ahead, fresh=k == 0, current=k, resumed=k > 0)
 
-    def _discover_at_start(self) -> None:
-        """Check this peer is reachable, announce it, and wait (up to ``timeouts.startup_s``) until
-        ``workers`` peers of the run are known or the run is found already going."""
+    def _discover_at_start(self) -> float:
+        """Check this peer's settings match the run going in the swarm (``RunMismatch`` if not) and that it
+        is reachable, announce it, and wait (up to ``timeouts.startup_s``, saying so) until ``workers`` peers
+        of the run are known or the run is found already going. Returns that deadline (``time.monotonic``)."""
         ex, t, directory = self.exchange, self.cfg.timeouts, self.directory
         assert directory is not None
         directory.confirm_swarm()  # a wrong swarm key stops here, with the reason
+        others = self.runs.check_start(directory.runs())  # other settings than the run going here stop here, named
+        if others:
+            log.info("rank %d: starting run %s beside the other runs of this swarm (--new-run): %s", self.rank,
+                     self.run_id, "; ".join(run.label() for run in others))
         if self.reach.reachable and not self.reach.verified and not ex.check_reachable(t.hello_s):
             host_port = self.endpoint.removeprefix("tcp://")
             raise ExchangeError(
@@ -359,21 +374,37 @@ class NetworkPeer:
         if not reach.reachable and self.paths.run_in_node is not None:  # others' relayed streams end at our ROUTER
             bind_host, port = self.exchange.bound.removeprefix("tcp://").rsplit(":", 1)
             self.paths.run_in_node(partial(serve_tunnel, router_host=bind_host, router_port=int(port)))
+        directory.announce_run(self.runs.entry)
         directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0, key=key, reachable=reach.reachable,
                                       p2p=reach.p2p, relays=reach.relays))
         deadline = time.monotonic() + t.startup_s
+        waiting, runs_read = WaitingReport(self.cfg.workers, deadline), time.monotonic()
         while True:
             records = self._sync_peers()
-            if len(records) >= self.cfg.workers or any(r.round >= 1 for r in records.values()):
-                break
-            if time.monotonic() > deadline:
-                log.warning("rank %d: %d of %d peers found after %.0fs; starting with them (others join when they come)",
-                            self.rank, len(records), self.cfg.workers, t.startup_s)
-                break
+            going = {p: r.round for p, r in records.items() if r.round >= 1}
+            if going:
+                log.info("rank %d: run %s is already going (%d peers, in round %d at most): joining it", self.rank,
+                         self.run_id, len(going), max(going.values()))
+            now = time.monotonic()
+            if len(records) >= self.cfg.workers or going or now > deadline:
+                break  # short of peers: one warning when the first round starts (_join)
+            line = waiting.update(now, list(records))
+            if line is not None:
+                log.info("rank %d: %s", self.rank, line)
+            if now - runs_read >= t.discovery_s:  # a run started beside this one at the same moment
+                runs_read = now
+                self._watch_runs()
             if self._stop_discovery.wait(0.25):
                 break
         self._discovery = threading.Thread(target=self._discovery_loop, name=f"discovery-{self.rank}", daemon=True)
         self._discovery.start()
+        return deadline
+
+    def _watch_runs(self) -> None:
+        """Warn once about each run with other settings that started beside this one (``run_match``)."""
+        assert self.directory is not None
+        for warning in self.runs.warnings(self.directory.runs()):
+            log.warning("rank %d: %s", self.rank, warning)
 
     def _sync_peers(self) -> dict[int, PeerRecord]:
         """The run's announced peers; connects to new ones (or ones that moved)."""
@@ -388,10 +419,14 @@ class NetworkPeer:
     def _discovery_loop(self) -> None:
         """Every ``timeouts.discovery_s``: find new peers, publish this one's round and tokens."""
         assert self.directory is not None
+        ticks = 0
         while not self._stop_discovery.wait(self.cfg.timeouts.discovery_s):
+            ticks += 1
             try:
                 self._sync_peers()
                 self.directory.update(round=max(self.exchange.current_round, -1), tokens=self._tokens)
+                if ticks % RUN_WATCH_EVERY == 0:
+                    self._watch_runs()
             except DirectoryClosed:
                 return
             except Exception:  # noqa: BLE001 - discovery must outlive surprises; they are logged

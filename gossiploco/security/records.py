@@ -13,10 +13,13 @@ the subkey, the value and the expiration time with the writer's Ed25519 key, and
 returns) accepts a record only if the envelope is well formed, it unseals with the swarm key
 (private runs: so nobody without it writes at all), the signature verifies, and the subkey is the
 one of the signing key's peer id (so nobody writes, overwrites or tombstones another peer's entry).
-``strip_value`` hands the application the value. Since the signature covers the expiration time,
-a record cannot be replayed with a later one. Regular (non-dictionary) values and any other key's
-records are refused, so a node of a private run stores nothing but its run's records, and a
-stranger cannot replace the run's dictionary with a value of their own. What an outsider's DHT
+Entries of the swarm's list of runs (``membership.runs``, key ``runs_key(swarm)``) must moreover
+be tombstones or valid ``RunEntry`` values within ``MAX_ENTRY_BYTES``, so no member can fill the
+list every starting peer reads with junk. ``strip_value`` hands the application the value.
+Since the signature covers the expiration time, a record cannot be replayed with a later one.
+Regular (non-dictionary) values and any other key's records are refused, so a node of a private
+run stores nothing but its run's records, and a stranger cannot replace the run's dictionary with
+a value of their own. What an outsider's DHT
 node that holds replicas still sees: how many entries there are and when they expire.
 
 Rejections are counted by reason (``rejected``) in the process that runs the DHT node (hivemind's
@@ -30,8 +33,10 @@ import struct
 from collections import Counter
 
 import msgpack
+from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
+from gossiploco.membership.runs import check_entry_bytes, runs_key
 from gossiploco.security.identity import Identity, curve_public_of, peer_id_of, verify
 from gossiploco.security.swarm_key import SwarmKey
 
@@ -62,6 +67,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self.identity = identity
         self.swarm = swarm
         self.rejected: Counter[str] = Counter()
+        self._runs_key_id = DHTID.generate(source=runs_key(swarm)).to_bytes()
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if self.identity is None:
@@ -104,6 +110,11 @@ class SwarmRecordValidator(RecordValidatorBase):
             raise ValueError("signed by another peer than the entry's")
         if not verify(sign_public, _signed_part(record, value), signature):
             raise ValueError("bad signature")
+        if record.key == self._runs_key_id:
+            try:
+                check_entry_bytes(value)
+            except ValueError as exc:
+                raise ValueError(f"bad run entry: {exc}") from None  # one reason however it is bad
         return value
 
     def validate(self, record: DHTRecord) -> bool:

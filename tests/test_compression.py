@@ -63,6 +63,7 @@ def test_dense_codecs_have_their_size_and_round_to_their_grid(name, bits):
             assert torch.allclose((decoded - x).abs(), best, rtol=1e-4, atol=1e-8)  # fp32 rounding of x / step * step
 
 
+@pytest.mark.slow  # trains a swarm to collect pseudo-gradients (3 s): the fast subset stays under 2 minutes
 def test_the_4bit_format_is_the_linear_grid_because_it_loses_less_than_e3m0_on_pseudo_gradients(make_config):
     """The issue asks for E3M0 or a blockwise 4-bit format shown better. A pseudo-gradient is the sum
     of H AdamW updates, each about the learning rate in size: its values are flatter than a Gaussian's

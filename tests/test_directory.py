@@ -494,6 +494,7 @@ class ServedBootstrap:
         assert not self.thread.is_alive(), "serve_bootstrap did not stop"
 
 
+@pytest.mark.slow  # restarts a bootstrap DHT node (3 s): the fast subset stays under 2 minutes
 @pytest.mark.timeout(90)
 def test_bootstrap_restart_keeps_its_address_and_the_swarm_keeps_working(tmp_path, dht_dirs):
     identity, (port,) = tmp_path / "bootstrap.key", free_ports(1)

@@ -685,6 +685,7 @@ def run_live_fuzz(count: int) -> None:
             ex.close()
 
 
+@pytest.mark.slow  # every mutation against live sockets (4 s): the fast subset stays under 2 minutes
 @pytest.mark.timeout(60)
 def test_live_fuzz_rejects_each_mutation_with_its_reason_and_survives():
     run_live_fuzz(15_000)

@@ -246,6 +246,7 @@ def test_a_seed_with_peers_behind_nat_and_a_relay_fault_replays_exactly():
     assert a.log == b.log and a.stats == b.stats and a.finished == b.finished
 
 
+@pytest.mark.slow  # 200 simulated swarms (5 s): the fast subset stays under 2 minutes
 def test_two_hundred_seeds_with_nat_patterns_hold_every_property():
     """``bench/chaos.py sim`` over 200 seeds: about a third with peers behind NAT, relays failing and resetting."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos.py"), "sim", "--seeds", "200", "--jobs", "2"],

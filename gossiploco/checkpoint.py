@@ -134,7 +134,8 @@ def check_compatible(checkpoint: Checkpoint, config: dict) -> None:
 # -- writing ---------------------------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (its entry, not only the file's bytes)."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -156,7 +157,7 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

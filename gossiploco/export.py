@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from gossiploco.checkpoint import fsync_dir
 from gossiploco.errors import ConfigError, GossiplocoError
 from gossiploco.hf_llama import EXPORT_FORMAT, hf_config, to_hf
 from gossiploco.model_file import MODEL_FILE, LoadedModel, load_model_source
@@ -35,14 +36,6 @@ from gossiploco.tokenizer import TOKENIZER_FILE
 
 class ExportError(GossiplocoError):
     """The export cannot be written where asked."""
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
@@ -143,7 +136,7 @@ def _write_folder(folder: Path, files: dict, loaded: LoadedModel) -> None:
             save_file(content, str(path), metadata=metadata)
         with open(path, "rb+") as f:
             os.fsync(f.fileno())
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
 def export_hf(source_path: Path | str, out_dir: Path | str, overwrite: bool = False) -> Path:
@@ -165,7 +158,7 @@ def export_hf(source_path: Path | str, out_dir: Path | str, overwrite: bool = Fa
             old = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.old")
             os.replace(out_dir, old)
         os.replace(staging, out_dir)  # over an empty folder or none
-        _fsync_dir(out_dir.parent)
+        fsync_dir(out_dir.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if old is not None and not out_dir.exists():

@@ -85,28 +85,25 @@ def _heads(name: str, args: ModelArgs) -> int | None:
 def to_hf(params: TensorDict, args: ModelArgs) -> TensorDict:
     """Our parameters under Hugging Face Llama names, wq and wk rows in Llama's rotary layout.
     ``KeyError`` names a parameter that has no Llama counterpart."""
-    order = rotary_row_order(args.dim // args.n_heads)
-    out = {}
-    for name, value in params.items():
-        target = _rename(name, _TO_HF)
-        if target is None:
-            raise KeyError(name)
-        heads = _heads(name, args)
-        out[target] = _reorder_heads(value, heads, order) if heads else value.contiguous()
-    return out
+    return _convert(params, args, _TO_HF, rotary_row_order(args.dim // args.n_heads), ours_first=True)
 
 
 def from_hf(tensors: TensorDict, args: ModelArgs) -> TensorDict:
     """The inverse of ``to_hf``: Llama-named tensors back to our names and rotary layout. ``KeyError``
     names a tensor that is not one of ours."""
-    inverse = torch.argsort(rotary_row_order(args.dim // args.n_heads))
+    return _convert(tensors, args, _FROM_HF, torch.argsort(rotary_row_order(args.dim // args.n_heads)), ours_first=False)
+
+
+def _convert(tensors: TensorDict, args: ModelArgs, table: list[tuple[re.Pattern, str]], order: torch.Tensor,
+             ours_first: bool) -> TensorDict:
+    """Rename every tensor by ``table`` and reorder the rotary rows of wq and wk by ``order``."""
     out = {}
     for name, value in tensors.items():
-        ours = _rename(name, _FROM_HF)
-        if ours is None:
+        target = _rename(name, table)
+        if target is None:
             raise KeyError(name)
-        heads = _heads(ours, args)
-        out[ours] = _reorder_heads(value, heads, inverse) if heads else value.contiguous()
+        heads = _heads(name if ours_first else target, args)
+        out[target] = _reorder_heads(value, heads, order) if heads else value.contiguous()
     return out
 
 

@@ -406,6 +406,8 @@ def swarm(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model, checkpoints) and peer-I.log (default runs/swarm, or runs/swarm-N when that holds a run)."),
     resume: bool = typer.Option(False, "--resume", help="Restart a stopped swarm: every peer continues from its newest checkpoint in --out (default: the newest runs/swarm*)."),
     set_: Optional[list[str]] = SETS,
+    dashboard: bool = typer.Option(False, "--dashboard", help="Also serve a live web dashboard of the swarm (gossiploco dashboard) and print its URL."),
+    dashboard_port: int = typer.Option(8080, "--dashboard-port", help="With --dashboard: TCP port of the page (on 127.0.0.1)."),
 ) -> None:
     """The main job: a bootstrap DHT node and N peer processes on this machine, training together with live progress."""
     import shlex
@@ -441,7 +443,7 @@ def swarm(
     import signal
 
     signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the swarm like Ctrl+C: peers leave, summary kept
-    local = LocalSwarm(peers, out, args)
+    local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)
     # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
     # at least every PLAIN_EVERY_S seconds
     live = Live(progress_table(local.progress, cfg.rounds), console=console, refresh_per_second=2, transient=False,
@@ -466,6 +468,18 @@ def swarm(
     if failed:
         console.print(f"[bold red]peers that did not finish:[/] {failed} (exit codes); see {out}/peer-I.log")
         raise typer.Exit(code=1)
+
+
+def _swarm_dashboard(port: int):
+    """``LocalSwarm``'s ``on_bootstrap`` for ``swarm --dashboard``: starts the dashboard, prints its URL."""
+    from gossiploco.cli_dashboard import start_dashboard
+
+    def start(bootstrap: list[str], key):
+        running = start_dashboard(bootstrap, key, port=port)
+        console.print(f"dashboard: {running.url}", highlight=False)
+        return running
+
+    return start
 
 
 def parse_sets(items: list[str]) -> dict:
@@ -617,3 +631,7 @@ app.add_typer(tokenizer_app, name="tokenizer")
 from gossiploco.cli_model import register as register_model_commands  # noqa: E402 - after the app exists
 
 register_model_commands(app)
+
+from gossiploco.cli_dashboard import register as register_dashboard_command  # noqa: E402 - after the app exists
+
+register_dashboard_command(app)

@@ -103,6 +103,7 @@ from gossiploco.membership.dht_node import (_TIMEOUTS, check_announce_maddrs, ch
                                             reconnect, start_dht, visible_maddrs)
 from gossiploco.membership.record import IncompatibleRecord, PeerRecord
 from gossiploco.membership.runs import RunEntry, runs_key
+from gossiploco.membership.status import status_key
 from gossiploco.security.identity import peer_id_of
 
 if TYPE_CHECKING:
@@ -159,6 +160,10 @@ class Directory(ABC):
     @abstractmethod
     def runs(self) -> dict[int, RunEntry]:
         """The swarm's live run entries by peer id, every run's (this peer's own included); blocks like ``peers``."""
+
+    def set_status_source(self, source: Callable[[], dict | None]) -> None:
+        """Publish ``source()`` (a ``membership.status`` entry in wire form) as this peer's live status with
+        each record (``DhtDirectory``); called from the heartbeat thread. Here: statuses are not kept."""
 
     @abstractmethod
     def withdraw(self) -> None:
@@ -397,6 +402,9 @@ class DhtDirectory(Directory):
         self.key = trust.swarm.dht_key(run_id) if trust is not None and trust.swarm is not None else dht_key(run_id)
         self.runs_key = runs_key(trust.swarm if trust is not None else None)
         """The DHT key of the swarm's list of runs (``membership.runs``)."""
+        self.status_key = status_key(trust.swarm if trust is not None else None)
+        """The DHT key of the swarm's peer statuses (``membership.status``)."""
+        self._status_source: Callable[[], dict | None] | None = None
         self.ttl_s, self.heartbeat_s, self.timeout_s = float(ttl_s), float(heartbeat_s), float(timeout_s)
         self.initial_peers = check_initial_peers(initial_peers)
         announce_maddrs = check_announce_maddrs(announce_maddrs)
@@ -515,6 +523,7 @@ class DhtDirectory(Directory):
             expiration = self._next_expiration()
         items = [(self.runs_key, entry.peer, entry.to_wire())] if entry is not None else []
         if record is not None:
+            items += self._status_items(record.peer)
             items.append((self.key, record.peer, record.to_wire()))
         accepted = self._store_each(items, expiration)
         if record is None:
@@ -526,6 +535,18 @@ class DhtDirectory(Directory):
         elif ok and self._publish_failing:
             log.info("run %s: publishing peer %d's record works again", self.run_id, record.peer)
         self._publish_failing = not ok
+
+    def set_status_source(self, source: Callable[[], dict | None]) -> None:
+        self._status_source = source
+
+    def _status_items(self, peer: int) -> list[tuple[str, int, dict | None]]:
+        """The status entry to store beside peer ``peer``'s record (none without a source, or if it fails)."""
+        try:
+            value = self._status_source() if self._status_source is not None else None
+        except Exception:  # noqa: BLE001 - a status is for observers; the record must still go out
+            log.exception("run %s: building this peer's status failed", self.run_id)
+            return []
+        return [(self.status_key, peer, value)] if value is not None else []
 
     def _heartbeat_loop(self) -> None:
         beats = 0
@@ -739,6 +760,7 @@ class DhtDirectory(Directory):
                 self._known.pop(record.peer, None)
         items = [(self.runs_key, entry.peer, None)] if entry is not None else []
         if record is not None:
+            items += [(self.status_key, record.peer, None)] if self._status_source is not None else []
             items.append((self.key, record.peer, None))
         if not self._store_each(items, expiration, timeout_s)[-1] and record is not None:
             log.warning("run %s: could not withdraw peer %d's record; it expires within %g s",

@@ -71,6 +71,7 @@ from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
+from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.runtime.waiting_line import WaitingReport, short_start_line
 from gossiploco.security.trust import Trust
@@ -214,6 +215,10 @@ class NetworkPeer:
         self.exchange.serve_state(self._provide_state)
         self.sink = MetricsSink(None)
         self.on_record: Callable[[dict], None] | None = None
+        self.status = PeerStatus(rank, self.run_id, list(cfg.mix2.blocks)) if directory is not None else None
+        """This peer's live status for observers (``gossiploco dashboard``), published with its record."""
+        if self.status is not None:
+            directory.set_status_source(self.status.wire)
         self._losses: list[torch.Tensor | float] = []
         self._pending: dict = {}
         self.clock = PeerClock()
@@ -692,6 +697,8 @@ class NetworkPeer:
             return record
         for done in [record, *self._held]:
             self.sink.write(done)
+            if self.status is not None:
+                self.status.add(done, self.paths.paths)
             if self.on_record:
                 self.on_record(done)
         self._held = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +38,8 @@ class PeerProgress:
 class LocalSwarm:
     """``count`` peers of one run on this machine; ``peer_args`` go to every ``gossiploco peer``."""
 
-    def __init__(self, count: int, out_dir: str | Path, peer_args: Sequence[str] = (), *, env: dict[str, str] | None = None):
+    def __init__(self, count: int, out_dir: str | Path, peer_args: Sequence[str] = (), *, env: dict[str, str] | None = None,
+                 on_bootstrap: Callable[[list[str], Any], Any] | None = None):
         if count < 1:
             raise ValueError(f"a swarm needs at least one peer, got {count}")
         self.count = count
@@ -46,6 +48,9 @@ class LocalSwarm:
         self.env = env
         self.progress = {rank: PeerProgress(rank) for rank in range(count)}
         self.bootstrap: list[str] = []
+        self.on_bootstrap = on_bootstrap
+        """Called with the bootstrap addresses and the swarm key once the DHT is up (``swarm --dashboard``); what
+        it returns is closed (``.close()``) when the swarm ends."""
 
     def run(self, on_progress: Callable[[dict[int, PeerProgress]], None] | None = None,
             timeout_s: float | None = None) -> dict:
@@ -59,7 +64,10 @@ class LocalSwarm:
         key.save(key_file)
         dht, self.bootstrap = start_bootstrap("127.0.0.1", 0, swarm=key)
         interrupted = False
+        extra = None
         try:
+            if self.on_bootstrap is not None:
+                extra = self.on_bootstrap(self.bootstrap, key)
             with LocalPeers(self.count, self.out_dir, self.peer_args, join=self.bootstrap[0], env=self.env,
                             swarm_key=key_file) as peers:
                 peers.start()
@@ -82,7 +90,11 @@ class LocalSwarm:
                     summary = self._summary(time.monotonic() - start, interrupted)
                     (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         finally:
-            dht.shutdown()
+            try:
+                if extra is not None:
+                    extra.close()
+            finally:
+                dht.shutdown()
         return summary
 
     def _poll(self, peers: LocalPeers) -> None:

@@ -15,7 +15,8 @@ returns) accepts a record only if the envelope is well formed, it unseals with t
 one of the signing key's peer id (so nobody writes, overwrites or tombstones another peer's entry).
 Entries of the swarm's list of runs (``membership.runs``, key ``runs_key(swarm)``) must moreover
 be tombstones or valid ``RunEntry`` values within ``MAX_ENTRY_BYTES``, so no member can fill the
-list every starting peer reads with junk. ``strip_value`` hands the application the value.
+list every starting peer reads with junk; entries of the peers' live statuses (``membership.status``,
+key ``status_key(swarm)``) likewise valid ``StatusEntry`` values within ``MAX_STATUS_BYTES``. ``strip_value`` hands the application the value.
 Since the signature covers the expiration time, a record cannot be replayed with a later one.
 Regular (non-dictionary) values and any other key's records are refused, so a node of a private
 run stores nothing but its run's records, and a stranger cannot replace the run's dictionary with
@@ -37,6 +38,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from gossiploco.membership.runs import check_entry_bytes, runs_key
+from gossiploco.membership.status import check_status_bytes, status_key
 from gossiploco.security.identity import Identity, curve_public_of, peer_id_of, verify
 from gossiploco.security.swarm_key import SwarmKey
 
@@ -68,6 +70,7 @@ class SwarmRecordValidator(RecordValidatorBase):
         self.swarm = swarm
         self.rejected: Counter[str] = Counter()
         self._runs_key_id = DHTID.generate(source=runs_key(swarm)).to_bytes()
+        self._status_key_id = DHTID.generate(source=status_key(swarm)).to_bytes()
 
     def sign_value(self, record: DHTRecord) -> bytes:
         if self.identity is None:
@@ -115,6 +118,11 @@ class SwarmRecordValidator(RecordValidatorBase):
                 check_entry_bytes(value)
             except ValueError as exc:
                 raise ValueError(f"bad run entry: {exc}") from None  # one reason however it is bad
+        if record.key == self._status_key_id:
+            try:
+                check_status_bytes(value)
+            except ValueError as exc:
+                raise ValueError(f"bad status entry: {exc}") from None
         return value
 
     def validate(self, record: DHTRecord) -> bool:

@@ -1,0 +1,286 @@
+"""The live dashboard: the peers' status entries, the observer, the web app, a real browser.
+
+Fast: the status entry's wire form and what every DHT node checks of it (forged, oversized,
+malformed entries dropped), a peer's status built from its metrics records, the app's JSON state and
+its ``/metrics`` output parsed by prometheus-client. Slow: real DHT nodes (a member's status read by
+an observer holding the swarm key; one with a wrong key refused; one without a key reads nothing),
+and a real ``gossiploco swarm --dashboard`` watched in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import msgpack
+import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from conftest import wait_until
+from gossiploco.dashboard.app import create_app
+from gossiploco.dashboard.observer import SwarmState
+from gossiploco.membership.record import IncompatibleRecord
+from gossiploco.membership.status import (MAX_HISTORY, MAX_STATUS_BYTES, StatusEntry, check_status_bytes,
+                                          status_key)
+from gossiploco.runtime.peer_status import PeerStatus
+from gossiploco.security.identity import Identity
+from gossiploco.security.records import SwarmRecordValidator, entry_subkey
+from gossiploco.security.swarm_key import SwarmKey
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def status(peer: int = 7, **fields) -> StatusEntry:
+    base = dict(peer=peer, run_id="run-a", round=3, h=10, step=70, members=2, time=1.0, loss=2.5, val_loss=2.6,
+                cd_l2=0.1, cd_js=0.01, bytes_sent=100, bytes_received=90, rate=12.5, failures={"mix1": 1},
+                causes=["round 2: mix1: PeerUnreachable"], paths={"9": "direct"}, utilization=0.5, mix2=["*"],
+                history=[[60, 2.7, None, 0.1, 0.01], [70, 2.5, 2.6, 0.1, 0.01]])
+    return StatusEntry(**{**base, **fields})
+
+
+# -- the entry on the wire -------------------------------------------------------------------------
+
+
+def test_status_entries_round_trip_and_malformed_ones_are_refused_naming_the_problem():
+    entry = status()
+    assert StatusEntry.from_wire(entry.to_wire()) == entry
+    check_status_bytes(msgpack.packb(entry.to_wire()))
+    check_status_bytes(msgpack.packb(None))  # a tombstone
+    wire = entry.to_wire()
+    bad = [
+        ({**wire, "extra": 1}, "wrong fields"), ({k: v for k, v in wire.items() if k != "loss"}, "wrong fields"),
+        ({**wire, "loss": float("nan")}, "loss"), ({**wire, "loss": "2.5"}, "loss"), ({**wire, "round": True}, "round"),
+        ({**wire, "peer": -1}, "peer"), ({**wire, "run": "a\nb"}, "run"), ({**wire, "causes": ["x"] * 9}, "causes"),
+        ({**wire, "causes": ["x" * 500]}, "cause"), ({**wire, "paths": {"me": "direct"}}, "paths"),
+        ({**wire, "history": [[1, 2.0]]}, "history"), ({**wire, "history": [[1, 2, 3, 4, 5]] * (MAX_HISTORY + 1)}, "history"),
+        ({**wire, "failures": {"mix1": -1}}, "failures"), ([1, 2], "dict"),
+    ]
+    for obj, word in bad:
+        with pytest.raises(ValueError, match=word):
+            StatusEntry.from_wire(obj)
+    with pytest.raises(IncompatibleRecord):
+        StatusEntry.from_wire({**wire, "version": 2})
+    with pytest.raises(ValueError, match="oversized"):
+        check_status_bytes(b"\x00" * (MAX_STATUS_BYTES + 1))
+    with pytest.raises(ValueError, match="not msgpack"):
+        check_status_bytes(b"\xc1")
+
+
+def signed_status(validator: SwarmRecordValidator, peer: int, value: object) -> DHTRecord:
+    key = DHTID.generate(source=status_key(validator.swarm)).to_bytes()
+    record = DHTRecord(key, msgpack.packb(entry_subkey(validator.swarm, peer)), msgpack.packb(value), 1e10)
+    return dataclasses.replace(record, value=validator.sign_value(record))
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_every_dht_node_stores_signed_statuses_and_refuses_forged_or_junk_ones(private):
+    swarm, writer, forger = (SwarmKey.generate() if private else None), Identity.generate(), Identity.generate()
+    honest, signer = SwarmRecordValidator(None, swarm), SwarmRecordValidator(writer, swarm)
+    assert honest.validate(signed_status(signer, writer.peer_id, status(writer.peer_id).to_wire()))
+    assert honest.validate(signed_status(signer, writer.peer_id, None))
+    for junk in ({"loss": 1.0}, "y" * (MAX_STATUS_BYTES + 100), {**status().to_wire(), "history": "x"}):
+        assert not honest.validate(signed_status(signer, writer.peer_id, junk))
+    assert honest.rejected == {"bad status entry": 3}
+    # a member writing another member's status: the subkey is not the signer's
+    forged = signed_status(SwarmRecordValidator(forger, swarm), writer.peer_id, status(writer.peer_id).to_wire())
+    assert not honest.validate(forged)
+    if private:  # nobody without the swarm key writes at all
+        outsider = SwarmRecordValidator(forger, SwarmKey.generate())
+        assert not honest.validate(signed_status(outsider, forger.peer_id, status(forger.peer_id).to_wire()))
+
+
+# -- a peer's status from its records -----------------------------------------------------------------
+
+
+def test_a_peers_status_follows_its_records_within_the_wire_bounds():
+    now = [100.0]
+    built = PeerStatus(5, "run-a", ["*"], clock=lambda: now[0])
+    assert StatusEntry.from_wire(built.wire()).round == -1  # valid before any record
+    for step in range(0, 200, 2):
+        now[0] += 1.0
+        built.add({"round": step // 20, "h": step % 20, "step": step, "members": 2, "loss": 3.0 - step / 100,
+                   "val_loss": float("nan") if step == 10 else None, "cd_l2": 0.1, "cd_js": 0.02, "compute_s": 0.5,
+                   "bytes_sent": 1000 * step, "bytes_received": 1000 * step,
+                   "mix2_cause": "ExchangeTimeout: " + "z" * 400 if step == 40 else None,
+                   "mix2_decision": {"blocks": ["layers.0"]} if step == 60 else None}, {9: "direct", 11: "relayed"})
+    entry = StatusEntry.from_wire(built.wire())
+    assert (entry.round, entry.h, entry.step, entry.members) == (9, 18, 198, 2)
+    assert len(entry.history) == MAX_HISTORY and entry.history[-1][0] == 198
+    assert entry.failures == {"mix2": 1} and entry.causes[0].startswith("round 2: mix2: ExchangeTimeout")
+    assert entry.paths == {"9": "direct", "11": "relayed"} and entry.mix2 == ["layers.0"]
+    assert entry.rate == pytest.approx(4000.0) and entry.utilization == pytest.approx(0.5, abs=0.01)
+    assert len(msgpack.packb(entry.to_wire())) < MAX_STATUS_BYTES
+
+
+# -- the web app ----------------------------------------------------------------------------------------
+
+
+def fed_state() -> SwarmState:
+    state = SwarmState(clock=lambda: 5.0)
+    state.update({7: status(7), 9: status(9, round=4, history=[[80, 2.4, None, 0.2, 0.02]])},
+                 {"run-a": {"workers": 2, "mix2": {"blocks": ["*"]}}})
+    state.update({7: status(7, history=[[90, 2.3, None, 0.1, 0.01]])})  # peer 9 left; peer 7's curve grows
+    return state
+
+
+def test_the_state_merges_history_and_marks_departed_peers():
+    snapshot = fed_state().snapshot()
+    assert snapshot["version"] == 2 and snapshot["runs"] == {"run-a": {"workers": 2, "mix2": {"blocks": ["*"]}}}
+    assert [row[0] for row in snapshot["peers"]["7"]["points"]] == [60, 70, 90]
+    assert snapshot["peers"]["7"]["live"] and not snapshot["peers"]["9"]["live"]
+    state = fed_state()
+    state.update(None)  # a failed read changes nothing
+    assert state.version == 2 and state.failed_reads == 1
+
+
+def test_the_app_serves_the_page_its_assets_and_the_json_state():
+    with TestClient(create_app(fed_state())) as client:
+        page = client.get("/")
+        assert page.status_code == 200 and "/static/dashboard.js" in page.text and "http" not in page.text.lower()
+        script = client.get("/static/dashboard.js")
+        assert script.status_code == 200 and "EventSource" in script.text
+        assert client.get("/static/dashboard.css").status_code == 200
+        state = client.get("/api/state").json()
+        assert set(state["peers"]) == {"7", "9"} and state["peers"]["9"]["round"] == 4
+
+
+def test_the_metrics_endpoint_speaks_prometheus_with_a_sample_per_live_peer():
+    with TestClient(create_app(fed_state())) as client:
+        response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    for name in ("round", "loss", "val_loss", "cd_l2", "cd_js", "bytes_sent", "utilization", "members", "failures"):
+        assert f"gossiploco_{name}" in families, name
+    loss = families["gossiploco_loss"].samples
+    assert [(s.labels, s.value) for s in loss] == [({"peer": "7", "run": "run-a"}, 2.5)]  # peer 9 left
+    failures = families["gossiploco_failures"].samples
+    assert [(s.labels["kind"], s.value) for s in failures] == [("mix1", 1.0)]
+    assert families["gossiploco_peers"].samples[0].value == 1.0
+
+
+# -- real DHT nodes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_only_swarm_key_holders_can_observe_a_private_runs_status(bootstrap):
+    from gossiploco.errors import DirectoryError
+    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.record import PeerRecord
+    from gossiploco.membership.status import read_statuses
+    from gossiploco.dashboard.observer import open_directory
+    from gossiploco.security.trust import Trust
+
+    key = SwarmKey.load(bootstrap.swarm_key)
+    identity = Identity.generate()
+    member = DhtDirectory("run-a", initial_peers=[bootstrap.address], heartbeat_s=0.5, ttl_s=5.0,
+                          trust=Trust(identity, key))
+    opened = []
+    try:
+        member.set_status_source(lambda: status(identity.peer_id).to_wire())
+        member.announce(PeerRecord(identity.peer_id, "tcp://127.0.0.1:1", round=0, tokens=0, key=identity.curve_public))
+        watcher = open_directory([bootstrap.address], key)
+        opened.append(watcher)
+        seen: dict = {}
+        assert wait_until(lambda: seen.update(read_statuses(watcher) or {}) or identity.peer_id in seen, 10.0)
+        assert seen[identity.peer_id].loss == 2.5
+        with pytest.raises(DirectoryError, match="swarm key"):
+            open_directory([bootstrap.address], SwarmKey.generate())
+        stranger = open_directory([bootstrap.address], None)  # an open run's observer: nothing to confirm
+        opened.append(stranger)
+        assert read_statuses(stranger) == {} and read_statuses(stranger) == {}
+        member.withdraw()  # leaving tombstones the status too
+        assert wait_until(lambda: identity.peer_id not in (read_statuses(watcher) or {}), 10.0)
+    finally:
+        for directory in [*opened, member]:
+            directory.close()
+
+
+# -- a real swarm in a real browser ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _browser_or_skip() -> None:
+    why = None
+    if not os.path.exists(CHROMIUM):
+        why = f"no Chromium at {CHROMIUM} (as root: apt-get install -y chromium)"
+    elif importlib.util.find_spec("playwright") is None:
+        why = "playwright is not installed (pip install -e .[dev])"
+    if why is not None:
+        if os.environ.get("GOSSIPLOCO_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"GOSSIPLOCO_REQUIRE_BROWSER=1 but {why}")
+        pytest.skip(why)
+
+
+@pytest.mark.slow
+def test_a_swarm_dashboard_shows_every_peer_live_in_a_real_browser(tmp_path):
+    _browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    port = _free_port()
+    log = (tmp_path / "swarm.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossiploco", "swarm", "--peers", "2", "--dashboard", "--dashboard-port", str(port),
+         "--rounds", "60", "--inner-steps", "20", "--model", "tiny", "--set", "data.max_corpus_mb=2.0",
+         "--set", "data.seq_len=32", "--set", "timeouts.discovery_s=1.0", "--out", str(tmp_path / "swarm")],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}/"
+        assert wait_until(lambda: _answers(url), 60.0, 0.2), (tmp_path / "swarm.log").read_text()[-3000:]
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1100})
+                page.goto(url, timeout=10_000)
+                page.wait_for_function("document.getElementById('summary').dataset.peers === '2'", timeout=60_000)
+                first = int(page.get_attribute("#summary", "data-round"))
+                page.wait_for_function(f"Number(document.getElementById('summary').dataset.round) > {first}",
+                                       timeout=60_000)
+                for series in ("loss", "val_loss", "cd_l2", "cd_js"):
+                    page.wait_for_function(f"Number(document.getElementById('chart-{series}').dataset.points) > 0",
+                                           timeout=30_000)
+                assert page.locator("#peers tbody tr").count() == 2
+                assert "direct" in page.inner_text("#peers")
+                page.wait_for_selector("#config details", timeout=30_000)  # the run's config
+                page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            finally:
+                browser.close()
+        assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        log.close()
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "api/state", timeout=2) as response:
+            return response.status == 200 and "peers" in json.loads(response.read())
+    except OSError:
+        return False
+
+
+def test_the_page_and_its_assets_ship_inside_the_package():
+    from gossiploco.dashboard.app import STATIC
+
+    assert {p.name for p in STATIC.iterdir()} >= {"index.html", "dashboard.js", "dashboard.css"}

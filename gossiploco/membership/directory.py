@@ -629,60 +629,54 @@ class DhtDirectory(Directory):
             return {}
         return found.value
 
-    def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
-        """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
-        found = self._get_latest(self.key, "peers")
+    def read_entries(self, key: str, what: str, parse: Callable[[Any], Any],
+                     check: Callable[[Any], str | None] = lambda entry: None) -> dict[int, tuple[Any, float]] | None:
+        """The valid, unexpired entries of dictionary ``key`` by peer id, with their expirations, or None when the
+        DHT did not answer. ``parse`` reads one value (``from_wire``: ``IncompatibleRecord``, ``ValueError`` or
+        ``TypeError`` for a bad one; the result has a ``peer``); an entry stored under another peer's subkey, or one
+        ``check`` finds fault with (its reason), is dropped. Each drop is counted and logged once (``_report``);
+        ``what`` names the entries in the messages."""
+        found = self._get_latest(key, f"{what}s")
         if found is None:
             return None
         now = _dht_time()
-        records: dict[int, tuple[PeerRecord, float]] = {}
+        entries: dict[int, tuple[Any, float]] = {}
         for subkey, item in found.items():
             value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
             if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
-                continue  # expired, or a withdrawn record's tombstone
-            tag = (repr(subkey)[:64], float(expiration))
+                continue  # expired, or a withdrawn entry's tombstone
+            tag = (f"{what}/{repr(subkey)[:64]}", float(expiration))
             try:
-                record = PeerRecord.from_wire(value)
+                entry = parse(value)
             except IncompatibleRecord as exc:
-                self._report(tag, "incompatible", f"ignoring the record under subkey {tag[0]}: {exc} "
+                self._report(tag, "incompatible", f"ignoring the {what} under subkey {tag[0]}: {exc} "
                                                   "(peers of different gossiploco releases cannot train together)")
                 continue
-            except ValueError as exc:
-                self._report(tag, "malformed", f"ignoring a malformed record under subkey {tag[0]}: {exc}")
+            except (ValueError, TypeError) as exc:
+                self._report(tag, "malformed", f"ignoring a malformed {what} under subkey {tag[0]}: {exc}")
                 continue
-            if subkey != self._subkey(record.peer):
-                self._report(tag, "malformed", f"ignoring a record of peer {record.peer} stored under subkey {tag[0]}")
+            fault = f"stored under subkey {tag[0]}" if subkey != self._subkey(entry.peer) else check(entry)
+            if fault:
+                self._report(tag, "malformed", f"ignoring the {what} of peer {entry.peer}: {fault}")
                 continue
+            entries[entry.peer] = (entry, float(expiration))
+        return entries
+
+    def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
+        """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
+        def key_of_its_peer(record: PeerRecord) -> str | None:
             if self.trust is not None and (not record.key or peer_id_of(record.key) != record.peer):
-                self._report(tag, "malformed", f"ignoring the record of peer {record.peer}: its key is not that peer's")
-                continue
-            records[record.peer] = (record, float(expiration))
-        return records
+                return "its key is not that peer's"
+            return None
+
+        return self.read_entries(self.key, "peer record", PeerRecord.from_wire, key_of_its_peer)
 
     def runs(self) -> dict[int, RunEntry]:
         with self._lock:
             self._check_open()
-        found = self._get_latest(self.runs_key, "runs of the swarm")
+        entries = self.read_entries(self.runs_key, "run entry", RunEntry.from_wire)
         now = _dht_time()
-        if found is not None:
-            entries: dict[int, tuple[RunEntry, float]] = {}
-            for subkey, item in found.items():
-                value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
-                if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
-                    continue  # expired, or a departed peer's tombstone
-                tag = (f"runs/{repr(subkey)[:64]}", float(expiration))
-                try:
-                    entry = RunEntry.from_wire(value)
-                except IncompatibleRecord as exc:
-                    self._report(tag, "incompatible", f"ignoring the run entry under subkey {tag[0]}: {exc}")
-                    continue
-                except ValueError as exc:
-                    self._report(tag, "malformed", f"ignoring a malformed run entry under subkey {tag[0]}: {exc}")
-                    continue
-                if subkey != self._subkey(entry.peer):
-                    self._report(tag, "malformed", f"ignoring a run entry of peer {entry.peer} stored under subkey {tag[0]}")
-                    continue
-                entries[entry.peer] = (entry, float(expiration))
+        if entries is not None:
             with self._lock:
                 self._known_runs = entries
         with self._lock:

@@ -194,28 +194,5 @@ def read_statuses(directory: DhtDirectory) -> dict[int, StatusEntry] | None:
     """The swarm's live status entries by peer id, read through ``directory``'s DHT node (blocks at most
     its deadline); None when the DHT did not answer. Bad entries are dropped, counted and logged once
     (the directory's ``malformed_records``/``incompatible_records``)."""
-    from gossiploco.membership.directory import _dht_time
-
-    found = directory._get_latest(directory.status_key, "statuses")
-    if found is None:
-        return None
-    now = _dht_time()
-    entries: dict[int, StatusEntry] = {}
-    for subkey, item in found.items():
-        value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
-        if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
-            continue  # expired, or a departed peer's tombstone
-        tag = (f"status/{repr(subkey)[:64]}", float(expiration))
-        try:
-            entry = StatusEntry.from_wire(value)
-        except IncompatibleRecord as exc:
-            directory._report(tag, "incompatible", f"ignoring the status entry under subkey {tag[0]}: {exc}")
-            continue
-        except (ValueError, TypeError) as exc:
-            directory._report(tag, "malformed", f"ignoring a malformed status entry under subkey {tag[0]}: {exc}")
-            continue
-        if subkey != directory._subkey(entry.peer):
-            directory._report(tag, "malformed", f"ignoring a status entry of peer {entry.peer} under subkey {tag[0]}")
-            continue
-        entries[entry.peer] = entry
-    return dict(sorted(entries.items()))
+    entries = directory.read_entries(directory.status_key, "status entry", StatusEntry.from_wire)
+    return None if entries is None else {peer: entry for peer, (entry, _) in sorted(entries.items())}

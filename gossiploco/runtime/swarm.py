@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.runtime.launch import LocalPeers

@@ -303,8 +303,14 @@ class NetworkPeer:
         val = next((r["val_loss"] for r in reversed(self.sink.records) if r.get("val_loss") is not None), None)
         summary = make_summary(self.cfg, self.sink.records, val, wall)
         summary.update(self._peer_summary(wall), interrupted=True,
-                       round_reached=max((r["round"] for r in self.sink.records), default=self.start_round))
+                       round_reached=self.round_reached())
         return summary
+
+    def round_reached(self) -> int:
+        """The round this peer was in: the newest of its records and of the round starts it snapshotted (a stop
+        just after a round's start has no record of that round yet, but its checkpoint has the round)."""
+        started = self._round_snapshot.round if self._round_snapshot is not None else self.start_round
+        return max([started, *(r["round"] for r in self.sink.records)])
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from this peer's ``checkpoint`` (configuration checked by the caller): ``run`` then starts at

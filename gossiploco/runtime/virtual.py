@@ -138,7 +138,8 @@ class VirtualSwarm:
         """The summary of a run stopped before its end (``interrupted``): what it measured until then."""
         val = next((r["val_loss"] for r in reversed(self.sink.records) if r.get("val_loss") is not None), None)
         summary = make_summary(self.cfg, self.sink.records, val, time.perf_counter() - self._started)
-        summary.update(interrupted=True, round_reached=max((r["round"] for r in self.sink.records), default=self.start_round),
+        started = self._snapshot.round if self._snapshot is not None else self.start_round  # see NetworkPeer.round_reached
+        summary.update(interrupted=True, round_reached=max([started, *(r["round"] for r in self.sink.records)]),
                        resumed_from=self.start_round or None)
         return summary
 

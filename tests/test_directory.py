@@ -570,3 +570,31 @@ def test_peers_file_is_read_as_data_and_bad_entries_are_skipped(tmp_path):
     path.write_text("{not json")
     assert load_saved_peers(path) == []
     assert load_saved_peers(tmp_path / "missing") == []
+
+
+def test_a_record_that_fails_to_publish_once_is_retried_quietly_and_warned_about_as_it_nears_expiry(caplog):
+    """A store that fails once (a DHT node slow to answer on a loaded machine) is info; failing for half the
+    record's lifetime (others stop seeing this peer soon after) is a warning, said once; recovery is said at
+    the level the failure reached."""
+    import logging
+
+    from gossiploco.membership.directory import DhtDirectory
+
+    directory = object.__new__(DhtDirectory)  # the outcome logic alone: no DHT process
+    directory.run_id, directory.ttl_s, directory.heartbeat_s = "run-a", 20.0, 2.0
+    directory._publish_failing_since, directory._publish_failure_warned = None, False
+
+    def levels(*outcomes):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gossiploco.membership.directory"):
+            for ok, now in outcomes:
+                directory._publish_outcome(7, ok, now)
+        return [(r.levelno, r.getMessage().split(";")[0].split(" (")[0]) for r in caplog.records]
+
+    assert levels((False, 100.0), (True, 102.0)) == [
+        (logging.INFO, "run run-a: could not publish peer 7's record to the DHT"),
+        (logging.INFO, "run run-a: publishing peer 7's record works again")]
+    assert levels((True, 103.0)) == []
+    failing = [(False, 200.0 + 2 * k) for k in range(8)]  # 14 s of failures: half the 20 s lifetime is passed at 210
+    assert [level for level, _ in levels(*failing, (True, 216.0))] == [logging.INFO, logging.WARNING, logging.WARNING]
+    assert "has failed for 10 s" in caplog.records[1].getMessage()

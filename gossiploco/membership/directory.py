@@ -422,7 +422,9 @@ class DhtDirectory(Directory):
         self._last_expiration = -math.inf  # latest expiration this directory stored; only grows
         self._known: dict[int, tuple[PeerRecord, float]] = {}  # last records read: peer -> (record, expiration)
         self._reported: set[tuple[str, float]] = set()  # bad entries already warned about
-        self._publish_failing = False
+        self._publish_failing_since: float | None = None
+        """When storing this peer's record began to fail (``time.monotonic``); None while it works."""
+        self._publish_failure_warned = False
         self._dht_gone_reported = False
         self._duplicates_reported: set[str] = set()  # endpoints seen announcing our peer id
         self._rejoining: Any = None  # the pending reconnect future, if any
@@ -528,13 +530,29 @@ class DhtDirectory(Directory):
         accepted = self._store_each(items, expiration)
         if record is None:
             return
-        ok = accepted[-1]
-        if not ok and not self._publish_failing:
-            log.warning("run %s: could not publish peer %d's record to the DHT; retrying every %g s",
-                        self.run_id, record.peer, self.heartbeat_s)
-        elif ok and self._publish_failing:
-            log.info("run %s: publishing peer %d's record works again", self.run_id, record.peer)
-        self._publish_failing = not ok
+        self._publish_outcome(record.peer, accepted[-1], time.monotonic())
+
+    def _publish_outcome(self, peer: int, ok: bool, now: float) -> None:
+        """Say how publishing this peer's record goes. A store that fails once (a DHT node slow to answer on a
+        loaded machine) is retried at the next heartbeat and said at info; failing for half the record's
+        lifetime is a warning: the record expires soon after, and the other peers then stop seeing this one."""
+        since = self._publish_failing_since
+        if ok:
+            if since is not None:
+                level = logging.WARNING if self._publish_failure_warned else logging.INFO
+                log.log(level, "run %s: publishing peer %d's record works again (it failed for %.0f s)", self.run_id,
+                        peer, now - since)
+            self._publish_failing_since, self._publish_failure_warned = None, False
+            return
+        if since is None:
+            self._publish_failing_since = since = now
+            log.info("run %s: could not publish peer %d's record to the DHT; retrying every %g s", self.run_id, peer,
+                     self.heartbeat_s)
+        if not self._publish_failure_warned and now - since >= self.ttl_s / 2:
+            self._publish_failure_warned = True
+            log.warning("run %s: publishing peer %d's record to the DHT has failed for %.0f s; it expires %.0f s after "
+                        "the last success, and the other peers then stop seeing this peer (is the DHT reachable?)",
+                        self.run_id, peer, now - since, self.ttl_s)
 
     def set_status_source(self, source: Callable[[], dict | None]) -> None:
         self._status_source = source

@@ -128,14 +128,16 @@ def fed_state() -> SwarmState:
     state = SwarmState(clock=lambda: 5.0)
     state.update({7: status(7), 9: status(9, round=4, history=[[80, 2.4, None, 0.2, 0.02]])},
                  {"run-a": {"workers": 2, "mix2": {"blocks": ["*"]}}})
-    state.update({7: status(7, history=[[90, 2.3, None, 0.1, 0.01]])})  # peer 9 left; peer 7's curve grows
+    state.update({7: status(7, step=90, bytes_sent=3 * 2**20, history=[[90, 2.3, None, 0.1, 0.01]])})  # peer 9 left
     return state
 
 
 def test_the_state_merges_history_and_marks_departed_peers():
     snapshot = fed_state().snapshot()
     assert snapshot["version"] == 2 and snapshot["runs"] == {"run-a": {"workers": 2, "mix2": {"blocks": ["*"]}}}
-    assert [row[0] for row in snapshot["peers"]["7"]["points"]] == [60, 70, 90]
+    assert [row[0] for row in snapshot["peers"]["7"]["points"]] == [60, 70, 90]  # peer 7's curve grows
+    # traffic: the counters of each read, by step, in MiB
+    assert snapshot["peers"]["7"]["traffic"] == [[70, 100 / 2**20, 90 / 2**20, 12.5 / 2**20], [90, 3.0, 90 / 2**20, 12.5 / 2**20]]
     assert snapshot["peers"]["7"]["live"] and not snapshot["peers"]["9"]["live"]
     state = fed_state()
     state.update(None)  # a failed read changes nothing
@@ -249,11 +251,15 @@ def test_a_swarm_dashboard_shows_every_peer_live_in_a_real_browser(tmp_path):
                 first = int(page.get_attribute("#summary", "data-round"))
                 page.wait_for_function(f"Number(document.getElementById('summary').dataset.round) > {first}",
                                        timeout=60_000)
-                for series in ("loss", "val_loss", "cd_l2", "cd_js"):
+                for series in ("loss", "val_loss", "cd_l2", "cd_js", "mib_sent", "mib_rate"):
                     page.wait_for_function(f"Number(document.getElementById('chart-{series}').dataset.points) > 0",
                                            timeout=30_000)
                 assert page.locator("#peers tbody tr").count() == 2
                 assert "direct" in page.inner_text("#peers")
+                # the links graph: both members, and the link between them drawn with its path
+                page.wait_for_function("document.getElementById('links').dataset.links === '1'", timeout=30_000)
+                assert page.locator("#links circle.node").count() == 2
+                assert page.get_attribute("#links line.link", "data-path") == "direct"
                 page.wait_for_selector("#config details", timeout=30_000)  # the run's config
                 page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             finally:

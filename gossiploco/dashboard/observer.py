@@ -2,8 +2,9 @@
 
 ``SwarmState`` is what the page shows, built from the peers' status entries (``membership.status``)
 and the swarm's list of runs (``membership.runs``): each peer's latest status, its measurements
-merged over every read (so the curves grow longer than one entry's history), whether it is still
-live, and each run's shared config. It has no I/O: ``update`` takes what was read. Thread-safe;
+merged over every read (so the curves grow longer than one entry's history), its traffic (bytes sent
+and received, and the rate, at each step it was read: the observer's own series, since an entry carries
+only the latest counters), whether it is still live, and each run's shared config. It has no I/O: ``update`` takes what was read. Thread-safe;
 ``version`` grows with every change and ``wait_change`` blocks (bounded) until it does.
 
 ``SwarmObserver`` reads the entries every ``poll_s`` through a ``DhtDirectory`` of its own that
@@ -44,6 +45,7 @@ class SwarmState:
         self.version = 0
         self._peers: dict[int, dict] = {}  # peer -> latest status wire form (no history), plus "live"
         self._points: dict[int, dict[int, list]] = {}  # peer -> step -> [step, loss, val_loss, cd_l2, cd_js]
+        self._traffic: dict[int, dict[int, list]] = {}  # peer -> step -> [step, MiB sent, MiB received, MiB/s]
         self._runs: dict[str, dict] = {}
         self.reads = 0
         self.failed_reads = 0
@@ -69,8 +71,14 @@ class SwarmState:
                     if points.get(row[0]) != row:
                         points[row[0]] = row
                         changed = True
-                for step in sorted(points)[:max(0, len(points) - MAX_POINTS)]:
-                    del points[step]
+                traffic = self._traffic.setdefault(peer, {})
+                row = [entry.step, entry.bytes_sent / 2**20, entry.bytes_received / 2**20, entry.rate / 2**20]
+                if traffic.get(entry.step) != row:
+                    traffic[entry.step] = row
+                    changed = True
+                for series in (points, traffic):
+                    for step in sorted(series)[:max(0, len(series) - MAX_POINTS)]:
+                        del series[step]
             for peer, wire in self._peers.items():
                 if peer not in entries and wire["live"]:
                     wire["live"] = False
@@ -84,9 +92,14 @@ class SwarmState:
 
     def snapshot(self) -> dict[str, Any]:
         """The state as plain JSON-able data: ``version``, ``peers`` (by peer id as text: the latest status
-        and ``points``, the merged measurements in step order), ``runs`` (config by run id), ``series``."""
+        and ``points``, the merged measurements in step order, and ``traffic``, ``[step, MiB sent, MiB received,
+        MiB/s]`` in step order), ``runs`` (config by run id), ``series``."""
+        def ordered(series: dict[int, list]) -> list[list]:
+            return [series[s] for s in sorted(series)]
+
         with self._cond:
-            peers = {str(peer): {**wire, "points": [self._points[peer][s] for s in sorted(self._points.get(peer, {}))]}
+            peers = {str(peer): {**wire, "points": ordered(self._points.get(peer, {})),
+                                 "traffic": ordered(self._traffic.get(peer, {}))}
                      for peer, wire in sorted(self._peers.items())}
             return {"version": self.version, "time": self.clock(), "peers": peers, "runs": dict(self._runs),
                     "series": list(SERIES)}

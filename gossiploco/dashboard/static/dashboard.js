@@ -4,7 +4,14 @@
 
 const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
                 "#bcbd22", "#17becf"];
-const SERIES_INDEX = { loss: 1, val_loss: 2, cd_l2: 3, cd_js: 4 };
+// Each chart's data: which per-peer array (points: the measurements, traffic: the observer's byte counts) and
+// which column of its rows (column 0 is the step).
+const SERIES = {
+  loss: ["points", 1], val_loss: ["points", 2], cd_l2: ["points", 3], cd_js: ["points", 4],
+  mib_sent: ["traffic", 1], mib_rate: ["traffic", 3],
+};
+const PATH_COLORS = { direct: "#2ca02c", reverse: "#1f77b4", relayed: "#d62728" };
+const SVG = "http://www.w3.org/2000/svg";
 
 function color(i) { return COLORS[i % COLORS.length]; }
 
@@ -23,10 +30,10 @@ function bytes(n) {
 }
 
 function drawChart(canvas, peers) {
-  const index = SERIES_INDEX[canvas.dataset.series];
+  const [source, index] = SERIES[canvas.dataset.series];
   const lines = peers.map(([id, p], i) => ({
     id, color: color(i),
-    points: p.points.filter(row => row[index] !== null).map(row => [row[0], row[index]]),
+    points: (p[source] || []).filter(row => row[index] !== null).map(row => [row[0], row[index]]),
   }));
   const all = lines.flatMap(l => l.points);
   canvas.dataset.points = String(all.length);
@@ -60,6 +67,49 @@ function drawChart(canvas, peers) {
   }
 }
 
+function svg(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+// The members on a circle, a line from each peer to each partner it reports a path to, coloured and labelled
+// by the path's kind (direct, reverse, relayed). Departed peers are grey.
+function drawLinks(figure, peers) {
+  const W = 560, H = 320, cx = W / 2, cy = H / 2 - 6, radius = Math.min(W, H) / 2 - 40;
+  const where = new Map(peers.map(([id], i) => {
+    const angle = -Math.PI / 2 + 2 * Math.PI * i / Math.max(peers.length, 1);
+    return [id, [cx + radius * Math.cos(angle), cy + radius * Math.sin(angle), i]];
+  }));
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: W, height: H, id: "links-graph" });
+  const seen = new Set();
+  let links = 0;
+  for (const [id, p] of peers) {
+    for (const [partner, path] of Object.entries(p.paths)) {
+      const key = [id, partner].sort().join("-");
+      if (seen.has(key) || !where.has(partner)) continue;
+      seen.add(key);
+      links++;
+      const [x1, y1] = where.get(id), [x2, y2] = where.get(partner);
+      const stroke = PATH_COLORS[path] || "#7f7f7f";
+      root.append(svg("line", { x1, y1, x2, y2, stroke, "stroke-width": 2, class: "link", "data-path": path }));
+      root.append(svg("text", { x: (x1 + x2) / 2 + 4, y: (y1 + y2) / 2 - 4, fill: stroke, "font-size": 11 }, path));
+    }
+  }
+  for (const [id, p] of peers) {
+    const [x, y, i] = where.get(id);
+    const fill = p.live ? color(i) : "#bbb";
+    root.append(svg("circle", { cx: x, cy: y, r: 16, fill, class: "node", "data-peer": id }));
+    root.append(svg("text", { x, y: y + 4, "text-anchor": "middle", fill: "#fff", "font-size": 11 }, id));
+    root.append(svg("text", { x, y: y + 30, "text-anchor": "middle", fill: "#444", "font-size": 10 },
+                    `r${p.round} ${bytes(p.rate)}/s`));
+  }
+  figure.dataset.links = String(links);
+  figure.dataset.nodes = String(peers.length);
+  figure.replaceChildren(root);
+}
+
 function cell(text, cls) {
   const td = document.createElement("td");
   td.textContent = text;
@@ -77,6 +127,7 @@ function render(state) {
   summary.dataset.round = String(maxRound);
 
   document.querySelectorAll("canvas.chart").forEach(c => drawChart(c, peers));
+  drawLinks(document.getElementById("links"), peers);
 
   const legend = document.getElementById("legend");
   legend.replaceChildren(...peers.map(([id], i) => {

@@ -85,6 +85,7 @@ def probe(args: argparse.Namespace) -> int:
 
     from gossiploco.config import TINY_OVERRIDES, load_config
     from gossiploco.runtime.dht_peer import joined_peer
+    from gossiploco.runtime.peer_discovery import discover_at_start
     from gossiploco.security.identity import Identity
     from gossiploco.security.options import peer_trust
     from gossiploco.security.swarm_key import SwarmKey
@@ -98,7 +99,7 @@ def probe(args: argparse.Namespace) -> int:
     result: dict = {"peer": trust.peer_id, "partner": partner, "began": time.time()}
     node = joined_peer(cfg, trust, None, [args.join], args.host, 0, None, args.run_id, reachability="auto")
     try:
-        node._discover_at_start()  # announce, find the partner, connect by the path the records give
+        discover_at_start(node)  # announce, find the partner, connect by the path the records give
         ex, deadline = node.exchange, time.monotonic() + args.timeout_s
         while partner not in ex.connected():
             if time.monotonic() > deadline:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import dataclasses
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 
+from gossiploco.config import RoundConfig
 from gossiploco.errors import GossiplocoError
 from gossiploco.tokenizer import tokenizer_digest
 
@@ -50,6 +52,8 @@ CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6,})\.json$")
 NOT_IDENTITY = ("device", "compute", "checkpoint")
 """Config fields a resumed run may change: where and how it computes, how it checkpoints."""
+DEFAULT_ROUND = dataclasses.asdict(RoundConfig())
+"""The ``[round]`` section of a run that does not set one (left out of the identity)."""
 
 
 class CheckpointError(GossiplocoError):
@@ -87,8 +91,11 @@ def shared_config(config: dict) -> dict:
     The byte-level tokenizer leaves ``data.tokenizer`` out, so byte-level runs keep the identity they had
     before the field existed (their checkpoints still resume). The one definition behind the run id
     (``runtime.peer.run_id_for``) and checkpoint compatibility; idempotent. ``ConfigError`` if the
-    tokenizer file cannot be read."""
+    tokenizer file cannot be read. Likewise a ``round`` section at its defaults (steps budget, equal weights) is
+    left out: runs from before the section existed keep their identity."""
     shared = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    if shared.get("round") == DEFAULT_ROUND:
+        del shared["round"]
     data = shared.get("data")
     if isinstance(data, dict) and "tokenizer" in data:
         data = dict(data)
@@ -393,4 +400,3 @@ def load_model_params(path: Path) -> tuple[TensorDict, dict]:
     if not sums:
         raise CheckpointError(f"{checkpoint.path}: holds no model parameters")
     return {n: (v / len(workers)).float() for n, v in sums.items()}, checkpoint.meta["config"]
-

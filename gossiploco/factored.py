@@ -14,6 +14,12 @@ The same class runs in the one-process virtual swarm (``MemoryExchange``) and in
 peer (a ZeroMQ exchange): only the ``Exchange`` differs. z and the momentum live where
 ``gossiploco.outer_state`` puts them (on the GPU when it has room: the pseudo-gradient and the
 outer step are then device work, Mix1's copies run on a side stream beside the inner steps).
+With ``round.weights = "tokens"`` both mixes are means weighted by the tokens each worker processed
+(Decoupled DiLoCo), in units of a full round's tokens (inner_steps steps: 1.0 each when every worker
+ran them all, which is then the unweighted mean bit for bit). Mix2 weights Delta_{m,r} by this round's
+tokens: they are what Delta_{m,r} was computed from. Mix1 is launched at the round's start, before this
+round's tokens are known, so it weights z_{m,r} by the previous round's, the work that moved z_{m,r}
+last (round 0: equal, and every z_{m,0} is x_0 anyway).
 ``SyncDP`` is the synchronous data-parallel baseline (gradient all-reduce every inner step) over
 the same interface.
 """
@@ -29,6 +35,7 @@ import torch
 from gossiploco.blocks import select_parameters, split_fragments
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
+from gossiploco.mixing.weighted import MAX_WEIGHT
 from gossiploco.optim import outer_step_on_delta
 from gossiploco.outer_state import SideStream, state_device, to_device
 from gossiploco.trainer import LocalTrainer
@@ -52,6 +59,10 @@ class RoundReport:
     delta_s: float = 0.0
     """Seconds computing the pseudo-gradient before Mix2 (with the outer state in host memory: copying
     the parameters off the GPU)."""
+    steps: int = 0
+    """Inner steps this worker ran in the round."""
+    tokens: int = 0
+    """Tokens those steps processed (Mix2's weight with ``round.weights = "tokens"``)."""
 
 
 def merge_fragments(results: list[MixResult], names: list[list[str]]) -> MixResult:
@@ -100,6 +111,14 @@ class FactoredDiLoCo:
         self._step = 0
         self._mix1_done: MixResult | None = None
         self._mix1_wait_s = 0.0
+        self.weighted = cfg.round.weights == "tokens"
+        self.tokens_per_step = trainer.stream.batch_size * trainer.stream.seq_len
+        self._round_unit = cfg.inner_steps * self.tokens_per_step
+        """A full round's tokens: the unit of the mixes' weights."""
+        self.round_steps = 0
+        """Inner steps run in the current round so far."""
+        self.last_round_tokens: int | None = None
+        """Tokens of the previous round (Mix1's weight); None before the first one ends."""
 
     def set_state(self, z: TensorDict, momentum: TensorDict) -> None:
         """Adopt outer state from elsewhere (a catching-up peer's download) and load z into the model."""
@@ -125,21 +144,31 @@ class FactoredDiLoCo:
         fragments: the first now, the others as the round's inner steps reach their start)."""
         state = [self.z, self.momentum] if self.cfg.mix1.state else [self.z]
         self._round, self._step, self._mix1 = (r, state, self._side.mark()), 0, []
+        self.round_steps = 0
+        if self.cfg.round.budget == "time":
+            self.trainer.inner_opt.start_round(r * self.cfg.inner_steps, self.cfg.inner_steps)
         self._launch_mix1()
 
     def _launch_mix1(self) -> None:
         """Queue the Mix1 fragments due by now (z does not change during the round: the same result, later)."""
         assert self._round is not None
         r, state, ready = self._round
+        weight = self._weight(self.last_round_tokens)
         while len(self._mix1) < len(self.mix1) and self._mix1_starts[len(self._mix1)] <= self._step:
-            self._mix1.append(self._pool.submit(self._run_mix1, self.mix1[len(self._mix1)], state, r, ready))
+            self._mix1.append(self._pool.submit(self._run_mix1, self.mix1[len(self._mix1)], state, r, ready, weight))
 
-    def _run_mix1(self, mixer, state: list[TensorDict], r: int, ready) -> tuple[MixResult, object]:
+    def _weight(self, tokens: int | None) -> float | None:
+        """The mixes' weight for ``tokens`` (None: unknown yet, counted as a full round); None when unweighted."""
+        if not self.weighted:
+            return None
+        return 1.0 if tokens is None else min(tokens / self._round_unit, MAX_WEIGHT)
+
+    def _run_mix1(self, mixer, state: list[TensorDict], r: int, ready, weight: float | None) -> tuple[MixResult, object]:
         """Mix1 (or one fragment of it) on the background thread. With the state on a GPU its copies (the mixed
         blocks to the host and back) run on the side stream, after ``ready`` (z written), beside the inner
         steps; returns the result, its values on the state device, and the event the outer step waits for."""
         with self._side.enter(ready):
-            result = mixer.mix(state, r, self.exchange)
+            result = mixer.mix(state, r, self.exchange, weight=weight)
             result.values = [to_device(d, self.state_device) for d in result.values]
             return result, self._side.done()
 
@@ -153,6 +182,7 @@ class FactoredDiLoCo:
         """One inner step is done (by ``inner_step``, or by a benchmark's stand-in for it): start the Mix1
         fragments due."""
         self._step += 1
+        self.round_steps += 1
         if self._round is not None:
             self._launch_mix1()
 
@@ -167,7 +197,10 @@ class FactoredDiLoCo:
         delta_s = time.perf_counter() - start
 
         start = time.perf_counter()
-        mix2 = self.mix2.mix([delta], r, self.exchange)  # line 11: blocking
+        steps, tokens = self.round_steps, self.round_steps * self.tokens_per_step
+        # line 11: blocking (weighted by this round's tokens: what Delta_{m,r} was computed from)
+        mix2 = self.mix2.mix([delta], r, self.exchange, weight=self._weight(tokens))
+        self.last_round_tokens = tokens
         delta_hat = to_device(mix2.values[0], self.state_device)
         mix2_s = time.perf_counter() - start
 
@@ -182,7 +215,7 @@ class FactoredDiLoCo:
         self.z, self.momentum = outer_step_on_delta(x, delta_hat, momentum, self.cfg.outer)
         self.trainer.load_params(self.z)  # y_{m,r+1,0} <- z_{m,r+1}
         self.trainer.synchronize()  # (on a GPU the step only queues work: time it to its end)
-        return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start, delta_s)
+        return RoundReport(r, mix1, mix2, mix1_wait_s, mix2_s, time.perf_counter() - start, delta_s, steps, tokens)
 
     def start_all_mix1(self) -> None:
         """Start the Mix1 fragments not started yet (Mix1's result is wanted now)."""

@@ -49,6 +49,11 @@ class InnerOptimizer:
             fused=self.fused or None,
         )
         self.step_index = 0
+        self.schedule_round: tuple[int, int] | None = None
+        """With a time budget: (the first step of the current round, the steps of a full round). The schedule then
+        follows the rounds, not the steps a worker happened to run: every round starts where a steps budget's
+        would, and a fast worker's steps beyond a full round keep the round's last rate (otherwise a fast worker
+        would decay its rate to 0 rounds early and a slow one would never finish its decay)."""
         self.lock = threading.Lock()
 
     def export_moments(self) -> torch.Tensor:
@@ -82,6 +87,17 @@ class InnerOptimizer:
                     offset += p.numel()
             self.step_index = step_index
 
+    def schedule_position(self) -> int:
+        """The step of the schedule whose rate the next step takes (see ``schedule_round``)."""
+        if self.schedule_round is None:
+            return self.step_index
+        first, length = self.schedule_round
+        return first + min(max(self.step_index - first, 0), length - 1)
+
+    def start_round(self, first: int, length: int) -> None:
+        """A time-budget round begins: its steps take the schedule's rates from ``first`` on (at most ``length``)."""
+        self.step_index, self.schedule_round = first, (first, length)
+
     def step(self) -> torch.Tensor:
         """Clip, apply one AdamW step at the scheduled rate, zero the gradients. Returns the pre-clip
         gradient norm as a 0-d tensor on the parameters' device (reading it waits for the device)."""
@@ -89,7 +105,7 @@ class InnerOptimizer:
             return self._step()
 
     def _step(self) -> torch.Tensor:
-        lr = self.cfg.lr * lr_factor(self.step_index, self.cfg.warmup_steps, self.total_steps)
+        lr = self.cfg.lr * lr_factor(self.schedule_position(), self.cfg.warmup_steps, self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
         if self.cfg.grad_clip > 0:

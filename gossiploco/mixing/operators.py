@@ -8,7 +8,9 @@
 Each operator mixes only the parameters of its selected blocks; the others pass through
 unchanged (identity). With a ``codec`` (``gossiploco.mixing.compression``) the global and gossip
 operators exchange compressed payloads (``gossiploco.mixing.compressed``) and, with error feedback,
-keep per parameter the residual their last successful mix lost, to send with the next one. A
+keep per parameter the residual their last successful mix lost, to send with the next one. With a
+``weight`` (the tokens a worker processed, ``gossiploco.mixing.weighted``) the global and gossip
+operators take weighted means instead, compressed or not; without one, the plain means. A
 failed exchange never raises: the operator falls back to identity and reports the cause in
 ``MixResult`` (house rule: weaker mixing, never a stalled run).
 """
@@ -29,6 +31,7 @@ from gossiploco.errors import ExchangeClosed, ExchangeError, PeerFailed
 from gossiploco.mixing.compressed import group_mean, pair_mean
 from gossiploco.mixing.compression import Codec, Float32Codec
 from gossiploco.mixing.exchange import Exchange
+from gossiploco.mixing.weighted import group_scale, pair_scale, push_sum_swap, weighted_all_reduce
 
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
@@ -52,6 +55,9 @@ class MixResult:
     """Payload bytes this peer sent (0 when nothing was exchanged): a ring all-reduce sends 2 (M - 1) / M
     of the fp32 payload, a swap all of it, a compressed exchange its codec's bytes
     (``gossiploco.mixing.compressed``). When the exchange failed: what it would have sent."""
+    weight: float | None = None
+    """A weighted mix: this peer's weight after it (push-sum: the pair's mean weight; global: the group's mean
+    weight; identity or failure: the weight given). None for an unweighted mix."""
 
 
 INITIAL_REFERENCE = 1
@@ -147,37 +153,52 @@ class Mixer(ABC):
         self.residual: TensorDict = {}
         """Error feedback, per parameter: what the last successful compressed mix of it lost (CPU fp32)."""
 
-    def mix(self, dicts: Sequence[TensorDict], round_index: int, exchange: Exchange) -> MixResult:
-        """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange."""
+    def mix(self, dicts: Sequence[TensorDict], round_index: int, exchange: Exchange,
+            weight: float | None = None) -> MixResult:
+        """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange. With ``weight``
+        (> 0; every member must give one): the weighted mean (``gossiploco.mixing.weighted``)."""
         dicts = list(dicts)
         flat = pack(dicts, self.names)
         nbytes = flat.numel() * 4 if self.codec is None else self.codec.encoded_bytes(flat.numel())
         start = time.perf_counter()
         residual = None
+        new_weight = weight
         try:
-            if self.codec is None:
-                mixed, partner, nbytes = self._combine(flat, round_index, exchange)
+            if self.codec is not None:
+                mixed, partner, residual, nbytes, new_weight = self._combine_compressed(flat, dicts, round_index,
+                                                                                        exchange, weight)
+            elif weight is not None:
+                mixed, partner, nbytes, new_weight = self._combine_weighted(flat, weight, round_index, exchange)
             else:
-                if self.error_feedback:
-                    self._add_residual(flat, dicts)
-                mixed, partner, residual, nbytes = self._combine_compressed(flat, round_index, exchange)
+                mixed, partner, nbytes = self._combine(flat, round_index, exchange)
         except ExchangeClosed:
             raise
         except ExchangeError as exc:
             log.warning("%s round %d: exchange failed (%s); identity this round", self.label, round_index, exc)
             self._failed()
-            return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start, bytes=nbytes)
+            return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start,
+                             bytes=nbytes, weight=weight)
         if mixed is not flat and not all_finite(mixed):
             cause = "non-finite values received"
             log.warning("%s round %d: %s; identity this round", self.label, round_index, cause)
             self._failed()
-            return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes)
+            return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes,
+                             weight=weight)
         if mixed is flat:  # identity, an unmatched gossip peer, or a group of one: nothing exchanged
-            return MixResult(dicts, ok=True, seconds=time.perf_counter() - start)
+            return MixResult(dicts, ok=True, seconds=time.perf_counter() - start, weight=weight)
         if self.error_feedback and residual is not None:
             self.residual.update(unpack(residual, dicts, self.names)[0])
         values = unpack(mixed, dicts, self.names)
-        return MixResult(values, ok=True, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes)
+        return MixResult(values, ok=True, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes,
+                         weight=new_weight)
+
+    def _prepare_compressed(self, flat: torch.Tensor, dicts: list[TensorDict], scale: float) -> None:
+        """What a compressed mix sends, in ``flat``: ``scale x`` (a weighted mean's scale, 1.0 unweighted), plus the
+        error-feedback residual at the scale it was lost at (``gossiploco.mixing.weighted``)."""
+        if scale != 1.0:
+            flat.mul_(scale)
+        if self.error_feedback:
+            self._add_residual(flat, dicts)
 
     def _add_residual(self, flat: torch.Tensor, dicts: list[TensorDict]) -> None:
         """``flat += decay * e``: the residual of each selected parameter (none yet: zero) onto the packed vector."""
@@ -194,6 +215,11 @@ class Mixer(ABC):
     def _combine(self, flat: torch.Tensor, round_index: int, exchange: Exchange) -> tuple[torch.Tensor, int | None, int]:
         """Mixed version of ``flat`` (``flat`` itself for identity), the gossip partner if any, and the bytes sent."""
 
+    def _combine_weighted(self, flat: torch.Tensor, weight: float, round_index: int,
+                          exchange: Exchange) -> tuple[torch.Tensor, int | None, int, float]:
+        """``_combine`` of the weighted mean: also this peer's weight after the mix. Default: identity."""
+        return flat, None, 0, weight
+
     def key(self, round_index: int) -> str:
         """This mix's exchange key in round ``round_index`` (``"mix1/12"``, ``"mix1/12/f2"``)."""
         return f"{self.label}/{round_index}{self.key_suffix}"
@@ -207,9 +233,10 @@ class Mixer(ABC):
     def forget_reference(self) -> None:
         """This worker's state came from elsewhere (a download): its next compressed mean sends fp32."""
 
-    def _combine_compressed(self, flat: torch.Tensor, round_index: int,
-                            exchange: Exchange) -> tuple[torch.Tensor, int | None, torch.Tensor | None, int]:
-        """``_combine`` with ``self.codec``: also the residual and the bytes sent."""
+    def _combine_compressed(self, flat: torch.Tensor, dicts: list[TensorDict], round_index: int, exchange: Exchange,
+                            weight: float | None) -> tuple[torch.Tensor, int | None, torch.Tensor | None, int, float | None]:
+        """``_combine`` with ``self.codec`` (weighted with ``weight``): also the residual, the bytes sent and this
+        peer's weight after the mix. Adds the residual to ``flat`` itself (``_prepare_compressed``)."""
         raise NotImplementedError(f"{self.kind} mixing sends nothing to compress")
 
 
@@ -223,8 +250,8 @@ class IdentityMix(Mixer):
     def _combine(self, flat, round_index, exchange):
         return flat, None, 0
 
-    def _combine_compressed(self, flat, round_index, exchange):
-        return flat, None, None, 0
+    def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
+        return flat, None, None, 0, weight
 
 
 class GlobalMix(Mixer):
@@ -270,27 +297,39 @@ class GlobalMix(Mixer):
         sent = 2 * (len(members) - 1) * flat.numel() * 4 // len(members)  # a ring's share of the payload
         return exchange.all_reduce_mean(key, flat, members, inplace=True), None, sent
 
-    def _combine_compressed(self, flat, round_index, exchange):
+    def _combine_weighted(self, flat, weight, round_index, exchange):
         key = self.key(round_index)
         members = exchange.group(key, round_index)
         if len(members) <= 1:
-            return flat, None, None, 0
+            return flat, None, 0, weight
+        mean, mean_weight = weighted_all_reduce(key, flat, weight, members, exchange)
+        return mean, None, 2 * (len(members) - 1) * (flat.numel() + 1) * 4 // len(members), mean_weight
+
+    def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
+        key = self.key(round_index)
+        members = exchange.group(key, round_index)
+        if len(members) <= 1:
+            return flat, None, None, 0, weight
+        scale, new_weight, sent = 1.0, None, 0
+        if weight is not None:
+            (scale, new_weight), sent = group_scale(key, weight, members, exchange), 4 * (len(members) - 1)
+        self._prepare_compressed(flat, dicts, scale)
         # ``flat`` is this call's own packed copy: the mean is written into it
         if not self.referenced:
-            mean, residual, sent = group_mean(key, flat, members, exchange, self.codec, feedback=self.error_feedback,
-                                              inplace=True)
-            return mean, None, residual, sent
+            mean, residual, payload = group_mean(key, flat, members, exchange, self.codec, feedback=self.error_feedback,
+                                                 inplace=True)
+            return mean, None, residual, sent + payload, new_weight
         ref = self.reference if self.reference is not None and self.reference.numel() == flat.numel() else None
         self._failed()  # until this mix succeeds
         if ref is None:
-            mean, _, sent = group_mean(key, flat, members, exchange, Float32Codec(), tag=0, inplace=True)
+            mean, _, payload = group_mean(key, flat, members, exchange, Float32Codec(), tag=0, inplace=True)
             ref = torch.empty_like(mean)
-        else:
-            mean, _, sent = group_mean(key, flat.sub_(ref), members, exchange, self.codec, tag=self.reference_tag,
-                                       inplace=True)
+        else:  # weighted: s (z - ref) = s z - s ref, and the members' s average to 1, so the mean is wmean(z) - ref
+            mean, _, payload = group_mean(key, flat.sub_(ref, alpha=scale), members, exchange, self.codec,
+                                          tag=self.reference_tag, inplace=True)
             mean.add_(ref)
         self.reference, self.reference_tag = ref.copy_(mean), reference_tag(round_index, members)
-        return mean, None, None, sent
+        return mean, None, None, sent + payload, new_weight
 
 
 class GossipMix(Mixer):
@@ -309,13 +348,25 @@ class GossipMix(Mixer):
         # more parameter-sized buffers cost up to 2 s a round for 125m on a 2-core VM (fresh pages).
         return theirs.add_(flat).div_(2), partner, flat.numel() * 4
 
-    def _combine_compressed(self, flat, round_index, exchange):
+    def _combine_weighted(self, flat, weight, round_index, exchange):
         key = self.key(round_index)
         partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
-            return flat, None, None, 0
-        mean, residual, sent = pair_mean(key, flat, partner, exchange, self.codec, self.error_feedback)
-        return mean, partner, residual, sent
+            return flat, None, 0, weight
+        mean, pair_weight = push_sum_swap(key, partner, flat, weight, exchange)
+        return mean, partner, (flat.numel() + 1) * 4, pair_weight
+
+    def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
+        key = self.key(round_index)
+        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        if partner is None:
+            return flat, None, None, 0, weight
+        scale, new_weight, sent = 1.0, None, 0
+        if weight is not None:
+            (scale, new_weight), sent = pair_scale(key, weight, partner, exchange), 4
+        self._prepare_compressed(flat, dicts, scale)
+        mean, residual, payload = pair_mean(key, flat, partner, exchange, self.codec, self.error_feedback)
+        return mean, partner, residual, sent + payload, new_weight
 
 
 MIXERS: dict[str, type[Mixer]] = {"identity": IdentityMix, "global": GlobalMix, "gossip": GossipMix}

@@ -54,11 +54,13 @@ def measure_due(cfg: RunConfig, h: int) -> tuple[bool, bool]:
 
     Every round is measured at h = 0 (with the validation loss when ``monitor.val_loss``) and
     every ``monitor.every`` steps; the runtimes add one final measurement after the last round
-    (the only one when ``monitor.enabled`` is false).
+    (the only one when ``monitor.enabled`` is false). With a time budget (``round.budget = "time"``) only at
+    h = 0: the workers run different numbers of steps, so a mid-round measurement (a collective on real
+    peers) would make the fast wait for the slow, what the budget is there to avoid.
     """
     if not cfg.monitor.enabled:
         return False, False
-    every = cfg.monitor.every
+    every = cfg.monitor.every if cfg.round.budget == "steps" else 0
     due = h == 0 or bool(every and h % every == 0)
     return due, due and h == 0 and cfg.monitor.val_loss
 

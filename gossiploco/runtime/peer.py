@@ -13,7 +13,7 @@ every ``discovery_s``), and a fresh swarm starts round 0 together once ``workers
 most ``startup_s``, saying meanwhile who is here and who is missing: ``waiting_line``). Closing
 withdraws the announcement and tells the others it leaves.
 
-Start-up (``_join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
+Start-up (``peer_join.join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
 then ask the connected peers which round they are in (``timeouts.hello_s``). If one is already
 in a round, this peer was restarted (or started late): it waits for the swarm's next round
 boundary (polling the others' rounds), downloads that round's state (z, outer momentum, round k,
@@ -60,20 +60,19 @@ from gossiploco.checkpoint import Checkpoint, CheckpointWriter, Snapshot, shared
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
-from gossiploco.membership.directory import Directory, DirectoryClosed
-from gossiploco.membership.record import PeerRecord
+from gossiploco.membership.directory import Directory
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing.operators import all_finite, pack, unpack
-from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.reach.paths import PathPlanner, Reach
-from gossiploco.reach.tunnel import serve_tunnel, tunnel_stats
+from gossiploco.reach.tunnel import tunnel_stats
+from gossiploco.round_budget import RoundBudget
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
+from gossiploco.runtime.peer_join import join, maybe_catch_up, provide_state
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
-from gossiploco.runtime.waiting_line import WaitingReport, short_start_line
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -82,19 +81,8 @@ from gossiploco.transport.zmq_exchange import MAX_PEER_ID, ZmqExchange
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
 
-CATCH_UP_LAG = 1
-"""A peer this many rounds behind another at the start of a round downloads the state instead of
-trailing the swarm. While it takes part, no peer can start a later round before it (each round's
-Mix2 includes it), so any lag at a round start means the swarm went on without it."""
-RECENT_LOSS_S = 10.0
-"""A peer alone at a round start that lost connections this recently first waits (``hello_s``)
-for them to come back, then asks where the others are."""
-BOUNDARY_POLL_S = 0.25
-"""How often a catching-up peer asks the others' rounds while it waits for the next round to begin."""
 LEAVE_LINGER_S = 2.0
 """After its last exchange a finishing peer keeps its sockets this long so its final chunks arrive."""
-RUN_WATCH_EVERY = 5
-"""A running peer reads the swarm's list of runs every this many ``discovery_s`` (a run started beside it)."""
 
 
 def run_id_for(cfg: RunConfig) -> str:
@@ -119,16 +107,6 @@ class PeerResult:
 
 MAILBOX_SLACK_BYTES = 64 << 20
 """Mailbox room beyond four models' worth of early chunks (monitors, small models)."""
-
-
-def corroborated(rounds: dict[int, int]) -> dict[int, int]:
-    """The round claims another member backs: peer ``p``'s round ``k`` stands if some other peer reports
-    round ``k - 1`` or later (a round boundary may fall between two answers). Where one peer answered,
-    its claim stands. So a lone member claiming a far later round (a bug, or a lie) cannot make the
-    others download its state; honest peers differ by at most one round at a boundary."""
-    if len(rounds) < 2:
-        return dict(rounds)
-    return {p: k for p, k in rounds.items() if any(q != p and j >= k - 1 for q, j in rounds.items())}
 
 
 class NetworkPeer:
@@ -169,6 +147,8 @@ class NetworkPeer:
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
         self.stream = rank if stream is None else stream
         """The index of this peer's data stream (its rank in a static list; with a directory, its peer id unless given)."""
+        self.budget = RoundBudget(cfg, self.stream, real_clock=True)
+        """How many inner steps a round runs (round.budget: exactly H, or until the round's deadline)."""
         self.trainer = build_trainer(cfg, self.corpus, self.device, self.stream)
         # Compile before opening the data plane: the others wait (timeouts.startup_s) for this peer to
         # connect, so peers compiling at different speeds still start round 0 together, and none spends
@@ -212,7 +192,7 @@ class NetworkPeer:
         else:
             self.algo = FactoredDiLoCo(self.trainer, cfg, self.exchange)
         self._snapshot: tuple[int, TensorDict, TensorDict] | None = None  # (round, z, momentum) at a round start
-        self.exchange.serve_state(self._provide_state)
+        self.exchange.serve_state(partial(provide_state, self))
         self.sink = MetricsSink(None)
         self.on_record: Callable[[dict], None] | None = None
         self.status = PeerStatus(rank, self.run_id, list(cfg.mix2.blocks)) if directory is not None else None
@@ -252,12 +232,12 @@ class NetworkPeer:
         try:
             self.clock.add("compile_s", self.compile_s)
             t = time.perf_counter()
-            r = self._join()
+            r = join(self)
             self.clock.add("startup_s", time.perf_counter() - t)
             cfg = self.cfg
             t = time.perf_counter()
             while r < cfg.rounds:
-                r = self._maybe_catch_up(r)
+                r = maybe_catch_up(self, r)
                 if r >= cfg.rounds:
                     break
                 self._checkpoint(checkpoints, r)
@@ -331,232 +311,6 @@ class NetworkPeer:
         if self._discovery is not None:
             self._discovery.join(timeout=self.cfg.timeouts.discovery_s + 10)
 
-    # -- joining and catching up -------------------------------------------------------------------
-
-    def _join(self) -> int:
-        """Wait for the others, ask where they are; returns the round this peer starts with."""
-        ex, t = self.exchange, self.cfg.timeouts
-        started = time.monotonic()
-        deadline = self._discover_at_start() if self.directory is not None else started + t.startup_s
-        if not ex.wait_connected(t.startup_s if self.directory is None else t.hello_s):
-            log.warning("rank %d: peers %s not connected after %.0fs; starting without them until they say hello",
-                        self.rank, ex.drop_unconnected(), t.startup_s)
-        rounds = self._ask_rounds()
-        # A new peer starts at round 0, a resumed one at its checkpoint's round k (a whole swarm restarting
-        # starts again where it stopped); where others are further, the swarm went on: download its state.
-        k = self.start_round
-        ahead = {p: r for p, r in rounds.items() if r > k}
-        if not ahead:
-            ex.announce(k)
-            if self.directory is not None:  # start together once `workers` peers are in, or with those here by the deadline
-                # (at least hello_s more: peers found just before it are still saying which round they start)
-                members = ex.wait_members(k, self.cfg.workers, max(deadline - time.monotonic(), t.hello_s))
-                if len(members) < self.cfg.workers:
-                    log.warning("rank %d: %s", self.rank, short_start_line(k, members, self.cfg.workers,
-                                                                           time.monotonic() - started))
-            return k
-        return self._catch_up(ahead, fresh=k == 0, current=k, resumed=k > 0)
-
-    def _discover_at_start(self) -> float:
-        """Check this peer's settings match the run going in the swarm (``RunMismatch`` if not) and that it
-        is reachable, announce it, and wait (up to ``timeouts.startup_s``, saying so) until ``workers`` peers
-        of the run are known or the run is found already going. Returns that deadline (``time.monotonic``)."""
-        ex, t, directory = self.exchange, self.cfg.timeouts, self.directory
-        assert directory is not None
-        directory.confirm_swarm()  # a wrong swarm key stops here, with the reason
-        others = self.runs.check_start(directory.runs())  # other settings than the run going here stop here, named
-        if others:
-            log.info("rank %d: starting run %s beside the other runs of this swarm (--new-run): %s", self.rank,
-                     self.run_id, "; ".join(run.label() for run in others))
-        if self.reach.reachable and not self.reach.verified and not ex.check_reachable(t.hello_s):
-            host_port = self.endpoint.removeprefix("tcp://")
-            raise ExchangeError(
-                f"peer {self.rank}: its advertised endpoint {self.endpoint} does not answer a ZeroMQ handshake "
-                f"within {t.hello_s:.0f}s. Other peers connect to it: make sure {host_port} is this machine's "
-                "address as others see it (pass --announce HOST with your public or LAN address), and that the "
-                "TCP port is open in the firewall (or forwarded by the NAT router); see README, 'Running across the internet'.")
-        taken = directory.peers().get(self.rank)
-        if taken is not None and taken.endpoint != self.endpoint:
-            log.warning("rank %d: peer id %d was announced by %s (a previous run of this peer?); taking it over. "
-                        "If another live peer uses this identity, give one of them another --identity",
-                        self.rank, self.rank, taken.endpoint)
-        key = self.trust.identity.curve_public if self.trust is not None else b""
-        reach = self.reach
-        if not reach.reachable and self.paths.run_in_node is not None:  # others' relayed streams end at our ROUTER
-            bind_host, port = self.exchange.bound.removeprefix("tcp://").rsplit(":", 1)
-            self.paths.run_in_node(partial(serve_tunnel, router_host=bind_host, router_port=int(port)))
-        directory.announce_run(self.runs.entry)
-        directory.announce(PeerRecord(self.rank, self.endpoint, round=-1, tokens=0, key=key, reachable=reach.reachable,
-                                      p2p=reach.p2p, relays=reach.relays))
-        deadline = time.monotonic() + t.startup_s
-        waiting, runs_read = WaitingReport(self.cfg.workers, deadline), time.monotonic()
-        while True:
-            records = self._sync_peers()
-            going = {p: r.round for p, r in records.items() if r.round >= 1}
-            if going:
-                log.info("rank %d: run %s is already going (%d peers, in round %d at most): joining it", self.rank,
-                         self.run_id, len(going), max(going.values()))
-            now = time.monotonic()
-            if len(records) >= self.cfg.workers or going or now > deadline:
-                break  # short of peers: one warning when the first round starts (_join)
-            line = waiting.update(now, list(records))
-            if line is not None:
-                log.info("rank %d: %s", self.rank, line)
-            if now - runs_read >= t.discovery_s:  # a run started beside this one at the same moment
-                runs_read = now
-                self._watch_runs()
-            if self._stop_discovery.wait(0.25):
-                break
-        self._discovery = threading.Thread(target=self._discovery_loop, name=f"discovery-{self.rank}", daemon=True)
-        self._discovery.start()
-        return deadline
-
-    def _watch_runs(self) -> None:
-        """Warn once about each run with other settings that started beside this one (``run_match``)."""
-        assert self.directory is not None
-        for warning in self.runs.warnings(self.directory.runs()):
-            log.warning("rank %d: %s", self.rank, warning)
-
-    def _sync_peers(self) -> dict[int, PeerRecord]:
-        """The run's announced peers; connects to new ones (or ones that moved)."""
-        assert self.directory is not None
-        records = self.directory.peers()
-        offers = self.paths.sync(records)
-        if offers is not None:  # reverse connections for peers behind NAT: they dial the ports in our record
-            self.directory.update(reverse=offers)
-            self.directory.publish_now()
-        return records
-
-    def _discovery_loop(self) -> None:
-        """Every ``timeouts.discovery_s``: find new peers, publish this one's round and tokens."""
-        assert self.directory is not None
-        ticks = 0
-        while not self._stop_discovery.wait(self.cfg.timeouts.discovery_s):
-            ticks += 1
-            try:
-                self._sync_peers()
-                self.directory.update(round=max(self.exchange.current_round, -1), tokens=self._tokens)
-                if ticks % RUN_WATCH_EVERY == 0:
-                    self._watch_runs()
-            except DirectoryClosed:
-                return
-            except Exception:  # noqa: BLE001 - discovery must outlive surprises; they are logged
-                log.exception("rank %d: peer discovery failed; retrying", self.rank)
-
-    def _ask_rounds(self) -> dict[int, int]:
-        """The rounds members report (over their authenticated connections), less uncorroborated claims."""
-        ex = self.exchange
-        ex.announce(-1)  # a probe: changes no membership, asks every peer for its round
-        rounds = ex.peer_rounds(self.cfg.timeouts.hello_s)
-        kept = corroborated(rounds)
-        if kept != rounds:
-            log.warning("rank %d: ignoring round claims no other member backs: %s (all reported: %s)", self.rank,
-                        {p: k for p, k in rounds.items() if p not in kept}, rounds)
-        return kept
-
-    def _maybe_catch_up(self, r: int) -> int:
-        """At a round start: the swarm went on without us when we are alone while others are
-        connected or were lost just now (all at once: we were frozen, they dropped us), when a
-        group leader that left us out is already in a later round, or when a leader left us out as a
-        straggler last round (we run behind the swarm's clock within the same round number)."""
-        ex, t = self.exchange, self.cfg.timeouts
-        if self.cfg.workers == 1 and self.directory is None:
-            return r
-        lost = ex.recently_lost(RECENT_LOSS_S)
-        alone = ex.members(r) == [self.rank] and bool(ex.pending() or lost)
-        left_behind = any(k >= r + CATCH_UP_LAG for k in ex.leader_rounds().values())
-        straggling = ex.straggling(r)  # same round, but behind the swarm's clock: re-align at its next round
-        if not (alone or left_behind or straggling):
-            return r
-        if lost:
-            ex.wait_connected(t.hello_s)  # they reconnect within moments if they are alive
-        rounds = self._ask_rounds()
-        ahead = {p: k for p, k in rounds.items() if k >= r + (0 if straggling else CATCH_UP_LAG)}
-        if ahead:
-            return self._catch_up(ahead, fresh=False, current=r)
-        if alone:
-            ex.announce(r)  # they are not ahead: just take part again from this round
-        return r
-
-    def _catch_up(self, ahead: dict[int, int], fresh: bool, current: int = 0, resumed: bool = False) -> int:
-        """At the next round boundary k, download (z, momentum, round k) from a peer in round k; train round k in step.
-        If no peer gives its state (the others finished or are gone), a peer that has a state of its own
-        goes on from ``current`` with it; a fresh process has nothing to go on with and raises ``ExchangeError``.
-        ``resumed``: this process starts from its checkpoint of round ``current``; peers one round further
-        (a swarm stopped across a round boundary and started again: they wait for the others at its start)
-        give their state at once, without waiting for the next boundary."""
-        if self.cfg.mode == "sync-dp":
-            raise ExchangeError(f"rank {self.rank}: the swarm is past round 0 (peers' rounds {ahead}) and the "
-                                "sync-dp baseline cannot rejoin a running swarm; restart every peer")
-        start = time.perf_counter()
-        if not fresh and not resumed:  # the others count on us: tell them we step out, or each exchange waits a grace window for us
-            self.exchange.announce(STEPPING_OUT, ask_reply=False)
-        if not (resumed and max(ahead.values()) == current + 1):
-            ahead = self._next_round_begins(ahead)
-        latest = max(ahead.values())
-        donors = sorted(p for p, k in ahead.items() if k == latest)
-        donors = donors[self.rank % len(donors):] + donors[:self.rank % len(donors)]  # spread newcomers over donors
-        algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
-        for donor in donors:
-            try:
-                k, flat = self.exchange.fetch_state(donor)
-            except ExchangeClosed:
-                raise
-            except ExchangeError as exc:
-                log.warning("rank %d: state download from %d failed: %s", self.rank, donor, exc)
-                continue
-            outer = 2 * sum(algo.z[n].numel() for n in self.names)
-            opt = self.trainer.inner_opt
-            if flat.numel() != outer + opt.moments_size() or not all_finite(flat):
-                log.warning("rank %d: peer %d sent an unusable state (%d values); trying another", self.rank, donor, flat.numel())
-                continue
-            algo.set_state(*unpack(flat[:outer], [algo.z, algo.momentum], self.names))
-            # The donor's AdamW moments: a warm start instead of fresh ones (its step count is the schedule's).
-            opt.import_moments(flat[outer:], k * self.cfg.inner_steps)
-            # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
-            self.exchange.announce(k, caught_up=True)
-            self._counts["catchups"] += 1
-            self.clock.add("catchup_s", time.perf_counter() - start)
-            log.warning("rank %d: %s; caught up from peer %d at the start of round %d, mixing again",
-                        self.rank, "joined a running swarm" if fresh else "fell behind the swarm", donor, k)
-            self._pending["catchup_from"] = donor
-            return k
-        self.clock.add("catchup_s", time.perf_counter() - start)
-        if not fresh:  # it has a state of its own (the others finished or are gone): it goes on with that
-            log.warning("rank %d: no peer gave its state (rounds %s); going on from round %d with this peer's own",
-                        self.rank, ahead, current)
-            self.exchange.announce(current)
-            return current
-        raise ExchangeError(f"rank {self.rank}: the swarm is ahead (rounds {ahead}) and no peer gave its state")
-
-    def _next_round_begins(self, ahead: dict[int, int]) -> dict[int, int]:
-        """Wait until some peer begins a round after those in ``ahead`` (asking every ``BOUNDARY_POLL_S``,
-        at most ``timeouts.startup_s``); returns the peers in the newest round then."""
-        latest = max(ahead.values())
-        if latest >= self.cfg.rounds:
-            log.warning("rank %d: the others finished all %d rounds already (rounds %s)", self.rank, self.cfg.rounds, ahead)
-            return ahead
-        deadline = time.monotonic() + self.cfg.timeouts.startup_s
-        while time.monotonic() < deadline:
-            rounds = self._ask_rounds()
-            if max(rounds.values(), default=-1) > latest:
-                newest = max(rounds.values())
-                return {p: k for p, k in rounds.items() if k == newest}
-            if self._stop_discovery.wait(BOUNDARY_POLL_S):
-                break
-        log.warning("rank %d: no peer began a round after %d within %.0fs; catching up from round %d",
-                    self.rank, latest, self.cfg.timeouts.startup_s, latest)
-        return ahead
-
-    def _provide_state(self) -> tuple[int, torch.Tensor] | None:
-        """State for a catching-up peer: (k, [z_k, momentum_k, AdamW moments]): the outer state of the
-        round this peer last started, and its inner optimizer's moments after its latest inner step."""
-        snapshot = self._snapshot
-        if snapshot is None:
-            return None
-        k, z, momentum = snapshot
-        return k, torch.cat([pack([z, momentum], self.names), self.trainer.inner_opt.export_moments()])
-
     # -- one round -----------------------------------------------------------------------------
 
     def _run_round(self, r: int) -> None:
@@ -565,7 +319,8 @@ class NetworkPeer:
         start = time.perf_counter()
         self.clock.begin_round()
         blocked = self._train_round(r)
-        merge_stats(self._pending, {"other_s": self.clock.end_round(r, time.perf_counter() - start, blocked)})
+        steps = getattr(self.algo, "round_steps", self.cfg.inner_steps)  # sync-dp: always H
+        merge_stats(self._pending, {"other_s": self.clock.end_round(r, time.perf_counter() - start, blocked, steps)})
 
     def _train_round(self, r: int) -> dict[str, float]:
         """Returns the seconds blocked in Mix1 and in Mix2 (sync-dp: in gradient all-reduces)."""
@@ -579,8 +334,11 @@ class NetworkPeer:
         self.exchange.current_round = r
         if factored:
             algo.begin_round(r)
-        for h in range(cfg.inner_steps):
+        self.budget.begin(time.perf_counter())  # the agreed start: the previous Mix2 released every member here
+        h = 0
+        while self.budget.another(h, time.perf_counter()):
             due, val_loss = measure_due(cfg, h)
+            measuring = time.perf_counter()
             if due and h == 0 and self._reuse_mix1:
                 # measured against Mix1's average at the round's end; its group is agreed now, beside Mix1's, as
                 # an undeferred measurement's is (a round waits no longer for a missing peer than before)
@@ -589,13 +347,18 @@ class NetworkPeer:
             elif due:
                 self._finish_compute()
                 self._record(r, h, val_loss=val_loss)
+            if due:  # the round's length is for training: the measurement's time moves its deadline
+                self.budget.pause(time.perf_counter() - measuring)
             t = time.perf_counter()
             if factored:
                 loss = self._inner_step()
+                self._slow_down(t)
                 self.clock.tick("compute_s", time.perf_counter() - t)
             else:
                 loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
+            self.budget.step_took(time.perf_counter() - t)
             self._losses.append(loss)
+            h += 1
         self._finish_compute()
         if factored:
             if self._deferred is not None:
@@ -624,6 +387,16 @@ class NetworkPeer:
             return float("nan")
         return self.algo.inner_step()
 
+    def _slow_down(self, start: float) -> None:
+        """``compute.slowdown``: a stand-in for a slower machine. The step runs to its end (on a GPU: synchronized)
+        and the peer then sleeps ``slowdown - 1`` times what it took. A real-clock time budget also times each
+        step to its end (its deadline needs the steps' true cost, not the time to queue them)."""
+        factor = self.cfg.compute.slowdown
+        if factor > 1 or self.budget.real:
+            self.trainer.synchronize()
+        if factor > 1:
+            time.sleep((factor - 1) * (time.perf_counter() - start))
+
     def _sync_dp_step(self, step: int, start: float) -> torch.Tensor | float:
         algo: SyncDP = self.algo  # type: ignore[assignment]
         if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: a sleep and zero gradients, then the real exchange
@@ -648,7 +421,7 @@ class NetworkPeer:
             "mix1_failures": int(not rep.mix1.ok), "mix2_failures": int(not rep.mix2.ok),
             "mix1_bytes": rep.mix1.bytes, "mix2_bytes": rep.mix2.bytes,
             "mix1_s": rep.mix1.seconds, "mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s, "outer_s": rep.outer_s,
-            "delta_s": rep.delta_s,
+            "delta_s": rep.delta_s, "steps": rep.steps, "tokens": rep.tokens,
         }
         for mix in ("mix1", "mix2"):
             res = getattr(rep, mix)

@@ -3,7 +3,7 @@ round to round: the metrics waiting for the next record, its counters, its token
 adaptive deadlines it learned.
 
 A resumed peer (``gossiploco peer --resume``) starts at its checkpoint's round k and can give that state
-to others at once. Where the others are (``NetworkPeer._join``): in round k, or none running (the whole
+to others at once. Where the others are (``peer_join.join``): in round k, or none running (the whole
 swarm was stopped and is started again), it trains round k with them; if the swarm went on, it downloads
 the newer state as any late peer does.
 """

@@ -29,12 +29,13 @@ class PeerClock:
     def begin_round(self) -> None:
         self.in_round = dict.fromkeys(TICKED, 0.0)
 
-    def end_round(self, r: int, wall_s: float, blocked: dict[str, float]) -> float:
-        """Round ``r`` took ``wall_s``, of which ``blocked`` (seconds per mix) waiting for exchanges; returns
-        its other seconds (neither ticked nor blocked) and keeps the round's split."""
+    def end_round(self, r: int, wall_s: float, blocked: dict[str, float], steps: int | None = None) -> float:
+        """Round ``r`` took ``wall_s``, of which ``blocked`` (seconds per mix) waiting for exchanges, and ran
+        ``steps`` inner steps; returns its other seconds (neither ticked nor blocked) and keeps the round's split."""
         other = wall_s - sum(self.in_round.values()) - sum(blocked.values())
         self.totals["other_s"] += other
-        self.rounds.append({"round": r, "s": wall_s, **self.in_round, **blocked, "other_s": other})
+        self.rounds.append({"round": r, "s": wall_s, **self.in_round, **blocked, "other_s": other,
+                            **({"steps": steps} if steps is not None else {})})
         return other
 
     def take_record(self) -> dict[str, float]:

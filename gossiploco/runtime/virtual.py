@@ -5,6 +5,13 @@ each step gets the whole machine), Mix1 runs on each worker's background thread,
 blocking end of a round (Mix2, outer step) runs for all workers at once on a thread pool,
 because a worker's Mix2 waits for its partners. Consensus is measured with every worker's
 parameters in hand; the network peer computes the same quantities from per-worker terms.
+
+With ``round.budget = "time"`` a simulated clock (no sleeping) decides each worker's inner steps: a
+worker whose step takes ``round.step_time_factors[m]`` base steps runs ``floor(inner_steps / factor)``
+of them (``RoundConfig.steps_for``). Inner step h of the round runs on the workers that still have an
+h-th step; a worker done early waits for the round's end. The inner schedule follows the rounds, not the
+steps each worker ran (``InnerOptimizer.start_round``): every worker's round r starts at the rate of step
+r * inner_steps.
 """
 
 from __future__ import annotations
@@ -71,6 +78,11 @@ class VirtualSwarm:
         self.checkpoint_s = 0.0
         self._started = time.perf_counter()
         """Seconds the training thread spent taking snapshots (the writing happens on the writer's thread)."""
+        self.round_steps = [cfg.round.steps_for(m, cfg.inner_steps) for m in range(cfg.workers)]
+        """Inner steps each worker runs per round (every one ``inner_steps`` with a steps budget)."""
+        self.worker_steps = [0] * cfg.workers
+        self.worker_tokens = [0] * cfg.workers
+        """Each worker's inner steps and tokens over the rounds this run ran (the summary's)."""
 
     # -- measurement --------------------------------------------------------------------------
 
@@ -132,6 +144,7 @@ class VirtualSwarm:
         final_val = self.sink.records[-1]["val_loss"]
         summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
         summary.update(resumed_from=self.start_round or None, checkpoint_s=self.checkpoint_s)
+        summary.update(worker_steps=self.worker_steps, worker_tokens=self.worker_tokens)
         return SwarmResult(final_params=self.final_params(), summary=summary, records=self.sink.records)
 
     def summary_so_far(self) -> dict:
@@ -183,11 +196,11 @@ class VirtualSwarm:
         if cfg.mode == "factored":
             for algo in self.algos:
                 algo.begin_round(r)
-        for h in range(cfg.inner_steps):
+        for h in range(max(self.round_steps)):
             due, val_loss = measure_due(cfg, h)
             if due:
                 self._record(r, h, val_loss=val_loss)
-            self._losses += self._inner_step(r * cfg.inner_steps + h)
+            self._losses += self._inner_step(r * cfg.inner_steps + h, h)
             if self.on_step:
                 self.on_step(1, None)
         if cfg.mode != "factored":
@@ -199,6 +212,9 @@ class VirtualSwarm:
             merge_stats(self._pending, {"mix2_decision": decision.to_dict()})
         self._round_js = []
         reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
+        for m, rep in enumerate(reports):
+            self.worker_steps[m] += rep.steps
+            self.worker_tokens[m] += rep.tokens
         merge_stats(self._pending, round_stats(reports))
         return reports
 
@@ -222,9 +238,9 @@ class VirtualSwarm:
             algo.close()
         self.pool.shutdown(wait=True)
 
-    def _inner_step(self, step: int) -> list[torch.Tensor]:
-        if self.cfg.mode == "factored":
-            return [algo.inner_step() for algo in self.algos]
+    def _inner_step(self, step: int, h: int) -> list[torch.Tensor]:
+        if self.cfg.mode == "factored":  # the workers whose budget has an h-th step this round
+            return [algo.inner_step() for algo, steps in zip(self.algos, self.round_steps) if h < steps]
         # sync-dp: every worker's gradient first, then the all-reduce for all of them at once.
         losses = [algo.forward_backward() for algo in self.algos]
         results = list(self.pool.map(lambda a: a.reduce_and_step(step), self.algos))
@@ -247,4 +263,6 @@ def round_stats(reports: list[RoundReport]) -> dict:
         "mix2_bytes": sum(rep.mix2.bytes for rep in reports) // max(len(reports), 1),
         "mix1_wait_s": max(rep.mix1_wait_s for rep in reports),
         "mix2_s": max(rep.mix2_s for rep in reports),
+        "steps": [rep.steps for rep in reports],
+        "tokens": [rep.tokens for rep in reports],
     }

@@ -66,6 +66,7 @@ def capture(algo: FactoredDiLoCo | SyncDP, prefix: str, copier: Copier | None = 
                 tensors[f"{prefix}/mix1_reference/{j}"] = copy(reference)
             references[str(j)] = getattr(mixer, "reference_tag", 0)
         meta["mix1_reference_tags"] = references
+        meta["last_round_tokens"] = algo.last_round_tokens  # Mix1's weight with round.weights = "tokens"
         tensors.update({f"{prefix}/mix2_residual/{n}": copy(v, immutable=True) for n, v in algo.mix2.residual.items()})
     else:
         tensors.update({f"{prefix}/params/{n}": copy(v) for n, v in trainer.params().items()})
@@ -102,6 +103,7 @@ def restore(algo: FactoredDiLoCo | SyncDP, prefix: str, tensors: TensorDict, met
             if reference is not None:
                 mixer.reference, mixer.reference_tag = reference.clone(), int(tags.get(str(j), 0))
         algo.mix2.residual = {n: v.clone() for n, v in group("mix2_residual").items()}
+        algo.last_round_tokens = meta.get("last_round_tokens")
     else:
         params = group("params")
         _check_names(prefix, "params", params, shapes)

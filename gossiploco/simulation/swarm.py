@@ -7,7 +7,7 @@ sleep), then Mix2 (pairwise gossip or a global all-reduce of its pseudo-gradient
 and takes the outer step. Exchanges go through group agreement; a failed exchange is identity.
 At a round start a peer that finds itself alone while others are around, or learns that a leader
 is ahead, asks the others' rounds and downloads the state from one that is ahead (the runtime's
-catch-up rule, with the same constants). A restarted peer starts as the runtime's ``_join`` does.
+catch-up rule, with the same constants). A restarted peer starts as the runtime's ``peer_join.join`` does.
 Small tensors stand in for the model; the mixing math is the protocol's own. Some peers may be
 behind NAT (``Settings.behind_nat``): their connections are reverse or go through relays, which
 can go down and reset connections at their limits; peers see all of it as disconnects.
@@ -28,7 +28,7 @@ from gossiploco.mixing.operators import pair_matching
 from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap
 from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Send
 from gossiploco.protocol.ring import segment_bounds
-from gossiploco.runtime.peer import BOUNDARY_POLL_S, CATCH_UP_LAG, RECENT_LOSS_S
+from gossiploco.runtime.peer_join import BOUNDARY_POLL_S, CATCH_UP_LAG, RECENT_LOSS_S
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
@@ -276,7 +276,7 @@ class SimSwarm:
 
     def catch_up(self, peer: SimPeer, ahead: dict[int, int], z: torch.Tensor, r: int = 0):
         # The runtime's rule: wait for the swarm's next round boundary, then download that round's
-        # state and take part at once, in step with the others (``NetworkPeer._catch_up``).
+        # state and take part at once, in step with the others (``peer_join.catch_up``).
         if r > 0 or peer.node.peers.takes_part(0):  # not a fresh join: step out while catching up (as the runtime does)
             peer.act(peer.node.announce(STEPPING_OUT, ask_reply=False))
         latest = max(ahead.values())

@@ -38,7 +38,7 @@ class RoundBudget:
         that can run a real-clock round (network peers; the virtual swarm simulates every worker's clock)."""
         rc, self.inner_steps = cfg.round, cfg.inner_steps
         self.length_s = rc.length_s if rc.budget == "time" and real_clock else 0.0
-        if rc.budget == "time" and not self.length_s and not rc.step_time_factors:
+        if real_clock and rc.budget == "time" and not self.length_s and not rc.step_time_factors:
             raise ConfigError("round.length_s", "a time budget on real peers needs the round's length in seconds "
                               "(for example --set round.length_s=30: the time the fast peers take for inner_steps "
                               "steps); or round.step_time_factors for a simulated clock")

@@ -34,6 +34,11 @@ and a second, tiny all-reduce averages the terms: CD_L2 (eq. 34), CD_L2^2 (eq. 4
 (eq. 46) are exactly these means. Every peer logs the same swarm-wide values. The averaged
 parameters after the last round are the final model (Algorithm 1, line 15).
 
+A round runs H inner steps, or with ``round.budget = "time"`` as many as fit before the round's deadline
+(``round_budget``; the deadline counts from the agreed start, where the previous Mix2 released every
+member), so a slow peer does fewer steps and the others do not wait for it at Mix2; with ``round.weights =
+"tokens"`` the mixes weigh each peer by the tokens it processed (``mixing.weighted``).
+
 Per-peer metrics add to the virtual swarm's fields the seconds this peer computed, blocked on
 Mix1 and in Mix2 and in the monitors, bytes sent and received, and each failure with its cause,
 so compute utilization is measured, not estimated.

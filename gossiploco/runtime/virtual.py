@@ -8,7 +8,7 @@ parameters in hand; the network peer computes the same quantities from per-worke
 
 With ``round.budget = "time"`` a simulated clock (no sleeping) decides each worker's inner steps: a
 worker whose step takes ``round.step_time_factors[m]`` base steps runs ``floor(inner_steps / factor)``
-of them (``RoundConfig.steps_for``). Inner step h of the round runs on the workers that still have an
+of them (``round_budget.RoundBudget``). Inner step h of the round runs on the workers that still have an
 h-th step; a worker done early waits for the round's end. The inner schedule follows the rounds, not the
 steps each worker ran (``InnerOptimizer.start_round``): every worker's round r starts at the rate of step
 r * inner_steps.
@@ -32,6 +32,7 @@ from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batch
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
+from gossiploco.round_budget import RoundBudget
 from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
 from gossiploco.runtime.worker_state import Copier, capture, restore
 from gossiploco.trainer import resolve_device
@@ -78,7 +79,7 @@ class VirtualSwarm:
         self.checkpoint_s = 0.0
         self._started = time.perf_counter()
         """Seconds the training thread spent taking snapshots (the writing happens on the writer's thread)."""
-        self.round_steps = [cfg.round.steps_for(m, cfg.inner_steps) for m in range(cfg.workers)]
+        self.round_steps = [RoundBudget(cfg, m, real_clock=False).fixed for m in range(cfg.workers)]
         """Inner steps each worker runs per round (every one ``inner_steps`` with a steps budget)."""
         self.worker_steps = [0] * cfg.workers
         self.worker_tokens = [0] * cfg.workers

@@ -23,7 +23,7 @@ import zmq
 
 from conftest import wait_until
 from gossiploco.membership.bootstrap import start_bootstrap
-from gossiploco.membership.directory import DhtDirectory
+from gossiploco.membership.dht_directory import DhtDirectory
 from gossiploco.membership.record import PeerRecord
 from gossiploco.protocol.messages import LEAVING, PROBE, Data, Decision, Hello, Ready
 from gossiploco.runtime.launch import free_ports

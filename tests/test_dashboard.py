@@ -175,7 +175,7 @@ def test_the_metrics_endpoint_speaks_prometheus_with_a_sample_per_live_peer():
 @pytest.mark.slow
 def test_only_swarm_key_holders_can_observe_a_private_runs_status(bootstrap):
     from gossiploco.errors import DirectoryError
-    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.dht_directory import DhtDirectory
     from gossiploco.membership.record import PeerRecord
     from gossiploco.membership.status import read_statuses
     from gossiploco.dashboard.observer import open_directory

@@ -578,7 +578,7 @@ def test_a_record_that_fails_to_publish_once_is_retried_quietly_and_warned_about
     the level the failure reached."""
     import logging
 
-    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.dht_directory import DhtDirectory
 
     directory = object.__new__(DhtDirectory)  # the outcome logic alone: no DHT process
     directory.run_id, directory.ttl_s, directory.heartbeat_s = "run-a", 20.0, 2.0
@@ -586,7 +586,7 @@ def test_a_record_that_fails_to_publish_once_is_retried_quietly_and_warned_about
 
     def levels(*outcomes):
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="gossiploco.membership.directory"):
+        with caplog.at_level(logging.INFO, logger="gossiploco.membership.dht_directory"):
             for ok, now in outcomes:
                 directory._publish_outcome(7, ok, now)
         return [(r.levelno, r.getMessage().split(";")[0].split(" (")[0]) for r in caplog.records]

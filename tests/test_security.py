@@ -17,7 +17,7 @@ from hivemind.dht.validation import DHTRecord
 from conftest import wait_until
 from gossiploco.errors import ConfigError, DirectoryError
 from gossiploco.membership.bootstrap import start_bootstrap
-from gossiploco.membership.directory import DhtDirectory
+from gossiploco.membership.dht_directory import DhtDirectory
 from gossiploco.membership.record import PeerRecord
 from gossiploco.protocol.messages import Hello, to_wire
 from gossiploco.runtime.launch import free_ports

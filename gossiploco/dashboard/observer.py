@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from gossiploco.membership.status import SERIES, StatusEntry, read_statuses
 
 if TYPE_CHECKING:
-    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.dht_directory import DhtDirectory
     from gossiploco.security.swarm_key import SwarmKey
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def open_directory(join: Sequence[str], swarm: SwarmKey | None, *, host: str = "
                    timeout_s: float = 10.0) -> DhtDirectory:
     """A DHT node joined through ``join`` that reads ``swarm``'s entries (None: an open run's) and announces
     nothing; ``DirectoryError`` when the DHT cannot be joined or does not know the swarm key."""
-    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.dht_directory import DhtDirectory
     from gossiploco.security.identity import Identity
     from gossiploco.security.trust import Trust
 

@@ -1,6 +1,6 @@
 """A bootstrap node: the one well-known address through which peers join a run's DHT.
 
-Peers find each other through a hivemind DHT (``gossiploco.membership.directory``). To join it,
+Peers find each other through a hivemind DHT (``gossiploco.membership.dht_directory``). To join it,
 a new node needs the multiaddr of one node already in it, including that node's libp2p peer id:
 ``/ip4/203.0.113.7/tcp/31337/p2p/QmXyz...``. A bootstrap node is a plain DHT node started for
 that purpose (``gossiploco dht``): it announces no peer record, it only answers DHT
@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gossiploco.errors import ConfigError
+from gossiploco.errors import ConfigError, DirectoryError
 from gossiploco.security.identity import write_secret_file
 from gossiploco.membership.dht_node import (
     check_announce_maddrs,
@@ -55,7 +55,7 @@ from gossiploco.membership.dht_node import (
     start_dht,
     visible_maddrs,
 )
-from gossiploco.membership.directory import BEACON_TTL_S, DirectoryError, beacon_key
+from gossiploco.membership.dht_directory import BEACON_TTL_S, beacon_key
 
 if TYPE_CHECKING:
     import hivemind

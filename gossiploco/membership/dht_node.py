@@ -1,7 +1,7 @@
 """One hivemind DHT node of a run: its addresses (validated), starting it tied to this process,
 and the calls that run inside its process (its visible addresses, re-dialing known peers).
 
-``membership.directory`` keeps a run's records in such a node; ``membership.bootstrap`` runs one
+``membership.dht_directory`` keeps a run's records in such a node; ``membership.bootstrap`` runs one
 for others to join through.
 """
 

@@ -31,7 +31,7 @@ from gossiploco.membership.record import IncompatibleRecord, _check_int
 from gossiploco.protocol.messages import MAX_PEER_ID
 
 if TYPE_CHECKING:
-    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.dht_directory import DhtDirectory
     from gossiploco.security.swarm_key import SwarmKey
 
 STATUS_VERSION = 1

@@ -9,7 +9,7 @@ import logging
 from gossiploco.config import RunConfig
 from gossiploco.errors import ConfigError
 from gossiploco.membership.dht_node import check_initial_peers
-from gossiploco.membership.directory import DhtDirectory
+from gossiploco.membership.dht_directory import DhtDirectory
 from gossiploco.reach.dialback import Reachability, check_reachability, describe
 from gossiploco.reach.paths import Reach
 from gossiploco.runtime.launch import free_ports

@@ -239,7 +239,7 @@ def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> 
     """The bootstrap answers (TCP, then a DHT node of our own joins through it) and holds ``swarm_key``."""
     from gossiploco.errors import GossiplocoError
     from gossiploco.membership.dht_node import check_initial_peers
-    from gossiploco.membership.directory import DhtDirectory
+    from gossiploco.membership.dht_directory import DhtDirectory
 
     fix_copy = "copy the whole address `gossiploco dht` printed: /ip4/HOST/tcp/PORT/p2p/PEER_ID"
     try:

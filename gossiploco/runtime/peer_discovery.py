@@ -12,7 +12,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from gossiploco.errors import ExchangeError
-from gossiploco.membership.directory import DirectoryClosed
+from gossiploco.errors import DirectoryClosed
 from gossiploco.membership.record import PeerRecord
 from gossiploco.reach.tunnel import serve_tunnel
 from gossiploco.runtime.waiting_line import WaitingReport

@@ -1,0 +1,549 @@
+"""The hivemind-DHT ``Directory`` (the contract: ``gossiploco.membership.directory``).
+
+Records in the DHT
+------------------
+
+All records of run ``R`` live under one DHT key, ``f"gossiploco/{R}/peers"``, as a hivemind
+*dictionary value*: subkey = the peer id (an int; with ``trust`` in a private run a keyed hash of
+it, ``entry_subkey``), value = ``PeerRecord.to_wire()`` (a plain
+msgpack-able dict; hivemind serializes with msgpack, never pickle). Every subkey carries its own
+expiration time (hivemind's ``get_dht_time()`` is wall-clock time, so peers' clocks must agree to
+within a few seconds). Runs with different ids use different keys, so they never see each
+other's records even on a shared DHT.
+
+* ``announce()`` stores the record at once (bounded by ``timeout_s``), expiring ``ttl_s`` later;
+  a daemon heartbeat thread re-stores the current record every ``heartbeat_s`` with a fresh
+  expiration. ``update()`` only changes the local copy; the next heartbeat publishes it.
+* hivemind has no delete. A DHT node keeps, per subkey, the value with the *latest* expiration
+  and rejects stores whose expiration is already past. So ``withdraw()`` stores a tombstone
+  (value ``None``) whose expiration is later than that of any record this directory stored;
+  it replaces the record on every replica it reaches, readers skip it, and it expires itself
+  after about ``ttl_s``. Expirations this directory uses only grow, so a later ``announce()``
+  wins over its own tombstone again.
+* A peer that crashes stores no tombstone: its record vanishes when its last expiration passes,
+  at most ``ttl_s`` after its last heartbeat. ``ttl_s`` should be a few heartbeats long so one
+  slow store does not make a live peer disappear.
+* ``peers()`` asks the DHT for the latest value of the key (``latest=True``: the search visits
+  the nodes nearest to the key and merges their subkeys, newest expiration winning), waiting at
+  most ``timeout_s``. Every subkey is validated like any data from the network
+  (``PeerRecord.from_wire``): malformed records and records of another ``PROTOCOL_VERSION`` are
+  dropped with one logged warning each (counted in ``malformed_records`` and
+  ``incompatible_records``), and so are expired ones. When the DHT does not answer in time,
+  ``peers()`` logs why and returns the last records it knew that have not expired.
+
+The swarm's list of runs (``gossiploco.membership.runs``): besides its record, a peer announces
+one ``RunEntry`` (its run id and settings) under a key of the whole swarm, with the same subkey,
+expirations, heartbeat and tombstone as its record (``announce_run``, ``runs``), so a peer about to
+start can see the runs already going and whether its settings differ from theirs.
+
+Bootstrap restarts: a node that fails to answer is dropped from hivemind's routing tables, and a
+restarted bootstrap node starts with an empty table, so after a restart the swarm and the
+bootstrap node would not know each other, and a peer joining through it would find nobody. Two
+things reconnect them. The restarted bootstrap node pings the peers it saved before
+(``gossiploco.membership.bootstrap``), which is immediate. And every ``REJOIN_HEARTBEATS``
+heartbeats a directory checks whether each initial peer is in its routing table and if not dials
+and pings it (``reconnect``, in the DHT process, bounded by ``timeout_s``, never two at once);
+this one is slowed by libp2p's dial backoff, which after failed dials refuses to dial the same
+address again for 5 s + 1 s x (failed dials)^2, up to 5 minutes. Either way the two nodes then
+know each other again and hand each other the records the other should keep (hivemind does
+that when two nodes meet).
+
+Errors: ``DirectoryError`` (a ``GossiplocoError``) when a DHT node cannot be started or cannot
+join through any of its initial peers within ``timeout_s``; ``DirectoryClosed`` (a
+``DirectoryError``) for calls after ``close()``; ``ConfigError`` for bad arguments (the message
+names the argument). Network trouble after joining never raises: it is logged, the heartbeat
+retries, ``peers()`` returns what it knows.
+
+    GossiplocoError
+    └── DirectoryError          the DHT could not be started or joined (remote or environment fault)
+        └── DirectoryClosed     the directory was closed; the call cannot proceed (local)
+
+hivemind is imported on first use of the DHT (about 1.3 s), so code that only uses
+``MemoryDirectory`` does not pay for it.
+
+Trust (``trust``, always given by ``gossiploco peer``): the run's records live under a key derived
+from the swarm key, every node validates every record with ``SwarmRecordValidator``
+(``gossiploco.security.records``: signed by the peer whose entry it is, sealed with the swarm key
+in a private run), and a record counts only if its data-plane ``key`` is that of its peer id. So
+nobody without the swarm key can read, write, overwrite, tombstone or replace the run's records,
+and no member can write another member's. Without ``trust`` records are unauthenticated (unit
+tests of the directory mechanics only). A ``DHT`` node runs in a process forked from this one, which
+runs ``p2pd``; both die with this process, even when it is SIGKILLed, and p2pd dies with the DHT
+process when that one has to be killed (it did not shut down within 3 s); see
+``gossiploco.membership.lifeline``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gossiploco.errors import ConfigError, DirectoryError
+from gossiploco.membership.dht_node import (_TIMEOUTS, check_announce_maddrs, check_initial_peers, host_maddr,
+                                            reconnect, start_dht, visible_maddrs)
+from gossiploco.membership.directory import Directory, check_run_id, check_ttl
+from gossiploco.membership.record import IncompatibleRecord, PeerRecord
+from gossiploco.membership.runs import RunEntry, runs_key
+from gossiploco.membership.status import status_key
+from gossiploco.security.identity import peer_id_of
+
+if TYPE_CHECKING:
+    from gossiploco.security.swarm_key import SwarmKey
+    from gossiploco.security.trust import Trust
+
+log = logging.getLogger(__name__)
+
+MAX_REPORTED = 4096
+"""How many distinct bad records a ``DhtDirectory`` remembers having warned about."""
+CLOSE_WITHDRAW_S = 3.0
+"""Deadline of the tombstone ``close()`` stores, and of each wait for the heartbeat thread there."""
+REJOIN_HEARTBEATS = 3
+"""The heartbeat re-dials initial peers missing from the routing table at most every this many heartbeats."""
+
+
+def _dht_time() -> float:
+    """hivemind's clock for expirations (wall-clock seconds; peers' clocks must roughly agree)."""
+    from hivemind.utils import get_dht_time
+
+    return get_dht_time()
+
+
+def dht_key(run_id: str) -> str:
+    """The DHT key under which run ``run_id`` keeps its peer records."""
+    return f"gossiploco/{check_run_id(run_id)}/peers"
+
+
+BEACON_TTL_S = 24 * 3600.0
+"""How long a swarm's beacon stays in the DHT after its bootstrap node last published it."""
+
+
+def beacon_key(swarm: SwarmKey) -> str:
+    """The DHT key of a swarm's beacon (``gossiploco.membership.bootstrap.store_beacon``)."""
+    return swarm.dht_key("*", "beacon")
+
+
+class DhtDirectory(Directory):
+    """A ``Directory`` over a hivemind DHT node of its own; see the module docstring for the design.
+
+    Construction starts the node (about 0.2 s on loopback) listening on ``host:port`` (0: any free
+    port) and joins the swarm through ``initial_peers`` (bootstrap multiaddrs; empty: start a new
+    swarm). ``announce_maddrs`` are the multiaddrs to advertise instead of the listening ones
+    (behind NAT or port forwarding). Raises ``ConfigError`` for bad arguments and
+    ``DirectoryError`` when the node cannot start or reach any initial peer within ``timeout_s``.
+
+    ``ttl_s``: a record of a crashed peer disappears at most this long after its last heartbeat.
+    ``heartbeat_s``: how often the current record is re-published (must be below ``ttl_s``).
+    ``timeout_s``: deadline of joining and of every DHT operation (``announce``, ``peers``,
+    ``withdraw``); ``close`` takes at most about 3 x ``CLOSE_WITHDRAW_S`` plus the DHT's shutdown.
+    """
+
+    def __init__(self, run_id: str, *, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
+                 announce_maddrs: Sequence[str] | None = None, ttl_s: float = 15.0, heartbeat_s: float = 5.0,
+                 timeout_s: float = 10.0, trust: Trust | None = None, behind_nat: bool = False,
+                 relays: Sequence[str] = ()):
+        check_ttl(ttl_s, heartbeat_s)
+        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
+        self.run_id = check_run_id(run_id)
+        self.trust = trust
+        self.key = trust.swarm.dht_key(run_id) if trust is not None and trust.swarm is not None else dht_key(run_id)
+        self.runs_key = runs_key(trust.swarm if trust is not None else None)
+        """The DHT key of the swarm's list of runs (``membership.runs``)."""
+        self.status_key = status_key(trust.swarm if trust is not None else None)
+        """The DHT key of the swarm's peer statuses (``membership.status``)."""
+        self._status_source: Callable[[], dict | None] | None = None
+        self.ttl_s, self.heartbeat_s, self.timeout_s = float(ttl_s), float(heartbeat_s), float(timeout_s)
+        self.initial_peers = check_initial_peers(initial_peers)
+        announce_maddrs = check_announce_maddrs(announce_maddrs)
+        listen = host_maddr(host, port)
+
+        self.malformed_records = 0
+        """Distinct malformed records seen in the DHT (each logged once)."""
+        self.incompatible_records = 0
+        """Distinct records of another ``PROTOCOL_VERSION`` seen in the DHT (each logged once)."""
+        self._lock = threading.Lock()  # guards the fields below
+        self._dht_lock = threading.Lock()  # serializes requests on the DHT's pipe (not thread-safe)
+        self._record: PeerRecord | None = None
+        self._run_entry: RunEntry | None = None
+        self._known_runs: dict[int, tuple[RunEntry, float]] = {}  # last run entries read
+        self._last_expiration = -math.inf  # latest expiration this directory stored; only grows
+        self._known: dict[int, tuple[PeerRecord, float]] = {}  # last records read: peer -> (record, expiration)
+        self._reported: set[tuple[str, float]] = set()  # bad entries already warned about
+        self._publish_failing_since: float | None = None
+        """When storing this peer's record began to fail (``time.monotonic``); None while it works."""
+        self._publish_failure_warned = False
+        self._dht_gone_reported = False
+        self._duplicates_reported: set[str] = set()  # endpoints seen announcing our peer id
+        self._rejoining: Any = None  # the pending reconnect future, if any
+        self._closed = False
+        self._stop = threading.Event()
+
+        started = time.monotonic()
+        validator = None
+        if trust is not None:
+            from gossiploco.security.records import SwarmRecordValidator
+
+            validator = SwarmRecordValidator(trust.identity, trust.swarm)
+        self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
+                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator,
+                              behind_nat=behind_nat, relays=list(relays) or self.initial_peers)
+        try:
+            self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
+        except BaseException:
+            self._dht.shutdown()
+            raise
+        log.info("run %s: DHT node up in %.2f s at %s", run_id, time.monotonic() - started,
+                 ", ".join(self._visible_maddrs))
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"directory-heartbeat-{run_id}",
+                                           daemon=True)
+        self._heartbeat.start()
+
+    @property
+    def p2p_id(self) -> str:
+        """This node's libp2p peer id (base58; hivemind caches it)."""
+        return self._dht.peer_id.to_base58()
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        """This node's multiaddrs with ``/p2p/<peer id>``; other nodes may join through any of them."""
+        return list(self._visible_maddrs)
+
+    def _next_expiration(self) -> float:
+        """A fresh expiration, later than any this directory stored before (called with ``_lock`` held)."""
+        self._last_expiration = max(_dht_time() + self.ttl_s, self._last_expiration + 1e-3)
+        return self._last_expiration
+
+    def _dht_alive(self) -> bool:
+        """Whether the DHT process runs; logs once when it has died (requests to it would only time out)."""
+        if self._dht.is_alive():
+            return True
+        if not self._dht_gone_reported:
+            self._dht_gone_reported = True
+            log.error("run %s: the DHT process exited (exit code %s); this peer can no longer publish its record "
+                      "or see changes, restart it", self.run_id, self._dht.exitcode)
+        return False
+
+    def _subkey(self, peer: int) -> int:
+        if self.trust is None:
+            return peer
+        from gossiploco.security.records import entry_subkey
+
+        return entry_subkey(self.trust.swarm, peer)
+
+    def _store(self, peer: int, value: dict | None, expiration: float, timeout_s: float | None = None) -> bool:
+        """Store one subkey of the run's key within ``timeout_s`` (default: the directory's); True when at
+        least one DHT node accepted it. Logs, never raises."""
+        return self._store_each([(self.key, peer, value)], expiration, timeout_s)[0]
+
+    def _store_each(self, items: list[tuple[str, int, dict | None]], expiration: float,
+                    timeout_s: float | None = None) -> list[bool]:
+        """Store peer ``peer``'s subkey of ``key`` with ``value`` for each ``(key, peer, value)``, all at once,
+        within ``timeout_s`` (default: the directory's) in all; whether each was accepted by at least one
+        DHT node. Logs, never raises."""
+        if not self._dht_alive():
+            return [False] * len(items)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        accepted = []
+        try:
+            with self._dht_lock:
+                futures = [self._dht.store(key, value, expiration_time=expiration, subkey=self._subkey(peer),
+                                           return_future=True) for key, peer, value in items]
+        except Exception as exc:  # a dead DHT process breaks its pipe; hivemind raises various types
+            log.debug("run %s: storing %d entries failed: %r", self.run_id, len(items), exc)
+            return [False] * len(items)
+        for (key, peer, _), future in zip(items, futures):
+            try:
+                accepted.append(bool(future.result(timeout=max(0.0, deadline - time.monotonic()))))
+                continue
+            except _TIMEOUTS:
+                log.debug("run %s: storing peer %d's entry of %s timed out after %g s", self.run_id, peer, key, timeout_s)
+            except Exception as exc:
+                log.debug("run %s: storing peer %d's entry of %s failed: %r", self.run_id, peer, key, exc)
+            accepted.append(False)
+        return accepted
+
+    def _publish(self) -> None:
+        """Store the current record and run entry with a fresh expiration (if one is announced)."""
+        with self._lock:
+            record, entry = self._record, self._run_entry
+            if record is None and entry is None:
+                return
+            expiration = self._next_expiration()
+        items = [(self.runs_key, entry.peer, entry.to_wire())] if entry is not None else []
+        if record is not None:
+            items += self._status_items(record.peer)
+            items.append((self.key, record.peer, record.to_wire()))
+        accepted = self._store_each(items, expiration)
+        if record is None:
+            return
+        self._publish_outcome(record.peer, accepted[-1], time.monotonic())
+
+    def _publish_outcome(self, peer: int, ok: bool, now: float) -> None:
+        """Say how publishing this peer's record goes. A store that fails once (a DHT node slow to answer on a
+        loaded machine) is retried at the next heartbeat and said at info; failing for half the record's
+        lifetime is a warning: the record expires soon after, and the other peers then stop seeing this one."""
+        since = self._publish_failing_since
+        if ok:
+            if since is not None:
+                level = logging.WARNING if self._publish_failure_warned else logging.INFO
+                log.log(level, "run %s: publishing peer %d's record works again (it failed for %.0f s)", self.run_id,
+                        peer, now - since)
+            self._publish_failing_since, self._publish_failure_warned = None, False
+            return
+        if since is None:
+            self._publish_failing_since = since = now
+            log.info("run %s: could not publish peer %d's record to the DHT; retrying every %g s", self.run_id, peer,
+                     self.heartbeat_s)
+        if not self._publish_failure_warned and now - since >= self.ttl_s / 2:
+            self._publish_failure_warned = True
+            log.warning("run %s: publishing peer %d's record to the DHT has failed for %.0f s; it expires %.0f s after "
+                        "the last success, and the other peers then stop seeing this peer (is the DHT reachable?)",
+                        self.run_id, peer, now - since, self.ttl_s)
+
+    def set_status_source(self, source: Callable[[], dict | None]) -> None:
+        self._status_source = source
+
+    def _status_items(self, peer: int) -> list[tuple[str, int, dict | None]]:
+        """The status entry to store beside peer ``peer``'s record (none without a source, or if it fails)."""
+        try:
+            value = self._status_source() if self._status_source is not None else None
+        except Exception:  # noqa: BLE001 - a status is for observers; the record must still go out
+            log.exception("run %s: building this peer's status failed", self.run_id)
+            return []
+        return [(self.status_key, peer, value)] if value is not None else []
+
+    def _heartbeat_loop(self) -> None:
+        beats = 0
+        while not self._stop.wait(self.heartbeat_s):
+            beats += 1
+            try:
+                self._publish()
+                if self.initial_peers and beats % REJOIN_HEARTBEATS == 0:
+                    self._start_rejoin()
+            except Exception:  # the heartbeat must outlive any surprise; it is logged
+                log.exception("run %s: directory heartbeat failed", self.run_id)
+
+    def _start_rejoin(self) -> None:
+        """Start ``reconnect`` to the initial peers in the DHT process (does not wait; one at a time)."""
+        from functools import partial
+
+        previous = self._rejoining
+        if (previous is not None and not previous.done()) or not self._dht_alive():
+            return
+        if previous is not None and previous.exception() is None and previous.result():
+            log.info("run %s: reconnected to %d initial peer(s)", self.run_id, previous.result())
+        with self._dht_lock:
+            self._rejoining = self._dht.run_coroutine(
+                partial(reconnect, addresses=self.initial_peers, timeout_s=self.timeout_s), return_future=True)
+
+    def announce(self, record: PeerRecord) -> None:
+        with self._lock:
+            old = self._swap_record(record)
+            tombstone = self._next_expiration() if old is not None and old.peer != record.peer else None
+        if tombstone is not None:
+            self._store(old.peer, None, tombstone)
+        self._publish()
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self._record = self._updated_record(fields)
+
+    def announce_run(self, entry: RunEntry) -> None:
+        with self._lock:
+            self._check_open()
+            self._run_entry = entry
+        self._publish()
+
+    def publish_now(self) -> None:
+        """Store the current record now instead of at the next heartbeat (bounded by the deadline)."""
+        self._publish()
+
+    def run_in_node(self, fn: Callable[[Any, Any], Any]) -> Any:
+        """Run ``fn(dht, node)`` (a picklable coroutine function) in the DHT process; its result.
+        Raises ``DirectoryError`` when it fails or takes longer than the deadline."""
+        try:
+            with self._dht_lock:
+                future = self._dht.run_coroutine(fn, return_future=True)
+            return future.result(timeout=self.timeout_s)
+        except Exception as exc:
+            raise DirectoryError(f"the DHT process could not run {getattr(fn, 'func', fn).__name__}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
+    def _get_latest(self, key: str, what: str) -> dict | None:
+        """The entries of dictionary ``key`` (subkey -> hivemind's ``ValueWithExpiration``; {} if none), or
+        None when the DHT did not answer (``what``: how the warning names them)."""
+        if not self._dht_alive():
+            return None
+        try:
+            with self._dht_lock:
+                future = self._dht.get(key, latest=True, return_future=True)
+            found = future.result(timeout=self.timeout_s)
+        except _TIMEOUTS:
+            log.warning("run %s: the DHT did not answer within %g s; using the last known %s",
+                        self.run_id, self.timeout_s, what)
+            return None
+        except Exception as exc:
+            log.warning("run %s: reading %s from the DHT failed (%r); using the last known ones", self.run_id, what, exc)
+            return None
+        if found is None:
+            return {}
+        if not isinstance(found.value, dict):
+            self._report((f"<{key}>", found.expiration_time), "malformed",
+                         f"key {key!r} holds a {type(found.value).__name__}, not a dictionary of records")
+            return {}
+        return found.value
+
+    def read_entries(self, key: str, what: str, parse: Callable[[Any], Any],
+                     check: Callable[[Any], str | None] = lambda entry: None) -> dict[int, tuple[Any, float]] | None:
+        """The valid, unexpired entries of dictionary ``key`` by peer id, with their expirations, or None when the
+        DHT did not answer. ``parse`` reads one value (``from_wire``: ``IncompatibleRecord``, ``ValueError`` or
+        ``TypeError`` for a bad one; the result has a ``peer``); an entry stored under another peer's subkey, or one
+        ``check`` finds fault with (its reason), is dropped. Each drop is counted and logged once (``_report``);
+        ``what`` names the entries in the messages."""
+        found = self._get_latest(key, f"{what}s")
+        if found is None:
+            return None
+        now = _dht_time()
+        entries: dict[int, tuple[Any, float]] = {}
+        for subkey, item in found.items():
+            value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
+            if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
+                continue  # expired, or a withdrawn entry's tombstone
+            tag = (f"{what}/{repr(subkey)[:64]}", float(expiration))
+            try:
+                entry = parse(value)
+            except IncompatibleRecord as exc:
+                self._report(tag, "incompatible", f"ignoring the {what} under subkey {tag[0]}: {exc} "
+                                                  "(peers of different gossiploco releases cannot train together)")
+                continue
+            except (ValueError, TypeError) as exc:
+                self._report(tag, "malformed", f"ignoring a malformed {what} under subkey {tag[0]}: {exc}")
+                continue
+            fault = f"stored under subkey {tag[0]}" if subkey != self._subkey(entry.peer) else check(entry)
+            if fault:
+                self._report(tag, "malformed", f"ignoring the {what} of peer {entry.peer}: {fault}")
+                continue
+            entries[entry.peer] = (entry, float(expiration))
+        return entries
+
+    def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
+        """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
+        def key_of_its_peer(record: PeerRecord) -> str | None:
+            if self.trust is not None and (not record.key or peer_id_of(record.key) != record.peer):
+                return "its key is not that peer's"
+            return None
+
+        return self.read_entries(self.key, "peer record", PeerRecord.from_wire, key_of_its_peer)
+
+    def runs(self) -> dict[int, RunEntry]:
+        with self._lock:
+            self._check_open()
+        entries = self.read_entries(self.runs_key, "run entry", RunEntry.from_wire)
+        now = _dht_time()
+        if entries is not None:
+            with self._lock:
+                self._known_runs = entries
+        with self._lock:
+            live = {peer: entry for peer, (entry, expiration) in self._known_runs.items() if expiration > now}
+            if self._run_entry is not None:
+                live[self._run_entry.peer] = self._run_entry
+        return dict(sorted(live.items()))
+
+    def confirm_swarm(self) -> None:
+        """Check that the DHT joined holds this run's swarm beacon, which only a bootstrap node holding
+        the same swarm key publishes; ``DirectoryError`` saying so if it does not (a wrong key).
+        Nothing to check in an open run or without ``trust``."""
+        if self.trust is None or self.trust.swarm is None:
+            return
+        try:
+            with self._dht_lock:
+                future = self._dht.get(beacon_key(self.trust.swarm), latest=True, return_future=True)
+            found = future.result(timeout=self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported as the error below
+            found, cause = None, f" ({type(exc).__name__})"
+        else:
+            cause = ""
+        if found is None or not isinstance(found.value, dict) or not found.value:
+            raise DirectoryError(
+                f"the DHT at {', '.join(self.initial_peers) or '(none)'} does not know this peer's swarm key "
+                f"{self.trust.swarm.fingerprint}{cause}: the --swarm-key differs from the one its bootstrap node "
+                "was started with (`gossiploco dht` printed the right one), or the bootstrap node is not running")
+
+    def _report(self, tag: tuple[str, float], kind: str, message: str) -> None:
+        """Count and log a bad entry once."""
+        with self._lock:
+            if tag in self._reported:
+                return
+            if len(self._reported) >= MAX_REPORTED:
+                self._reported.clear()
+            self._reported.add(tag)
+            if kind == "incompatible":
+                self.incompatible_records += 1
+            else:
+                self.malformed_records += 1
+        log.warning("run %s: %s", self.run_id, message)
+
+    def peers(self) -> dict[int, PeerRecord]:
+        with self._lock:
+            self._check_open()
+        fetched = self._fetch()
+        now = _dht_time()
+        with self._lock:
+            if fetched is not None:
+                self._known = fetched
+            live = {peer: record for peer, (record, expiration) in self._known.items() if expiration > now}
+            own = self._record
+        if own is not None:
+            other = live.get(own.peer)
+            if other is not None and other.endpoint != own.endpoint and other.endpoint not in self._duplicates_reported:
+                self._duplicates_reported.add(other.endpoint)
+                log.warning("run %s: peer id %d is also announced by %s (this peer is %s); peer ids must be unique",
+                            self.run_id, own.peer, other.endpoint, own.endpoint)
+            live[own.peer] = own  # the local copy is the freshest
+        return dict(sorted(live.items()))
+
+    def withdraw(self) -> None:
+        with self._lock:
+            self._check_open()
+        self._withdraw()
+
+    def _withdraw(self, timeout_s: float | None = None) -> None:
+        with self._lock:
+            record, self._record = self._record, None
+            entry, self._run_entry = self._run_entry, None
+            if record is None and entry is None:
+                return
+            expiration = self._next_expiration()
+            if record is not None:
+                self._known.pop(record.peer, None)
+        items = [(self.runs_key, entry.peer, None)] if entry is not None else []
+        if record is not None:
+            items += [(self.status_key, record.peer, None)] if self._status_source is not None else []
+            items.append((self.key, record.peer, None))
+        if not self._store_each(items, expiration, timeout_s)[-1] and record is not None:
+            log.warning("run %s: could not withdraw peer %d's record; it expires within %g s",
+                        self.run_id, record.peer, self.ttl_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        # Closing is how a peer leaves (Ctrl+C): it must be quick, so the tombstone gets a short
+        # deadline (a record that misses it still expires within ttl_s), and a heartbeat stuck in a
+        # store is not waited for: shutting the DHT down fails its request.
+        try:
+            self._withdraw(min(self.timeout_s, CLOSE_WITHDRAW_S))
+        finally:
+            self._stop.set()
+            self._heartbeat.join(timeout=CLOSE_WITHDRAW_S)
+            with self._dht_lock:
+                self._dht.shutdown()
+            self._heartbeat.join(timeout=CLOSE_WITHDRAW_S)
+            if self._heartbeat.is_alive():
+                log.error("run %s: directory heartbeat thread did not stop", self.run_id)

@@ -557,7 +557,7 @@ def preset_overrides(preset: str, args: argparse.Namespace) -> dict:
         "timeouts.startup_s": 120.0,
         "transport.chunk_mb": args.chunk_mb,
     }
-    from gossiploco.cli import parse_sets
+    from gossiploco.cli_options import parse_sets
 
     overrides.update(parse_sets(args.sets))  # e.g. mix1.compression=4bit: the peers run it, the prediction loads it
     if not args.real_compute:

@@ -7,51 +7,22 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INNER_STEPS, MODEL, RESUME, ROUNDS, SEED, SETS, WORKERS, console,
+                                    fail, training_overrides)
 from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_summary, progress_line, progress_table,
                                    slowest_round)
 from gossiploco.cli_tokenizer import tokenizer_app
 from gossiploco.errors import ConfigError, GossiplocoError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
-console = Console(stderr=True)
-
-DEFAULT_PRESET = "globalm1-localm2"
-
-# Options shared by every command that runs training (one definition, the same flags everywhere).
-CONFIG = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/.")
-INNER_STEPS = typer.Option(None, "--inner-steps", help="Inner steps H per round.")
-ROUNDS = typer.Option(None, "--rounds", help="Outer rounds R.")
-SEED = typer.Option(None, "--seed", help="Seed for init, data and matchings.")
-MODEL = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b.")
-DEVICE = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N.")
-DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources).")
-SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
-RESUME = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint (same command otherwise); metrics are appended.")
-
-
-def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None, model=None, device=None,
-                       data=None, sets=None) -> dict:
-    """The dotted config overrides of the shared training options (None: keep the preset's)."""
-    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
-                 "model.size": model, "device": device, "data.paths": data}
-    overrides.update(parse_sets(sets or []))
-    return overrides
-
-
-def _fail(exc: Exception) -> None:
-    from rich.markup import escape
-
-    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a message's "[true, false]" is text, not a style
-    raise typer.Exit(code=2)
 
 
 @app.command()
 def simulate(
     config: str = CONFIG,
-    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M."),
+    workers: Optional[int] = WORKERS,
     inner_steps: Optional[int] = INNER_STEPS,
     rounds: Optional[int] = ROUNDS,
     seed: Optional[int] = SEED,
@@ -84,7 +55,7 @@ def simulate(
             swarm.resume(checkpoint)
         sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
     except GossiplocoError as exc:
-        _fail(exc)
+        fail(exc)
     signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops it like Ctrl+C: a checkpoint is written
     writer = checkpoint_writer(cfg, out)
     if checkpoint is not None:
@@ -198,7 +169,7 @@ def peer(
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id,
                                trust=peer_trust(swarm, static_rank=rank, static_count=len(endpoints)))
     except GossiplocoError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:  # during start-up (loading data, starting the DHT node): nothing to keep
         if node is not None:
             node.close()
@@ -218,7 +189,7 @@ def peer(
         sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
     except GossiplocoError as exc:
         node.close()
-        _fail(exc)
+        fail(exc)
     writer = checkpoint_writer(cfg, out)
     # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept, a checkpoint written.
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -251,7 +222,7 @@ def peer(
         sink.close()
         stop_checkpoints(writer, out, interrupted=False)
         _forget_unstarted_run(sink, out, resume)
-        _fail(exc)
+        fail(exc)
     stop_checkpoints(writer, out, interrupted=False)
     result.summary.update(run_config=cfg.to_dict(), **(writer.stats() if writer is not None else {}))
     sink.write_summary(result.summary)
@@ -314,7 +285,7 @@ def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the 
     from gossiploco.security.swarm_key import SwarmKey
 
     if out.exists():
-        _fail(ConfigError("--out", f"{out} exists; a swarm key is never overwritten (remove it first)"))
+        fail(ConfigError("--out", f"{out} exists; a swarm key is never overwritten (remove it first)"))
     key = SwarmKey.generate()
     key.save(out)
     console.print(f"swarm key {key.fingerprint} written to {out}; peers join with --swarm-key {out}")
@@ -348,7 +319,7 @@ def dht(
                 key.save(swarm_key)
                 console.print(f"created swarm key {key.fingerprint} in {swarm_key}")
     except GossiplocoError as exc:
-        _fail(exc)
+        fail(exc)
 
     def ready(addresses: list[str]) -> None:
         console.print("[bold]bootstrap DHT node ready.[/] "
@@ -363,7 +334,7 @@ def dht(
         serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run, join=join or [],
                         relay_limits=(relay_data_mb * (1 << 20), relay_time_s))
     except GossiplocoError as exc:
-        _fail(exc)
+        fail(exc)
     console.print("bootstrap node stopped")
 
 
@@ -428,7 +399,7 @@ def swarm(
 
         out = output_dir(out, Path("runs/swarm"), resume)
     except GossiplocoError as exc:
-        _fail(exc)
+        fail(exc)
     args = ["--config", config, "--run-id", run_id_for(cfg), "--quiet"] + (["--resume"] if resume else [])
     for flag, value in (("--inner-steps", inner_steps), ("--rounds", rounds), ("--seed", seed), ("--model", model),
                         ("--device", device)):
@@ -482,150 +453,6 @@ def _swarm_dashboard(port: int):
     return start
 
 
-def parse_sets(items: list[str]) -> dict:
-    """``["inner.lr=3e-4", "mix2.blocks=['embed']"]`` -> dotted overrides; values parse as TOML, else strings."""
-    import tomllib
-
-    parsed = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
-        try:
-            parsed[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            parsed[key.strip()] = value
-    return parsed
-
-
-@app.command()
-def presets() -> None:
-    """List the ready-made configurations in peers/."""
-    from gossiploco.config import load_config, preset_names
-
-    for name in preset_names():
-        cfg = load_config(name)
-        print(f"{name:28s} mode={cfg.mode:9s} mix1={cfg.mix1.kind}{'+state' if cfg.mix1.state else ''}"
-              f" mix2={cfg.mix2.kind} blocks={','.join(cfg.mix2.blocks)}")
-
-
-@app.command()
-def utilization(
-    config: str = CONFIG,
-    bandwidth_mbps: float = typer.Option(..., "--bandwidth-mbps", help="Bandwidth of the link between any two peers, Mbit/s."),
-    params: Optional[float] = typer.Option(None, "--params", help="Parameters N (default: the config's model size)."),
-    model: Optional[str] = MODEL,
-    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Vocabulary for block sizes and the default N (default: data.vocab_size, else 256)."),
-    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M (default: the config's)."),
-    inner_steps: Optional[int] = INNER_STEPS,
-    step_time: Optional[float] = typer.Option(None, "--step-time", help="Seconds per inner step (else estimated from --tokens-per-step, --peak-tflops, --mfu)."),
-    tokens_per_step: Optional[int] = typer.Option(None, "--tokens-per-step", help="Tokens per inner step on one worker, to estimate --step-time."),
-    peak_tflops: Optional[float] = typer.Option(None, "--peak-tflops", help="Peak TFLOP/s of one worker's device, to estimate --step-time."),
-    mfu: float = typer.Option(0.4, "--mfu", help="Model FLOPs utilization, to estimate --step-time."),
-    outer_step_time: float = typer.Option(0.0, "--outer-step-time", help="Seconds of the outer step."),
-    subset_fraction: Optional[float] = typer.Option(None, "--subset-fraction", help="Fraction of the parameters Mix2 sends (default: from mix2.blocks); with --plot, for the subset presets."),
-    bytes_per_value: str = typer.Option("4", "--bytes-per-value", help="4 (fp32), 2 (bf16), 1 (8-bit), 0.5 (4-bit), or one of those names."),
-    failure_rate: float = typer.Option(0.0, "--failure-rate", help="Probability that one attempt of a collective fails (all-reduce restarts, gossip is lost)."),
-    with_monitors: bool = typer.Option(False, "--with-monitors", help="Also model the config's consensus measurements: a blocking all-reduce of the whole parameters each (off in the paper's tables)."),
-    json_: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw utilization against bandwidth for every preset to this PNG."),
-    sets: Optional[list[str]] = typer.Option(None, "--set", help="Override a config field, e.g. --set mix1.compression=4bit (the mixes' compression sets their bytes)."),
-) -> None:
-    """Compute utilization of a configuration on a network of fixed per-link bandwidth (paper section 5.2)."""
-    import json
-
-    from gossiploco import utilization as util
-    from gossiploco.config import load_config
-
-    try:
-        cfg = load_config(config, {"model.size": model, **parse_sets(sets or [])})
-        vocab = util.default_vocab_size(cfg, vocab_size)
-        scenario = util.resolve_scenario(
-            cfg, bandwidth_mbps=bandwidth_mbps, params=params, vocab_size=vocab, workers=workers, inner_steps=inner_steps,
-            step_time_s=step_time, tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, mfu=mfu,
-            outer_step_s=outer_step_time, bytes_per_value=bytes_per_value, failure_rate=failure_rate)
-        plan = util.CommPlan.from_config(cfg, vocab, subset_fraction, with_monitors)
-        plans = util.preset_plans(cfg.model.size, vocab, subset_fraction) if plot else []
-    except GossiplocoError as exc:
-        _fail(exc)
-    result = util.simulate(plan, scenario)
-    print(json.dumps(util.report(plan, scenario, result), indent=2) if json_ else util.describe(plan, scenario, result))
-    if plot:
-        util.plot_bandwidth_sweep(plot, plans, scenario)
-        console.print(f"plot: {plot}")
-
-
-@app.command()
-def sensitivity(
-    config: str = CONFIG,
-    workers: Optional[int] = typer.Option(None, "--workers", "-m", help="Number of workers M."),
-    inner_steps: Optional[int] = INNER_STEPS,
-    rounds: Optional[int] = ROUNDS,
-    seed: Optional[int] = SEED,
-    model: Optional[str] = MODEL,
-    device: Optional[str] = DEVICE,
-    data: Optional[list[str]] = DATA,
-    out: Path = typer.Option(Path("runs/sensitivity.json"), "--out", "-o", help="JSON report: per-block series, mean, max, ranking, sweep, proposal."),
-    sweep_sizes: Optional[str] = typer.Option(None, "--sweep-sizes", help="Subset sizes to sweep, comma-separated: 1,2,4 (default 1,2,4,6, those below the number of blocks)."),
-    no_sweep: bool = typer.Option(False, "--no-sweep", help="Only rank the blocks; train no subset runs."),
-    tolerance: float = typer.Option(0.1, "--tolerance", help="Propose the smallest subset whose peak CD_JS is at most (1 + tolerance) x full Mix2's."),
-    rank_by: str = typer.Option("mean", "--rank-by", help="Rank blocks by their mean or max sensitivity over training."),
-    preset_out: Optional[Path] = typer.Option(None, "--preset-out", help="Write the proposed configuration as a preset TOML (e.g. peers/my-subset.toml)."),
-    runs_dir: Optional[Path] = typer.Option(None, "--runs-dir", help="Also keep every training run's metrics.jsonl and summary.json under this directory."),
-    set_: Optional[list[str]] = SETS,
-) -> None:
-    """Per-block JS sensitivity and Mix2 subset sweep (paper appendix D.3, Figure 7, Table 6) on the virtual swarm."""
-    from gossiploco import sensitivity as sens
-    from gossiploco.config import load_config
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        overrides = training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed, model=model,
-                                       device=device, data=data, sets=set_)
-        sizes = None
-        if sweep_sizes is not None:
-            try:
-                sizes = [int(k) for k in sweep_sizes.split(",") if k.strip()]
-            except ValueError:
-                raise ConfigError("--sweep-sizes", f"expected comma-separated integers, got {sweep_sizes!r}") from None
-        cfg = load_config(config, overrides)
-        report = sens.analyze(cfg, out, sizes=sizes, sweep_subsets=not no_sweep, tolerance=tolerance, rank_by=rank_by,
-                              preset_name=preset_out.stem if preset_out else None, runs_dir=runs_dir,
-                              show=lambda text: print(text + "\n"), progress=console.print)
-    except GossiplocoError as exc:
-        _fail(exc)
-    if "proposal" in report:
-        proposal = report["proposal"]
-        verdict = "within" if proposal["within_tolerance"] else "no subset within"
-        console.print(f"proposed: {proposal['label']} ({verdict} {100 * tolerance:g}% of full Mix2's peak CD_JS): "
-                      f"mix2.blocks = [{', '.join(proposal['blocks'])}]", markup=False, soft_wrap=True)
-        if preset_out:
-            preset_out.parent.mkdir(parents=True, exist_ok=True)
-            preset_out.write_text(report["preset_toml"])
-            console.print(f"preset: {preset_out}")
-        else:
-            print(report["preset_toml"])
-    console.print(f"report: {out}")
-
-
-@app.command()
-def plot(
-    run_dirs: list[Path] = typer.Argument(..., help="Output directories of simulate runs, network peers (each with metrics.jsonl) or swarms (all their peers)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG to write (default: RUN_DIR/metrics.png for one run, plot.png for several)."),
-    window: int = typer.Option(10, "--window", help="Records per rolling window of the CD_JS median/min/max panel (Figure 4, right)."),
-) -> None:
-    """Plot loss, validation loss, CD_L2 and CD_JS over steps for one or several runs (PNG)."""
-    from gossiploco import plots
-
-    out = out or (run_dirs[0] / "metrics.png" if len(run_dirs) == 1 else Path("plot.png"))
-    try:
-        runs = plots.load_runs(run_dirs)
-        plots.plot_runs(runs, out, window)
-    except GossiplocoError as exc:
-        _fail(exc)
-    console.print(f"plot: {out}")
-
-
 app.add_typer(tokenizer_app, name="tokenizer")
 
 from gossiploco.cli_model import register as register_model_commands  # noqa: E402 - after the app exists
@@ -635,3 +462,7 @@ register_model_commands(app)
 from gossiploco.cli_dashboard import register as register_dashboard_command  # noqa: E402 - after the app exists
 
 register_dashboard_command(app)
+
+from gossiploco.cli_analysis import register as register_analysis_commands  # noqa: E402 - after the app exists
+
+register_analysis_commands(app)

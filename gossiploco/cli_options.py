@@ -1,0 +1,58 @@
+"""What the ``gossiploco`` commands share: the training options (one definition, the same flags everywhere),
+turning them and ``--set`` into config overrides, and the error exit. Imports no command module, so every
+``cli*`` module can use it."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+
+from gossiploco.errors import ConfigError
+
+console = Console(stderr=True)
+
+DEFAULT_PRESET = "globalm1-localm2"
+
+# Options shared by every command that runs training (one definition, the same flags everywhere).
+CONFIG = typer.Option(DEFAULT_PRESET, "--config", "-c", help="Preset TOML file, or a preset name from peers/.")
+WORKERS = typer.Option(None, "--workers", "-m", help="Number of workers M.")
+INNER_STEPS = typer.Option(None, "--inner-steps", help="Inner steps H per round.")
+ROUNDS = typer.Option(None, "--rounds", help="Outer rounds R.")
+SEED = typer.Option(None, "--seed", help="Seed for init, data and matchings.")
+MODEL = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b.")
+DEVICE = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N.")
+DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources).")
+SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
+RESUME = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint (same command otherwise); metrics are appended.")
+
+
+def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None, model=None, device=None,
+                       data=None, sets=None) -> dict:
+    """The dotted config overrides of the shared training options (None: keep the preset's)."""
+    overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
+                 "model.size": model, "device": device, "data.paths": data}
+    overrides.update(parse_sets(sets or []))
+    return overrides
+
+
+def fail(exc: Exception) -> None:
+    from rich.markup import escape
+
+    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a message's "[true, false]" is text, not a style
+    raise typer.Exit(code=2)
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``["inner.lr=3e-4", "mix2.blocks=['embed']"]`` -> dotted overrides; values parse as TOML, else strings."""
+    import tomllib
+
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            parsed[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            parsed[key.strip()] = value
+    return parsed

@@ -52,7 +52,7 @@ def peer_args(args: argparse.Namespace, rounds: int, **sets) -> list[str]:
 
 
 def run(args: argparse.Namespace, name: str, out: Path, peers: int, rounds: int, slow: bool, **sets) -> dict:
-    """One run of ``peers`` processes (the last one slow when ``slow``); its per-peer summaries and records."""
+    """One run of ``peers`` processes (the last one slow when ``slow``), summarized from the peers' summaries."""
     per_rank = {peers - 1: ["--set", f"compute.slowdown={args.slowdown}"]} if slow else {}
     start = time.perf_counter()
     with LocalPeers(peers, out / f"{len(list(out.iterdir()))}-{name.replace(' ', '-').replace(',', '')}", peer_args(args, rounds, **sets),

@@ -36,7 +36,7 @@ class RoundBudget:
     def __init__(self, cfg: RunConfig, worker: int, *, real_clock: bool):
         """``worker``: the index of ``round.step_time_factors`` this worker runs under; ``real_clock``: a runtime
         that can run a real-clock round (network peers; the virtual swarm simulates every worker's clock)."""
-        rc, self.inner_steps = cfg.round, cfg.inner_steps
+        rc = cfg.round
         self.length_s = rc.length_s if rc.budget == "time" and real_clock else 0.0
         if real_clock and rc.budget == "time" and not self.length_s and not rc.step_time_factors:
             raise ConfigError("round.length_s", "a time budget on real peers needs the round's length in seconds "

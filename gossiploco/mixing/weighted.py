@@ -54,12 +54,17 @@ def with_weight(flat: torch.Tensor, weight: float) -> torch.Tensor:
     return out
 
 
-def split_weight(combined: torch.Tensor, largest: float = MAX_WEIGHT) -> tuple[torch.Tensor, float]:
-    """Inverse of ``with_weight`` on a sum or mean: the weighted mean (a view of ``combined``) and the weight;
-    ``PeerFailed`` when the weight is not in ``(0, largest]``."""
-    weight = float(combined[-1])
-    if not 0.0 < weight <= largest:  # also NaN
-        raise PeerFailed(f"weight {weight!r} received, outside (0, {largest:g}]")
+def checked_weight(weight: float, whose: str, largest: float = MAX_WEIGHT) -> float:
+    """``weight`` when it is in ``(0, largest]`` (NaN is not); else ``PeerFailed`` saying ``whose`` it was."""
+    if not 0.0 < weight <= largest:
+        raise PeerFailed(f"{whose} weight {weight!r} received, outside (0, {largest:g}]")
+    return weight
+
+
+def split_weight(combined: torch.Tensor, whose: str, largest: float = MAX_WEIGHT) -> tuple[torch.Tensor, float]:
+    """Inverse of ``with_weight`` on a sum or mean: the weighted mean (a view of ``combined``) and the weight,
+    checked (``checked_weight``)."""
+    weight = checked_weight(float(combined[-1]), whose, largest)
     return combined[:-1].div_(weight), weight
 
 
@@ -67,7 +72,7 @@ def weighted_all_reduce(key: str, flat: torch.Tensor, weight: float, members: Se
                         exchange: Exchange) -> tuple[torch.Tensor, float]:
     """``sum(w x) / sum(w)`` over ``members`` and the members' mean weight; blocks like ``all_reduce_mean``."""
     mean = exchange.all_reduce_mean(key, with_weight(flat, weight), members, inplace=True)
-    return split_weight(mean)
+    return split_weight(mean, "the group's mean")
 
 
 def _weight_bytes(weight: float) -> torch.Tensor:
@@ -77,30 +82,28 @@ def _weight_bytes(weight: float) -> torch.Tensor:
 def _received_weight(payload: torch.Tensor, sender: int) -> float:
     if payload.dtype != torch.uint8 or payload.numel() != 4:
         raise PeerFailed(f"peer {sender} sent {payload.numel()} {payload.dtype} values for its weight, expected 4 bytes")
-    weight = float(payload.view(torch.float32)[0])
-    if not 0.0 < weight <= MAX_WEIGHT:
-        raise PeerFailed(f"peer {sender} sent weight {weight!r}, outside (0, {MAX_WEIGHT:g}]")
-    return weight
+    return checked_weight(float(payload.view(torch.float32)[0]), f"peer {sender}'s")
 
 
 def group_scale(key: str, weight: float, members: Sequence[int], exchange: Exchange) -> tuple[float, float]:
     """``(M w / W, W / M)``: this member's scale for a compressed weighted group mean, and the group's mean
     weight; every member's weight is gathered and checked (``PeerFailed`` for one out of range)."""
     mine = _weight_bytes(weight)
+    own = float(mine.view(torch.float32)[0])  # as the others receive it
     got = exchange.all_to_all(f"{key}/weights", {m: mine for m in members if m != exchange.rank}, members,
                               {m: 4 for m in members if m != exchange.rank})
     total = 0.0
     for m in members:  # in member order: every member adds the same numbers in the same order
-        total += float(mine.view(torch.float32)[0]) if m == exchange.rank else _received_weight(got[m], m)
-    return len(members) * float(mine.view(torch.float32)[0]) / total, total / len(members)
+        total += own if m == exchange.rank else _received_weight(got[m], m)
+    return len(members) * own / total, total / len(members)
 
 
 def pair_scale(key: str, weight: float, partner: int, exchange: Exchange) -> tuple[float, float]:
     """``(2 w / (w_a + w_b), (w_a + w_b) / 2)``: this side's scale for a compressed weighted pair mean and the
     pair's new weight (push-sum); the partner's weight is checked."""
     mine = _weight_bytes(weight)
+    own = float(mine.view(torch.float32)[0])  # as the partner receives it
     theirs = _received_weight(exchange.swap(f"{key}/weights", partner, mine), partner)
-    own = float(mine.view(torch.float32)[0])
     total = own + theirs  # the same IEEE sum on both sides
     return 2 * own / total, total / 2
 
@@ -112,6 +115,6 @@ def push_sum_swap(key: str, partner: int, flat: torch.Tensor, weight: float,
     theirs = exchange.swap(key, partner, ours)
     if theirs.shape != ours.shape:
         raise PeerFailed(f"partner {partner} sent shape {tuple(theirs.shape)}, expected {tuple(ours.shape)}")
-    split_weight(theirs[-1:].clone())  # the partner's own weight: in range, or the swap fails
-    mean, total = split_weight(theirs.add_(ours), 2 * MAX_WEIGHT)
+    checked_weight(float(theirs[-1]), f"partner {partner}'s")  # in range, or the swap fails
+    mean, total = split_weight(theirs.add_(ours), "the pair's", 2 * MAX_WEIGHT)
     return mean, total / 2

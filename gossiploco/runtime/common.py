@@ -8,6 +8,7 @@ import math
 import torch
 
 from gossiploco.blocks import select_parameters
+from gossiploco.checkpoint import Snapshot
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, TokenStream
 from gossiploco.model import build_model
@@ -63,6 +64,13 @@ def measure_due(cfg: RunConfig, h: int) -> tuple[bool, bool]:
     every = cfg.monitor.every if cfg.round.budget == "steps" else 0
     due = h == 0 or bool(every and h % every == 0)
     return due, due and h == 0 and cfg.monitor.val_loss
+
+
+def round_reached(records: list[dict], snapshot: Snapshot | None, start_round: int) -> int:
+    """The round a stopped run was in: the newest of its records and of the round start it snapshotted (a stop
+    just after a round's start has no record of that round yet, but its checkpoint has the round)."""
+    started = snapshot.round if snapshot is not None else start_round
+    return max([started, *(r["round"] for r in records)])
 
 
 def merge_stats(pending: dict, stats: dict) -> None:

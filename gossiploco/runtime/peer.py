@@ -72,7 +72,8 @@ from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.reach.paths import PathPlanner, Reach
 from gossiploco.reach.tunnel import tunnel_stats
 from gossiploco.round_budget import RoundBudget
-from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
+from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1,
+                                       round_reached)
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
 from gossiploco.runtime.peer_join import join, maybe_catch_up, provide_state
@@ -288,14 +289,8 @@ class NetworkPeer:
         val = next((r["val_loss"] for r in reversed(self.sink.records) if r.get("val_loss") is not None), None)
         summary = make_summary(self.cfg, self.sink.records, val, wall)
         summary.update(self._peer_summary(wall), interrupted=True,
-                       round_reached=self.round_reached())
+                       round_reached=round_reached(self.sink.records, self._round_snapshot, self.start_round))
         return summary
-
-    def round_reached(self) -> int:
-        """The round this peer was in: the newest of its records and of the round starts it snapshotted (a stop
-        just after a round's start has no record of that round yet, but its checkpoint has the round)."""
-        started = self._round_snapshot.round if self._round_snapshot is not None else self.start_round
-        return max([started, *(r["round"] for r in self.sink.records)])
 
     def resume(self, checkpoint: Checkpoint) -> None:
         """Continue from this peer's ``checkpoint`` (configuration checked by the caller): ``run`` then starts at

@@ -33,7 +33,8 @@ from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
 from gossiploco.round_budget import RoundBudget
-from gossiploco.runtime.common import build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1
+from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1,
+                                       round_reached)
 from gossiploco.runtime.worker_state import Copier, capture, restore
 from gossiploco.trainer import resolve_device
 
@@ -152,8 +153,7 @@ class VirtualSwarm:
         """The summary of a run stopped before its end (``interrupted``): what it measured until then."""
         val = next((r["val_loss"] for r in reversed(self.sink.records) if r.get("val_loss") is not None), None)
         summary = make_summary(self.cfg, self.sink.records, val, time.perf_counter() - self._started)
-        started = self._snapshot.round if self._snapshot is not None else self.start_round  # see NetworkPeer.round_reached
-        summary.update(interrupted=True, round_reached=max([started, *(r["round"] for r in self.sink.records)]),
+        summary.update(interrupted=True, round_reached=round_reached(self.sink.records, self._snapshot, self.start_round),
                        resumed_from=self.start_round or None)
         return summary
 

@@ -137,7 +137,7 @@ def test_outsiders_claiming_a_later_round_are_never_reported(pair):
             assert "handshake succeeded" not in seen
         assert wait_until(lambda: refused(exchanges[0]) >= 4, 10)
         exchanges[1].current_round = 0
-        assert exchanges[0].peer_rounds(5) == {1: 0}
+        assert exchanges[0].ask_rounds(5) == {1: 0}
     finally:
         ctx.destroy(linger=0)
 

@@ -21,7 +21,7 @@ from gossiploco.membership.dht_directory import DhtDirectory
 from gossiploco.membership.record import PeerRecord
 from gossiploco.protocol.messages import Hello, to_wire
 from gossiploco.runtime.launch import free_ports
-from gossiploco.runtime.peer_join import corroborated
+from gossiploco.protocol.lifecycle import corroborated
 from gossiploco.security.identity import Identity, curve_public_of, peer_id_of
 from gossiploco.security.options import ordered_identities, swarm_key_option
 from gossiploco.security.records import SwarmRecordValidator, entry_subkey

@@ -35,6 +35,9 @@ REGRESSION_SEEDS = {
            "rounds (fixed: one straggler left-out re-aligns; a peer catching up steps out of the others' views)",
     58568: "the last live peer restarted after its only partner died and waited for state nobody could give",
     41155: "a member restarted before a slow member completed the ring (the checker compared the wrong incarnations)",
+    1875: "found once the simulator ran the runtime's own lifecycle (protocol.lifecycle): a peer restarted just "
+          "before a relay crash cut everyone off found no donor after the others had finished, and stopped with "
+          "'no peer gave its state' where the simulator's copy had trained alone (the right end: the swarm was done)",
     12247: "a resumed peer that rejoined its round without a download was excused like one that caught up, "
            "and was left out for 3 rounds (fixed: only a round it downloaded the state of is excused)",
 }

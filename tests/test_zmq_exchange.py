@@ -189,8 +189,7 @@ def test_a_returning_peer_is_pending_until_it_says_hello_and_joins_from_its_roun
     assert ex0.members(5) == [0, 1]  # connected again, but not taking part yet
 
     ex0.current_round, ex1.current_round = 7, 6
-    back.announce(-1)  # a probe changes nothing and asks for rounds
-    assert back.peer_rounds(5.0) == {0: 7, 1: 6}
+    assert back.ask_rounds(5.0) == {0: 7, 1: 6}  # a probe changes nothing and asks for rounds
     assert ex0.members(5) == [0, 1]
     back.announce(8, ask_reply=False)
     assert wait_until(lambda: 2 in ex0.members(8) and 2 in ex1.members(8))

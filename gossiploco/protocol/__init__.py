@@ -10,6 +10,7 @@ Modules, by concept:
     collectives   the data calls: swap, ring all-reduce, state download (and the upload's chunks)
     call          a call's steps (``Step``) and ``run_call``, the loop a blocking driver runs them with
     node          ``PeerNode``: the state above, fed events, returning actions
+    lifecycle     joining, asking rounds, catching up, stepping out: programs over a node, and ``drive``
 
 A carrier is a *driver* around a ``PeerNode``. Its whole interface to the protocol:
 
@@ -22,7 +23,9 @@ A carrier is a *driver* around a ``PeerNode``. Its whole interface to the protoc
    ``collectives.state_chunks`` off the receive path;
 4. run exchanges as calls (``node.group_call``, ``collectives.Swap``/``RingAllReduce``/
    ``FetchState``) with ``call.run_call`` or, event-driven, by the same ``poll``/``feed`` steps,
-   waking the callers after every event.
+   waking the callers after every event;
+5. run the lifecycle's programs (``lifecycle.join``, ``maybe_catch_up``) with ``lifecycle.drive`` or,
+   event-driven, by the same effects: a peer's joining and catching up are decided here, never in a driver.
 
 ``gossiploco.transport.zmq_exchange`` is the ZeroMQ driver; ``gossiploco.simulation`` drives the
 same nodes over a simulated network and clock.

@@ -14,6 +14,9 @@ The leader of exchange ``key`` in round r is the lowest id of a peer's view (``m
   leader disconnects or abandons the key, fails. It then tells every peer of its view that it
   abandons the key (``Abort``), so a peer that counted on it fails at once instead of waiting out
   a deadline (this is what keeps a dead leader from costing more than one grace window).
+* A decision naming a member this peer does not know yet (discovery has not found it: no address, no
+  key) fails the follower's call, counted (``unknown_members``): a group it cannot run is a failed
+  exchange, never a crash.
 * A peer asked to lead a key while its own view names another leader answers "not leading" (an
   empty decision); a peer still starting up keeps the ``Ready`` (it is about to lead).
 
@@ -125,6 +128,10 @@ class Follow(_GroupCall):
                 node.left_out.put(self.key, self.round)
                 error = ExchangeTimeout(f"{self.what}: this peer was not ready within the grace window; "
                                         f"{list(group)} went on without it")
+            elif unknown := sorted(set(group) - node.peers.known):
+                # A member discovery has not found yet (no address, no key): this peer cannot run the group.
+                node.unknown_members += 1
+                error = PeerFailed(f"{self.what}: the decision names peers this peer does not know yet: {unknown}")
             else:
                 node.grouped.put(self.key, frozenset(group))
                 self.finished, self.group = True, list(group)

@@ -112,6 +112,8 @@ class PeerNode:
         self.bytes_received = 0
         self.malformed_messages = 0
         self.refused_chunks = 0
+        self.unknown_members = 0
+        """Decisions that named a member this peer does not know yet (``agreement.Follow``): failed groups."""
         self.notes: list[tuple[bool, str]] = []
         """Log lines the owner should write, each with whether it is routine (a peer joining or leaving: an info
         line) or a sign of trouble (a warning). The node does not log itself, so a simulator can stay quiet."""
@@ -235,6 +237,12 @@ class PeerNode:
         self.probe_id += 1
         hello = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
         return [Send(p, hello) for p in sorted(self.peers.known) if p != self.rank]
+
+    def ask_again(self, peers) -> list[Action]:
+        """Repeat this peer's latest question (``announce``) to ``peers`` that have not answered it: a question
+        or its answer can be lost with a connection that dropped and came back while it was on its way."""
+        hello = Hello(PROBE, self.current_round, ask=self.probe_id)
+        return [Send(p, hello) for p in peers if p != self.rank]
 
     def leave(self) -> list[Action]:
         """Messages telling every connected peer that this one leaves now."""

@@ -13,7 +13,8 @@ every ``discovery_s``), and a fresh swarm starts round 0 together once ``workers
 most ``startup_s``, saying meanwhile who is here and who is missing: ``waiting_line``). Closing
 withdraws the announcement and tells the others it leaves.
 
-Start-up (``peer_join.join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
+Start-up and rejoining are the protocol's lifecycle programs (``protocol.lifecycle``, the code the
+simulator runs), driven on the exchange by ``peer_join``. Start-up (``lifecycle.join``): wait up to ``timeouts.startup_s`` for every known peer to connect,
 then ask the connected peers which round they are in (``timeouts.hello_s``). If one is already
 in a round, this peer was restarted (or started late): it waits for the swarm's next round
 boundary (polling the others' rounds), downloads that round's state (z, outer momentum, round k,

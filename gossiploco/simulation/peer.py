@@ -3,7 +3,8 @@
 Tasks are generators that yield what they wait for: ``("wait", t)`` (until the node changes or
 time ``t``), ``("sleep", t)`` (until time ``t``: inner steps) or ``("join", task)`` (until that task
 ends: Mix2 waiting for Mix1). ``run_call`` is the event-driven twin of ``protocol.call.run_call``:
-the same ``start``/``poll``/``feed``/``fail`` steps, resumed whenever the node changes.
+the same ``start``/``poll``/``feed``/``fail`` steps, resumed whenever the node changes; ``drive`` is the
+twin of ``protocol.lifecycle.drive``: the runtime's own join and catch-up programs, run unchanged.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.protocol import lifecycle
 from gossiploco.protocol.call import Call
 from gossiploco.protocol.collectives import state_chunks
 from gossiploco.protocol.messages import Data, Send, ServeState
@@ -133,7 +135,32 @@ class SimPeer:
         self.running = False
         self.tasks.clear()
 
-    # -- running calls --------------------------------------------------------------------------
+    # -- running the protocol's programs ---------------------------------------------------------
+
+    def drive(self, program: lifecycle.Program) -> Generator[tuple, Any, Any]:
+        """The event-driven twin of ``protocol.lifecycle.drive``: the same lifecycle programs, in virtual time."""
+        value: Any = None
+        error: ExchangeError | None = None
+        while True:
+            try:
+                effect = program.throw(error) if error is not None else program.send(value)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            if isinstance(effect, lifecycle.Run):
+                try:
+                    value = yield from self.run_call(effect.call)
+                except ExchangeError as exc:
+                    error = exc
+                continue
+            if isinstance(effect, lifecycle.Act):
+                self.act(effect.actions)
+            elif isinstance(effect, lifecycle.Wait):
+                yield ("wait", effect.until)
+            elif isinstance(effect, lifecycle.Sleep):
+                yield ("sleep", effect.until)
+            value = self.now
+
 
     def run_call(self, call: Call) -> Generator[tuple, Any, Any]:
         """The event-driven twin of ``protocol.call.run_call``."""

@@ -5,9 +5,9 @@ Each peer's program mirrors the network peer's (``gossiploco.runtime.peer``): pe
 starts Mix1 (a global all-reduce of z, on a background task), runs its inner steps (a virtual
 sleep), then Mix2 (pairwise gossip or a global all-reduce of its pseudo-gradient), waits for Mix1
 and takes the outer step. Exchanges go through group agreement; a failed exchange is identity.
-At a round start a peer that finds itself alone while others are around, or learns that a leader
-is ahead, asks the others' rounds and downloads the state from one that is ahead (the runtime's
-catch-up rule, with the same constants). A restarted peer starts as the runtime's ``peer_join.join`` does.
+Joining, asking the others' rounds, catching up and stepping out are the runtime's own programs
+(``protocol.lifecycle``: ``join`` for a restarted peer, ``maybe_catch_up`` at every round start), run by
+``SimPeer.drive``; this module holds no rule of its own about them.
 Small tensors stand in for the model; the mixing math is the protocol's own. Some peers may be
 behind NAT (``Settings.behind_nat``): their connections are reverse or go through relays, which
 can go down and reset connections at their limits; peers see all of it as disconnects.
@@ -25,10 +25,10 @@ import torch
 
 from gossiploco.errors import ExchangeError
 from gossiploco.mixing.operators import pair_matching
-from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap
-from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Send
+from gossiploco.protocol import lifecycle
+from gossiploco.protocol.collectives import AllToAll, RingAllReduce, Swap
+from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
-from gossiploco.runtime.peer_join import BOUNDARY_POLL_S, CATCH_UP_LAG, RECENT_LOSS_S
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
@@ -90,7 +90,7 @@ class SimSwarm:
                                incarnation=lambda p: self.peers[p].incarnation if p in self.peers else -1)
         self.peers: dict[int, SimPeer] = {}
         self.crashed: set[int] = set()
-        self.gave_up: set[int] = set()  # stopped with an error because every other peer was gone
+        self.gave_up: set[int] = set()  # stopped with an error because every other peer was done or gone
         self.finished: dict[int, int] = {}
         self.snapshots: dict[tuple[int, int], torch.Tensor] = {}  # (peer, round) -> z at that round's start
         self.returned: dict[int, tuple[float, int, Fault]] = {}  # peer -> (when it came back, swarm round then, the fault)
@@ -143,16 +143,21 @@ class SimSwarm:
         s = self.settings
         z = torch.zeros(s.values)
         r = 0
-        if restarted:
-            r, z = yield from self.join(peer, z)
-        while r < s.rounds:
-            r, z = yield from self.maybe_catch_up(peer, r, z)
-            if r >= s.rounds:
-                break
-            z = yield from self.round(peer, r, z)
-            r += 1
-            self.finished[peer.pid] = r
-        if peer.pid in self.gave_up:
+        life = self.life(peer)
+        try:
+            if restarted:
+                r, z = self.position(peer, (yield from peer.drive(lifecycle.join(peer.node, life, 0))), z)
+            while r < s.rounds:
+                r, z = self.position(peer, (yield from peer.drive(lifecycle.maybe_catch_up(peer.node, life, r))), z)
+                if r >= s.rounds:
+                    break
+                z = yield from self.round(peer, r, z)
+                r += 1
+                self.finished[peer.pid] = r
+        except ExchangeError as exc:  # the runtime's peer stops with this error
+            self.note(f"{peer.pid} stops: {exc}")
+            if not any(p != peer.pid and self.peers[p].running and self.finished.get(p, 0) < s.rounds for p in self.peers):
+                self.gave_up.add(peer.pid)  # the swarm finished or is gone: nobody to download a state from, the right end
             return
         peer.node.current_round = s.rounds  # as the runtime tells the others it is done
         self.note(f"{peer.pid} finished")
@@ -234,82 +239,26 @@ class SimSwarm:
         if pid in self.returned and pid not in self.mixed_after:
             self.mixed_after[pid] = r
 
-    # -- joining and catching up (the runtime's rules) ------------------------------------------
+    # -- joining and catching up: the runtime's own programs (``protocol.lifecycle``) ---------------
 
-    def ask_rounds(self, peer: SimPeer):
-        node = peer.node
-        peer.act(node.announce(PROBE))
-        deadline = peer.now + self.settings.hello_s
-        while peer.now < deadline and not set(node.peers.connected) <= node.peers.reported.keys():
-            yield ("wait", deadline)
-        return dict(node.peers.reported)
+    def life(self, peer: SimPeer) -> lifecycle.Settings:
+        """The lifecycle's settings for ``peer``; the boundary wait stands in for the runtime's ``startup_s``."""
+        s = self.settings
+        return lifecycle.Settings(
+            rounds=s.rounds, hello_s=s.hello_s, connect_s=s.hello_s, boundary_s=s.exchange_s + 2 * s.inner_s,
+            state_s=s.exchange_s, state_size=s.values,
+            nonce=lambda: f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}")
 
-    def join(self, peer: SimPeer, z: torch.Tensor):
-        deadline, peers = peer.now + self.settings.hello_s, peer.node.peers
-        while peer.now < deadline and len(peers.connected) < len(peers.known) - 1:  # the runtime's wait_connected
-            yield ("wait", deadline)
-        peers.drop_unconnected()  # as the runtime does: they join with a hello when they come
-        rounds = yield from self.ask_rounds(peer)
-        ahead = {p: k for p, k in rounds.items() if k >= 1}  # the runtime's rule: round 0 is joined, not caught up
-        if not ahead:
-            peer.act(peer.node.announce(0))
-            return 0, z
-        return (yield from self.catch_up(peer, ahead, z))
-
-    def maybe_catch_up(self, peer: SimPeer, r: int, z: torch.Tensor):
-        node = peer.node
-        lost = node.peers.recently_lost(RECENT_LOSS_S, peer.now)
-        alone = node.members(r) == [peer.pid] and bool(node.peers.pending() or lost)
-        left_behind = any(k >= r + CATCH_UP_LAG for k in node.peers.leader_rounds.values())
-        straggling = node.straggling(r)
-        if not (alone or left_behind or straggling):
-            return r, z
-        if lost:
-            yield ("sleep", peer.now + 0.05)
-        rounds = yield from self.ask_rounds(peer)
-        ahead = {p: k for p, k in rounds.items() if k >= r + (0 if straggling else CATCH_UP_LAG)}
-        if ahead:
-            return (yield from self.catch_up(peer, ahead, z, r))
-        if alone:
-            peer.act(node.announce(r))
-        return r, z
-
-    def catch_up(self, peer: SimPeer, ahead: dict[int, int], z: torch.Tensor, r: int = 0):
-        # The runtime's rule: wait for the swarm's next round boundary, then download that round's
-        # state and take part at once, in step with the others (``peer_join.catch_up``).
-        if r > 0 or peer.node.peers.takes_part(0):  # not a fresh join: step out while catching up (as the runtime does)
-            peer.act(peer.node.announce(STEPPING_OUT, ask_reply=False))
-        latest = max(ahead.values())
-        deadline = peer.now + self.settings.exchange_s + 2 * self.settings.inner_s
-        while peer.now < deadline and latest < self.settings.rounds:  # a finished swarm begins no round
-            rounds = yield from self.ask_rounds(peer)
-            if max(rounds.values(), default=-1) > latest:
-                ahead = {p: k for p, k in rounds.items() if k > latest}
-                latest = max(ahead.values())
-                break
-            yield ("sleep", peer.now + BOUNDARY_POLL_S)
-        donors = sorted(p for p, k in ahead.items() if k == latest)
-        donors = donors[peer.pid % len(donors):] + donors[:peer.pid % len(donors)]
-        for donor in donors:
-            try:
-                began = peer.now
-                k, flat = yield from peer.run_call(FetchState(donor, f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}",
-                                                              peer.node.chunk_elems, began, began + self.settings.exchange_s))
-            except ExchangeError as exc:
-                self.note(f"{peer.pid} state from {donor} failed: {exc}")
-                continue
-            reference = self.snapshots.get((donor, k))
-            if reference is None or not torch.equal(reference, flat):
-                self.checker.flag("recovery.state", peer.now, peer.pid, f"state of round {k} from {donor} differs from the donor's")
-            peer.act(peer.node.announce(k, caught_up=True))
-            self.note(f"{peer.pid} caught up from {donor} at round {k}")
-            return k, flat.clone()
-        if not any(p != peer.pid and self.peers[p].running for p in self.peers):
-            # The runtime stops with "no peer gave its state"; with nobody left that is the right end.
-            self.note(f"{peer.pid} gives up: no live peer to download the state from")
-            self.gave_up.add(peer.pid)
-            return self.settings.rounds, z
-        return r, z
+    def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Install what a lifecycle program decided; a downloaded state must be the donor's of that round."""
+        if position.state is None:
+            return position.round, z
+        k, donor = position.round, position.donor
+        reference = self.snapshots.get((donor, k))
+        if reference is None or not torch.equal(reference, position.state):
+            self.checker.flag("recovery.state", peer.now, peer.pid, f"state of round {k} from {donor} differs from the donor's")
+        self.note(f"{peer.pid} caught up from {donor} at round {k}")
+        return k, position.state.clone()
 
     # -- faults ---------------------------------------------------------------------------------
 

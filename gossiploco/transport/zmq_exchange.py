@@ -46,17 +46,19 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gossiploco.errors import ExchangeClosed, ExchangeError, MalformedMessage
+from gossiploco.errors import ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
 from gossiploco.mixing.exchange import Exchange
+from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call, run_call
 from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap, state_chunks
-from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, PROBE, Data, Hello, Ready, Send, ServeState, StateRequest,
+from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, Data, Ready, Send, ServeState, StateRequest,
                                           from_wire, to_wire)
 from gossiploco.protocol.node import PeerNode
 from gossiploco.transport import codec
@@ -72,8 +74,6 @@ __all__ = ["ZmqExchange", "MAX_PEER_ID", "FAULT_ENV", "StateProvider"]
 
 POLL_MS = 100
 """How often the receiver thread wakes to notice ``close()``."""
-PROBE_REPEAT_S = 1.0
-"""``peer_rounds`` asks a peer that has not answered again after this long."""
 _FLOAT_BYTES = 4
 
 StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
@@ -209,8 +209,8 @@ class ZmqExchange(Exchange):
         members = list(dict.fromkeys(members))  # the agreed order is the ring's (``agreement.ring_order``)
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
-        if any(m != self.rank and m not in self._dealers for m in members):
-            raise ValueError(f"members {members} include unknown peers (known: {self.known()})")
+        if any(m != self.rank and m not in self._dealers for m in members):  # a group it cannot run: a failed exchange
+            raise PeerFailed(f"{key!r}: members {members} include peers this peer does not know (known: {self.known()})")
         if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
             acc = flat.detach().view(-1)
         else:
@@ -245,8 +245,8 @@ class ZmqExchange(Exchange):
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
         others = [m for m in members if m != self.rank]
-        if any(m not in self._dealers for m in others):
-            raise ValueError(f"members {members} include unknown peers (known: {self.known()})")
+        if any(m not in self._dealers for m in others):  # a group it cannot run: a failed exchange
+            raise PeerFailed(f"{key!r}: members {members} include peers this peer does not know (known: {self.known()})")
         if not others:
             return {}
         # The two phases of a compressed mean (``KEY/scatter``, then ``KEY/gather``) share one deadline from
@@ -407,53 +407,35 @@ class ZmqExchange(Exchange):
         with self._cond:
             return self._node.peers.pending()
 
-    def drop_unconnected(self) -> list[int]:
-        """Move peers that never connected to pending (they join with a hello when they come). Returns them."""
-        with self._cond:
-            return self._node.peers.drop_unconnected()
-
-    def straggling(self, round_index: int) -> bool:
-        """This peer was left out of two exchanges since round ``round_index - 1`` for being late (``PeerNode.straggling``)."""
-        with self._cond:
-            return self._node.straggling(round_index)
-
-    def recently_lost(self, within_s: float) -> list[int]:
-        """Peers whose connection dropped within the last ``within_s`` seconds."""
-        with self._cond:
-            return self._node.peers.recently_lost(within_s, time.monotonic())
-
-    def leader_rounds(self) -> dict[int, int]:
-        """The round each group leader was in when it last answered this peer's ``Ready`` (not waited for)."""
-        with self._cond:
-            return dict(self._node.peers.leader_rounds)
-
     def wait_connected(self, timeout_s: float) -> bool:
         """Block until a connection to every other peer is up (or ``timeout_s``); True if all are."""
         return self._wait_for(lambda: len(self._node.peers.connected) >= len(self._dealers), timeout_s)
 
-    def wait_members(self, round_index: int, count: int, timeout_s: float) -> list[int]:
-        """Block until ``members(round_index)`` has ``count`` peers (or ``timeout_s``); returns it."""
-        self._wait_for(lambda: len(self._node.members(round_index)) >= count, timeout_s)
-        return self.members(round_index)
+    def ask_rounds(self, wait_s: float) -> dict[int, int]:
+        """Ask every peer its round (``protocol.lifecycle.ask_rounds``: the connected ones' answers within
+        ``wait_s``, asking again whoever has not answered, less uncorroborated claims)."""
+        settings = lifecycle.Settings(rounds=0, hello_s=wait_s, connect_s=wait_s, boundary_s=wait_s,
+                                      state_s=self.timeout_s, nonce=lambda: uuid.uuid4().hex[:16])
+        return self.drive(lambda node: lifecycle.ask_rounds(node, settings))
 
-    def peer_rounds(self, wait_s: float, peers: Sequence[int] | None = None) -> dict[int, int]:
-        """Current rounds other peers reported in replies to this peer's last ``announce``; waits
-        up to ``wait_s`` for a reply from each of ``peers`` (default: the connected ones)."""
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            want = set(self._node.peers.connected if peers is None else peers)
-        while not self._wait_for(lambda: want <= self._node.peers.reported.keys(),
-                                 min(PROBE_REPEAT_S, deadline - time.monotonic())):
-            if time.monotonic() >= deadline or self._closed:
-                break
-            # Ask again whoever has not answered: a question or its answer can be lost with a
-            # connection that dropped and came back (a restart on either side) while it was on its way.
-            with self._cond:
-                missing = sorted(want - self._node.peers.reported.keys())
-                hello = Hello(PROBE, self._node.current_round, ask=self._node.probe_id)
-            self._dispatch([Send(p, hello) for p in missing])
-        with self._cond:
-            return dict(self._node.peers.reported)
+    def drive(self, program: Callable[[PeerNode], lifecycle.Program]) -> Any:
+        """Run the lifecycle program ``program(node)`` (``protocol.lifecycle``) on this peer's node: it runs under
+        the node's lock, waits on the node's condition and runs its exchange calls as ``_run`` does. Blocks
+        until the program ends (its own deadlines bound it); returns its result or raises its error
+        (``ExchangeClosed`` once this exchange closes)."""
+        def wait(until: float) -> None:
+            if not self._closed:
+                self._cond.wait(max(0.0, until - time.monotonic()))
+
+        def sleep(until: float) -> None:
+            while not self._closed and (left := until - time.monotonic()) > 0:
+                self._cond.wait(left)
+
+        try:
+            return lifecycle.drive(program(self._node), locked=lambda: self._cond, act=self._dispatch, wait=wait,
+                                   sleep=sleep, clock=time.monotonic, run=self._run)
+        finally:
+            self._flush_notes()
 
     def check_reachable(self, timeout_s: float) -> bool:
         """True if a ZeroMQ handshake with this peer's own advertised endpoint succeeds within

@@ -1,0 +1,261 @@
+"""The peer's lifecycle programs (``protocol.lifecycle``) in memory: each rule driven step by step with a
+scripted clock and scripted peers; the simulator (tests/test_simulation.py) runs the same programs under
+faults, and the network peer drives them over ZeroMQ (tests/test_peer.py, test_swarm.py)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.protocol import lifecycle
+from gossiploco.protocol.agreement import Follow
+from gossiploco.protocol.collectives import FetchState
+from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Decision, Hello, Send
+from gossiploco.protocol.node import PeerNode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def node_of(rank: int, known, connected=(), join_round=None, static=True) -> PeerNode:
+    """A static list's peer (the others take part from round 0), or a discovered one's (the others pending until their hello)."""
+    node = PeerNode(rank, known if static else [rank], grace_s=0.5, chunk_elems=8, mailbox_bytes=1 << 20,
+                    join_round=join_round)
+    for p in known if not static else ():
+        node.add_peer(p)
+    for p in connected:
+        node.connected(p, 0.0)
+    return node
+
+
+def settings(**overrides) -> lifecycle.Settings:
+    counter = iter(range(1_000_000))
+    values = dict(rounds=10, hello_s=1.0, connect_s=2.0, boundary_s=3.0, state_s=4.0, state_size=6,
+                  nonce=lambda: f"n{next(counter)}")
+    return lifecycle.Settings(**{**values, **overrides})
+
+
+class Script:
+    """A driver for one program: a virtual clock; ``answers[p]`` is the round peer p reports to each
+    question (None: it never answers), with the join round ``joins[p]`` (default ``PROBE``: it says nothing
+    of taking part); ``states[p]`` what a state download from p gives (a round and tensor, or an error);
+    ``at_wait`` runs before each wait (to change the node as events would; True when it did: a ``Wait`` then
+    ends at once)."""
+
+    def __init__(self, node: PeerNode, answers=None, states=None, at_wait=None, joins=None):
+        self.node, self.now = node, 0.0
+        self.answers, self.states, self.at_wait = dict(answers or {}), dict(states or {}), at_wait
+        self.joins = dict(joins or {})
+        self.sent: list[Send] = []
+        self.fetched: list[int] = []
+        self.sleeps = 0
+
+    def run(self, program):
+        value, error = None, None
+        while True:
+            try:
+                effect = program.throw(error) if error is not None else program.send(value)
+            except StopIteration as stop:
+                return stop.value
+            error = None
+            if isinstance(effect, lifecycle.Act):
+                self.sent.extend(effect.actions)
+                for send in effect.actions:
+                    self._answer(send)
+            elif isinstance(effect, (lifecycle.Wait, lifecycle.Sleep)):
+                assert effect.until >= self.now, "a wait into the past"
+                woke = self.at_wait(self) if self.at_wait is not None else False  # an event: a Wait ends at once
+                self.sleeps += isinstance(effect, lifecycle.Sleep)
+                self.now = self.now + 0.001 if woke and isinstance(effect, lifecycle.Wait) else effect.until
+            elif isinstance(effect, lifecycle.Run):
+                assert isinstance(effect.call, FetchState)
+                self.fetched.append(effect.call.peer)
+                got = self.states.get(effect.call.peer, ExchangeTimeout("no answer"))
+                if isinstance(got, Exception):
+                    error = got
+                else:
+                    value = got
+                    continue
+            value = self.now
+
+    def _answer(self, send: Send) -> None:
+        message = send.message
+        if isinstance(message, Hello) and message.ask_reply:
+            round_ = self.answers.get(send.peer)
+            if round_ is not None:
+                self.node.receive(send.peer, Hello(self.joins.get(send.peer, PROBE), round_, echo=message.ask), self.now)
+
+
+def test_corroborated_drops_a_lone_far_claim_and_keeps_a_boundary():
+    assert lifecycle.corroborated({1: 5, 2: 5, 3: 11}) == {1: 5, 2: 5}
+    assert lifecycle.corroborated({1: 5, 2: 6}) == {1: 5, 2: 6}
+    assert lifecycle.corroborated({1: 9}) == {1: 9}
+
+
+def test_ask_rounds_collects_the_connected_peers_answers_and_refuses_an_uncorroborated_claim():
+    node = node_of(0, [0, 1, 2, 3], connected=[1, 2, 3])
+    script = Script(node, answers={1: 4, 2: 4, 3: 40})
+    assert script.run(lifecycle.ask_rounds(node, settings())) == {1: 4, 2: 4}
+    assert any("no other member backs" in text for _, text in node.notes)
+    assert script.now == 0.0, "every answer came at once: no wait"
+
+
+def test_ask_rounds_asks_again_whoever_has_not_answered_and_gives_up_at_hello_s():
+    node = node_of(0, [0, 1, 2], connected=[1, 2])
+    script = Script(node, answers={1: 3})  # peer 2 never answers
+    rounds = script.run(lifecycle.ask_rounds(node, settings(hello_s=3.5)))
+    assert rounds == {1: 3}
+    asks_to_2 = [s for s in script.sent if s.peer == 2 and isinstance(s.message, Hello) and s.message.ask_reply]
+    assert len(asks_to_2) == 1 + 3, "the probe, then again every PROBE_REPEAT_S within hello_s"
+    assert all(s.message.ask == node.probe_id for s in asks_to_2), "the repeats ask the same question"
+    assert script.now == pytest.approx(3.5)
+
+
+def test_ask_rounds_does_not_wait_for_a_peer_that_dropped_meanwhile():
+    node = node_of(0, [0, 1, 2], connected=[1, 2])
+
+    def drop(script):
+        node.disconnected(2, script.now)
+        return True
+
+    script = Script(node, answers={1: 3}, at_wait=drop)
+    assert script.run(lifecycle.ask_rounds(node, settings(hello_s=5.0))) == {1: 3}
+    assert script.now < 1.0, "the dropped peer is not waited for"
+
+
+def test_join_starts_a_new_swarm_at_round_0_and_leaves_out_peers_that_never_connected():
+    node = node_of(0, [0, 1, 2], connected=[1])
+    script = Script(node, answers={1: 0})
+    position = script.run(lifecycle.join(node, settings(), start_round=0))
+    assert position.round == 0 and position.state is None
+    assert 2 not in node.peers.joined, "never connected: pending until its hello"
+    assert node.peers.joined[0] == 0, "this peer takes part from round 0"
+    assert any("not connected after" in text for _, text in node.notes)
+
+
+def test_join_waits_for_a_quorum_until_its_deadline_and_reports_the_members():
+    node = node_of(0, [0, 1, 2], connected=[1, 2], static=False)
+    script = Script(node, answers={1: -1, 2: -1})
+    position = script.run(lifecycle.join(node, settings(), start_round=0, quorum=3, quorum_until=7.0))
+    assert script.now == pytest.approx(7.0), "waited for the quorum until the deadline"
+    assert position.members == [0], "the others never said they take part"
+
+    def hello(script):  # peer 1 says it takes part from round 0
+        node.receive(1, Hello(0, -1), script.now)
+        return True
+
+    node = node_of(0, [0, 1], connected=[1], static=False)
+    script = Script(node, answers={1: -1}, at_wait=hello)
+    position = script.run(lifecycle.join(node, settings(), start_round=0, quorum=2, quorum_until=7.0))
+    assert position.members == [0, 1] and script.now < 1.0
+
+
+def test_a_peer_that_joins_a_running_swarm_waits_for_the_boundary_and_downloads_that_round():
+    node = node_of(3, [1, 2, 3], connected=[1, 2], static=False)
+    good = torch.arange(6, dtype=torch.float32)
+    script = Script(node, answers={1: 4, 2: 4}, states={1: (5, good), 2: (5, good)})
+
+    def boundary(script):  # the swarm begins round 5 once this peer has waited a little
+        if script.now >= 0.5:
+            script.answers = {1: 5, 2: 5}
+
+    script.at_wait = boundary
+    position = script.run(lifecycle.join(node, settings(), start_round=0))
+    assert position.round == 5 and torch.equal(position.state, good) and position.fresh_join
+    assert script.fetched == [2], "donors rotated by this peer's id (3 % 2 = 1: [2, 1])"
+    assert node.peers.joined[3] == 5 and node.caught_up_into == 5
+    assert not any(isinstance(s.message, Hello) and s.message.join_round == STEPPING_OUT for s in script.sent), \
+        "a fresh peer takes part in nothing yet: nothing to step out of"
+
+
+def test_a_resumed_peer_one_round_behind_downloads_at_once():
+    node = node_of(1, [1, 2], connected=[2])
+    state = torch.zeros(6)
+    script = Script(node, answers={2: 8}, states={2: (8, state)})
+    position = script.run(lifecycle.join(node, settings(), start_round=7))
+    assert position.round == 8 and script.sleeps == 0, "no wait for a boundary: the others wait at round 8's start"
+
+
+@pytest.mark.parametrize("bad", ["size", "nan", "error"])
+def test_an_unusable_state_is_refused_and_the_next_donor_tried(bad):
+    node = node_of(0, [0, 1, 2], connected=[1, 2], join_round=0)
+    good = torch.ones(6)
+    broken = {"size": (5, torch.ones(7)), "nan": (5, torch.tensor([1.0, float("nan"), 0, 0, 0, 0])),
+              "error": PeerFailed("bad chunk")}[bad]
+    script = Script(node, answers={1: 5, 2: 5}, states={1: broken, 2: (5, good)})
+    position = script.run(lifecycle.catch_up(node, settings(), {1: 5, 2: 5}, current=3))
+    assert position.round == 5 and position.donor == 2 and torch.equal(position.state, good)
+    assert script.fetched == [1, 2]
+    assert any(isinstance(s.message, Hello) and s.message.join_round == STEPPING_OUT for s in script.sent), \
+        "a member steps out while it catches up"
+
+
+def test_without_a_usable_state_a_member_goes_on_with_its_own_and_a_fresh_process_gives_up():
+    node = node_of(0, [0, 1], connected=[1], join_round=0)
+    script = Script(node, answers={1: 6}, states={1: ExchangeTimeout("gone")})
+    position = script.run(lifecycle.catch_up(node, settings(), {1: 6}, current=4))
+    assert position.round == 4 and position.state is None and node.peers.joined[0] == 4
+
+    node = node_of(0, [0, 1], connected=[1])
+    script = Script(node, answers={1: 6}, states={1: ExchangeTimeout("gone")})
+    with pytest.raises(ExchangeError, match="no peer gave its state"):
+        script.run(lifecycle.catch_up(node, settings(), {1: 6}, current=0, fresh=True))
+    assert script.fetched == [1, 1], "a fresh process tries again at the next boundary before giving up"
+
+
+def test_maybe_catch_up_decides_from_the_node_alone():
+    life = settings()
+    node = node_of(0, [0, 1], connected=[1], join_round=0)
+    node.peers.on_join(1, 0)
+    assert Script(node).run(lifecycle.maybe_catch_up(node, life, 3)) == lifecycle.Position(3)
+
+    node.peers.leader_rounds[1] = 5  # a leader answered from round 5: the swarm went on
+    script = Script(node, answers={1: 5}, states={1: (6, torch.zeros(6))})
+    script.at_wait = lambda s: s.answers.update({1: 6})
+    assert script.run(lifecycle.maybe_catch_up(node, life, 3)).round == 6
+
+    assert Script(node).run(lifecycle.maybe_catch_up(node, settings(solo=True), 3)) == lifecycle.Position(3)
+
+
+def test_a_baseline_that_cannot_rejoin_says_why():
+    node = node_of(0, [0, 1], connected=[1])
+    with pytest.raises(ExchangeError, match="sync-dp cannot rejoin"):
+        Script(node, answers={1: 3}).run(lifecycle.join(node, settings(rejoin_error="sync-dp cannot rejoin"), 0))
+
+
+def test_a_closed_node_ends_a_waiting_program_with_exchange_closed():
+    node = node_of(0, [0, 1, 2], connected=[1])
+
+    def close(script):
+        node.closed = True
+
+    with pytest.raises(ExchangeClosed):
+        Script(node, at_wait=close).run(lifecycle.join(node, settings(), 0))
+
+
+def test_a_decision_naming_a_peer_this_one_does_not_know_fails_the_group_instead_of_crashing():
+    node = node_of(2, [1, 2], connected=[1], join_round=0)
+    node.peers.on_join(1, 0)
+    call = Follow("mix1/0", 1, 0, [1, 2], 0.0, 0.5)
+    call.start(node)
+    node.receive(1, Decision("mix1/0", 0, (1, 2, 77)), 0.1)
+    step = call.poll(node, 0.1)
+    assert isinstance(step.error, PeerFailed) and "77" in str(step.error)
+    assert node.unknown_members == 1
+    assert {s.peer for s in step.sends} == {1}, "the others hear at once that this peer abandons the key"
+
+
+def test_the_simulator_holds_no_lifecycle_rule_of_its_own():
+    """It imports the runtime's programs and defines none of join, asking rounds or catching up itself."""
+    tree = ast.parse((ROOT / "gossiploco" / "simulation" / "swarm.py").read_text())
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    assert not defined & {"join", "ask_rounds", "maybe_catch_up", "catch_up", "next_round_begins", "download"}
+    source = (ROOT / "gossiploco" / "simulation" / "swarm.py").read_text()
+    assert "lifecycle.join(" in source and "lifecycle.maybe_catch_up(" in source
+    runtime = (ROOT / "gossiploco" / "runtime" / "peer_join.py").read_text()
+    assert "lifecycle.join(" in runtime and "lifecycle.maybe_catch_up(" in runtime
+    assert "PROBE" not in runtime and "announce(" not in runtime, "the runtime asks and announces only through the lifecycle"
+    assert PROBE == -1

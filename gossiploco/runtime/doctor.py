@@ -237,7 +237,7 @@ def _probe(address: str, timeout_s: float) -> str | None:
 
 def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> list[Check]:
     """The bootstrap answers (TCP, then a DHT node of our own joins through it) and holds ``swarm_key``."""
-    from gossiploco.errors import GossiplocoError
+    from gossiploco.errors import GossiplocoError, UnsafeKeyFile
     from gossiploco.membership.dht_node import check_initial_peers
     from gossiploco.membership.dht_directory import DhtDirectory
 
@@ -263,8 +263,8 @@ def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> 
         try:
             key = SwarmKey.load(swarm_key)
         except GossiplocoError as exc:
-            return [Check("swarm key", "FAIL", str(exc), "pass the swarm.key file of the run, or the gsk1-... text "
-                                                         "`gossiploco dht` printed")]
+            return [Check("swarm key", "FAIL", str(exc), exc.fix if isinstance(exc, UnsafeKeyFile)
+                          else "pass the run's swarm key file, or the gsk1-... text `gossiploco dht` printed")]
         trust = Trust(Identity.generate(), key)
     started = time.monotonic()
     try:
@@ -286,7 +286,7 @@ def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> 
                 checks.append(Check("swarm key", "ok", f"{key.fingerprint}: the bootstrap node holds the same key"))
             except GossiplocoError as exc:
                 checks.append(Check("swarm key", "FAIL", str(exc), "use the key the run's `gossiploco dht` printed "
-                                                                   "(or its swarm.key file)"))
+                                                                   "(or its key file)"))
     finally:
         directory.close()
     return checks

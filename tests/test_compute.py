@@ -256,22 +256,28 @@ def test_a_compiler_failure_is_logged_and_training_goes_on_eager_unless_compile_
         with pytest.raises(Exception, match="no compiler here"):
             trainer.inner_step()
         return
-    _, want = whole_batch_gradient(corpus)
     trainer.forward_backward()
     assert not trainer.compiled and "torch.compile failed" in caplog.text and "no compiler here" in caplog.text
-    for n, g in gradients(trainer).items():
-        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-7)
+    assert_is_eq22_gradient(gradients(trainer), corpus, 0)  # eq. 22, to this machine's fp32 rounding
 
 
 @pytest.mark.slow
 def test_compiling_ahead_changes_nothing_but_when_the_compiler_runs(make_config, corpus):
     """A peer compiles before joining (``warm_up``): the run that follows is the one it would have been."""
     cfg = make_config("diloco", workers=2, inner_steps=2, rounds=1, **{"compute.compile": "on", "compute.micro_batch_size": 2})
-    cold, warm = (build_trainer(cfg, corpus, torch.device("cpu"), 0) for _ in range(2))
-    assert warm.warm_up() > 0 and all(p.grad is None for p in warm.model.parameters())
-    assert warm.inner_opt.step_index == 0 and build_trainer(make_config("diloco"), corpus, torch.device("cpu"), 0).warm_up() == 0.0
-    for _ in range(2):
-        assert float(cold.inner_step()) == pytest.approx(float(warm.inner_step()), rel=1e-6)
-    # Compiled CPU kernels reduce in a thread-dependent order: two cold runs differ by ~1e-7 here too.
-    for n, p in warm.params().items():
-        torch.testing.assert_close(p, cold.params()[n], rtol=0, atol=1e-6)
+    # One thread: compiled CPU kernels split their reductions among threads in an order that varies from run to
+    # run (two cold runs differ by ~1e-7), and AdamW can turn such a difference in a gradient that is all
+    # cancellation into one of up to the learning rate, so no tolerance would hold on every CPU. With one thread
+    # the same code on the same inputs gives the same bits: "the same run" is then checked as it is meant.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cold, warm = (build_trainer(cfg, corpus, torch.device("cpu"), 0) for _ in range(2))
+        assert warm.warm_up() > 0 and all(p.grad is None for p in warm.model.parameters())
+        assert warm.inner_opt.step_index == 0 and build_trainer(make_config("diloco"), corpus, torch.device("cpu"), 0).warm_up() == 0.0
+        for _ in range(2):
+            assert torch.equal(cold.inner_step(), warm.inner_step())
+        for n, p in warm.params().items():
+            assert torch.equal(p, cold.params()[n]), n
+    finally:
+        torch.set_num_threads(threads)

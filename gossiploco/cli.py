@@ -286,9 +286,17 @@ def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the 
 
     if out.exists():
         fail(ConfigError("--out", f"{out} exists; a swarm key is never overwritten (remove it first)"))
+    from gossiploco.security.key_files import commit_warning
+
     key = SwarmKey.generate()
-    key.save(out)
+    try:
+        key.save(out, exclusive=True)
+    except FileExistsError:
+        fail(ConfigError("--out", f"{out} exists; a swarm key is never overwritten (remove it first)"))
     console.print(f"swarm key {key.fingerprint} written to {out}; peers join with --swarm-key {out}")
+    warning = commit_warning(out)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
 @app.command()
@@ -297,7 +305,7 @@ def dht(
     port: int = typer.Option(0, "--port", help="TCP port (0: any free one; give a fixed one for an address that survives restarts)."),
     announce: Optional[list[str]] = typer.Option(None, "--announce", help="Multiaddr to advertise instead, e.g. /ip4/PUBLIC_IP/tcp/PORT (behind NAT or a forwarded port); repeatable."),
     identity: Optional[Path] = typer.Option(None, "--identity", help="Private key file: keeps the same peer id (and so the same multiaddrs) across restarts; created if missing."),
-    swarm_key: Path = typer.Option(Path("swarm.key"), "--swarm-key", help="The run's swarm key file: used if it exists, else created (mode 0600)."),
+    swarm_key: Optional[str] = typer.Option(None, "--swarm-key", help="The run's swarm key: a file (used if it exists, else created, mode 0600) or the gsk1-... text. Default: your own key in $XDG_CONFIG_HOME/gossiploco/swarm.key (~/.config/gossiploco/swarm.key), created on the first start and reused after, never a swarm.key in the current directory. Key files tracked by git or readable by others are refused."),
     open_run: bool = typer.Option(False, "--open", help="A public run: no swarm key; records are still signed."),
     join: Optional[list[str]] = typer.Option(None, "--join", help="Join an existing run's DHT (another bootstrap multiaddr): a second bootstrap node and relay for peers behind NAT; repeatable."),
     relay_data_mb: float = typer.Option(4096.0, "--relay-data-mb", help="Relaying for peers behind NAT: MiB per direction one relayed connection may carry before it is reset (peers renew theirs before)."),
@@ -307,17 +315,17 @@ def dht(
     import signal
 
     from gossiploco.membership.bootstrap import serve_bootstrap
-    from gossiploco.security.swarm_key import SwarmKey
+    from gossiploco.security.options import bootstrap_swarm_key
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_interrupt)
     key = None
     try:
+        if open_run and swarm_key:
+            raise ConfigError("--open", "give either --swarm-key (a private run) or --open (a public run), not both")
         if not open_run:
-            key = SwarmKey.load(swarm_key) if swarm_key.exists() else SwarmKey.generate()
-            if not swarm_key.exists():
-                key.save(swarm_key)
-                console.print(f"created swarm key {key.fingerprint} in {swarm_key}")
+            key, where = bootstrap_swarm_key(swarm_key)
+            console.print(where, highlight=False, soft_wrap=True)
     except GossiplocoError as exc:
         fail(exc)
 
@@ -325,7 +333,7 @@ def dht(
         console.print("[bold]bootstrap DHT node ready.[/] "
                       + ("Public run: anyone can join." if key is None else
                          f"Private run (swarm key {key.fingerprint}): the command carries the key, share it "
-                         f"privately (or copy {swarm_key} and pass --swarm-key FILE)."))
+                         f"privately (or copy the key file and pass --swarm-key FILE)."))
         secret = "--open" if key is None else f"--swarm-key {key.text}"
         for address in addresses:
             print(f"  gossiploco peer --config PRESET --join {address} {secret}", flush=True)
@@ -426,6 +434,8 @@ def swarm(
         if live is not None:
             live.start()
         summary = local.run(show)
+    except GossiplocoError as exc:  # e.g. OUT/swarm.key refused on --resume
+        fail(exc)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
         raise typer.Exit(code=130)

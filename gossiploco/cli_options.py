@@ -38,7 +38,8 @@ def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None
 def fail(exc: Exception) -> None:
     from rich.markup import escape
 
-    console.print(f"[bold red]error:[/] {escape(str(exc))}")  # a message's "[true, false]" is text, not a style
+    # a message's "[true, false]" is text, not a style; not wrapped, so the paths and commands in it copy whole
+    console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 

@@ -2,7 +2,8 @@
 
     GossiplocoError                 base of everything raised on purpose
     ├── ConfigError                 a config field or CLI flag is wrong (the message names the field)
-    │   └── RunMismatch             a run with other settings is going in the swarm this peer joins
+    │   ├── RunMismatch             a run with other settings is going in the swarm this peer joins
+    │   └── UnsafeKeyFile           a key file is tracked by git or readable by others (refused, with the fix)
     ├── DataError                   the corpus is missing, empty, unreadable or too short
     ├── DirectoryError              the peer directory (hivemind DHT) cannot start or be joined
     │   └── DirectoryClosed         this side's directory was closed
@@ -36,6 +37,15 @@ class ConfigError(GossiplocoError, ValueError):
     def __init__(self, field: str, message: str):
         self.field = field
         super().__init__(f"{field}: {message}")
+
+
+class UnsafeKeyFile(ConfigError):
+    """A secret key file that may not be used: tracked by git, or accessible by group or others
+    (``gossiploco.security.key_files.check_key_file``). ``fix`` says what to do about it."""
+
+    def __init__(self, field: str, problem: str, fix: str):
+        self.fix = fix
+        super().__init__(field, f"{problem}. Fix: {fix}")
 
 
 class RunMismatch(ConfigError):

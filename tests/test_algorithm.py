@@ -12,8 +12,10 @@ from gossiploco.optim import lr_factor
 from gossiploco.runtime.virtual import VirtualSwarm
 
 
-def reference_diloco(cfg, corpus):
-    """Plain DiLoCo, paper eqs. 1-6, with PyTorch's own AdamW and SGD(nesterov=True)."""
+def reference_diloco(cfg, corpus, micro_batch_size: int = 0):
+    """Plain DiLoCo, paper eqs. 1-6, with PyTorch's own AdamW and SGD(nesterov=True). ``micro_batch_size``:
+    eq. 22's gradient summed over micro-batches of that many sequences, each mean loss weighted by its share
+    of the batch, in batch order (the same fp32 additions a peer with ``compute.micro_batch_size`` does)."""
     x = dict(build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed).named_parameters())
     x = {n: p.detach().clone() for n, p in x.items()}
     outer = {n: torch.nn.Parameter(v.clone()) for n, v in x.items()}
@@ -38,8 +40,10 @@ def reference_diloco(cfg, corpus):
                     p.copy_(x[n])  # eq. 1: y_{m,r,0} = x_r
             for h in range(cfg.inner_steps):  # eqs. 2-3
                 inputs, targets = stream.next_batch()
-                loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
-                loss.backward()
+                size = micro_batch_size or inputs.shape[0]
+                for x_part, y_part in zip(inputs.split(size), targets.split(size)):
+                    loss = torch.nn.functional.cross_entropy(model(x_part).flatten(0, 1), y_part.flatten())
+                    (loss * (x_part.shape[0] / inputs.shape[0]) if micro_batch_size else loss).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.inner.grad_clip)
                 step = r * cfg.inner_steps + h
                 warm = cfg.inner.warmup_steps

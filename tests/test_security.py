@@ -46,7 +46,8 @@ def test_identity_is_created_once_with_mode_0600_and_fixes_the_peer_id(tmp_path)
 def test_a_damaged_identity_file_is_an_error_never_replaced(tmp_path):
     path = tmp_path / "identity.key"
     path.write_text("not a key\n")
-    with pytest.raises(ConfigError, match="--identity"):
+    path.chmod(0o600)  # a private file that is damaged (an unsafe one is refused before it is read: test_key_files)
+    with pytest.raises(ConfigError, match="not a gossiploco identity key file"):
         Identity.load_or_create(path)
     assert path.read_text() == "not a key\n"
 

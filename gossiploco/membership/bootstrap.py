@@ -38,7 +38,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gossiploco.errors import ConfigError, DirectoryError
-from gossiploco.security.identity import write_secret_file
+from gossiploco.security.key_files import check_key_file, write_secret_file
 from gossiploco.membership.dht_node import (
     check_announce_maddrs,
     check_initial_peers,
@@ -80,8 +79,9 @@ def load_or_create_identity(identity_file: Path) -> str:
     """The base58 libp2p peer id of the private key in ``identity_file``, generating the key if missing.
 
     A new file is created with mode 0600 (never readable by others, not even for an instant).
-    Raises ``DirectoryError`` when the file exists but holds no libp2p private key, and
-    ``ConfigError`` when its directory does not exist.
+    Raises ``UnsafeKeyFile`` when the file is tracked by git or accessible by group or others,
+    ``DirectoryError`` when it exists but holds no libp2p private key, and ``ConfigError`` when its
+    directory does not exist.
     """
     from hivemind.p2p import PeerID
     from hivemind.proto import crypto_pb2
@@ -89,24 +89,21 @@ def load_or_create_identity(identity_file: Path) -> str:
 
     path = Path(identity_file)
     if path.exists():
+        check_key_file(path, "--identity")
         try:
             peer_id = PeerID.from_identity(path.read_bytes())
         except Exception as exc:  # protobuf and cryptography raise various types on garbage
             raise DirectoryError(f"identity file {path} does not hold a libp2p private key ({exc!r}); "
                                  "delete it to generate a new identity (the peer id will change)") from exc
-        mode = path.stat().st_mode & 0o777
-        if mode & 0o077:
-            log.warning("identity file %s is readable by others (mode %o); chmod 600 it", path, mode)
         return peer_id.to_base58()
     if not path.parent.is_dir():
         raise ConfigError("identity_file", f"directory {path.parent} does not exist")
     key = RSAPrivateKey()
     data = crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=key.to_bytes()).SerializeToString()
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
+    try:
+        write_secret_file(path, data, exclusive=True)
+    except FileExistsError:  # another start made it a moment ago: use that one
+        return load_or_create_identity(path)
     peer_id = PeerID.from_identity(data)
     log.info("generated a new bootstrap identity %s in %s", peer_id.to_base58(), path)
     return peer_id.to_base58()

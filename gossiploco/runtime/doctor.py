@@ -237,10 +237,22 @@ def _probe(address: str, timeout_s: float) -> str | None:
 
 def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> list[Check]:
     """The bootstrap answers (TCP, then a DHT node of our own joins through it) and holds ``swarm_key``."""
-    from gossiploco.errors import GossiplocoError
+    from gossiploco.errors import GossiplocoError, UnsafeKeyFile
     from gossiploco.membership.dht_node import check_initial_peers
     from gossiploco.membership.dht_directory import DhtDirectory
 
+    trust = key = None
+    if swarm_key:  # a local file first: an unusable one is named before anything is asked of the network
+        from gossiploco.security.identity import Identity
+        from gossiploco.security.swarm_key import SwarmKey
+        from gossiploco.security.trust import Trust
+
+        try:
+            key = SwarmKey.load(swarm_key)
+        except GossiplocoError as exc:
+            return [Check("swarm key", "FAIL", str(exc), exc.fix if isinstance(exc, UnsafeKeyFile)
+                          else "pass the run's swarm key file, or the gsk1-... text `gossiploco dht` printed")]
+        trust = Trust(Identity.generate(), key)
     fix_copy = "copy the whole address `gossiploco dht` printed: /ip4/HOST/tcp/PORT/p2p/PEER_ID"
     try:
         addresses = check_initial_peers(split_join(join))
@@ -254,18 +266,6 @@ def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> 
         return [Check("dht bootstrap", "FAIL", f"no bootstrap address answered ({silent})",
                       "check that `gossiploco dht` is running there, that the address is its current one, and that "
                       "its TCP port is open to this machine (firewall, port forwarding, the right public IP)")]
-    trust = key = None
-    if swarm_key:
-        from gossiploco.security.identity import Identity
-        from gossiploco.security.swarm_key import SwarmKey
-        from gossiploco.security.trust import Trust
-
-        try:
-            key = SwarmKey.load(swarm_key)
-        except GossiplocoError as exc:
-            return [Check("swarm key", "FAIL", str(exc), "pass the swarm.key file of the run, or the gsk1-... text "
-                                                         "`gossiploco dht` printed")]
-        trust = Trust(Identity.generate(), key)
     started = time.monotonic()
     try:
         directory = DhtDirectory("doctor", initial_peers=answered, timeout_s=timeout_s, trust=trust)
@@ -286,7 +286,7 @@ def check_join(join: Sequence[str], swarm_key: str | None, timeout_s: float) -> 
                 checks.append(Check("swarm key", "ok", f"{key.fingerprint}: the bootstrap node holds the same key"))
             except GossiplocoError as exc:
                 checks.append(Check("swarm key", "FAIL", str(exc), "use the key the run's `gossiploco dht` printed "
-                                                                   "(or its swarm.key file)"))
+                                                                   "(or its key file)"))
     finally:
         directory.close()
     return checks
@@ -364,7 +364,9 @@ def run_doctor(*, join: Sequence[str] | None = None, host: str = "0.0.0.0", port
         return checks
     network = check_join(join, swarm_key, timeout_s)
     checks += network
-    if any(c.name == "dht bootstrap" and c.status == "FAIL" for c in network):
+    if not any(c.name == "dht bootstrap" for c in network):  # the swarm key failed before the network was asked
+        checks.append(Check("reachability", "skip", "not checked: fix --swarm-key first"))
+    elif any(c.name == "dht bootstrap" and c.status == "FAIL" for c in network):
         checks.append(Check("reachability", "skip", "not checked: no bootstrap node to ask"))
     elif data.status == "FAIL":
         checks.append(Check("reachability", "skip", "not checked: the data port is not free"))

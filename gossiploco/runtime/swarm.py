@@ -59,9 +59,12 @@ class LocalSwarm:
         start = time.monotonic()
         from gossiploco.security.swarm_key import SwarmKey
 
-        key_file = self.out_dir / "swarm.key"  # this local run's own key, made once
-        key = SwarmKey.load(key_file) if key_file.exists() else SwarmKey.generate()
-        key.save(key_file)
+        key_file = self.out_dir / "swarm.key"  # this local run's own key, made once (mode 0600), read on --resume
+        if key_file.exists():
+            key = SwarmKey.load(key_file)  # refused (UnsafeKeyFile) if tracked by git or readable by others
+        else:
+            key = SwarmKey.generate()
+            key.save(key_file, exclusive=True)
         dht, self.bootstrap = start_bootstrap("127.0.0.1", 0, swarm=key)
         interrupted = False
         extra = None

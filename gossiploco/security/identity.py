@@ -7,9 +7,10 @@ claim an id without the key behind it, and a receiver checks any connection's id
 CURVE handshake proved (``peer_id_of``).
 
 The key file holds the 32-byte Ed25519 seed, base64 on one line with a header, mode 0600, written
-atomically (a temporary file in the same directory, fsynced, then renamed), created on first use.
-A file that exists but cannot be read as a key is an error, never silently replaced: that would
-change the peer's id.
+atomically (``gossiploco.security.key_files.write_secret_file``), created on first use. A file that
+exists but cannot be read as a key is an error, never silently replaced: that would change the
+peer's id. A key file tracked by git or accessible by group or others is refused
+(``key_files.check_key_file``), with the fix in the error.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import nacl.signing
 
 from gossiploco.errors import ConfigError
 from gossiploco.protocol.messages import MAX_PEER_ID
+from gossiploco.security.key_files import check_key_file, write_secret_file
 
 KEY_HEADER = "gossiploco-identity-v1"
 _ID_PERSON = b"gossiploco-peer"
@@ -52,22 +54,6 @@ def verify(sign_public: bytes, message: bytes, signature: bytes) -> bool:
         return False
 
 
-def write_secret_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically with mode 0600 (the directory is created if missing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class Identity:
     """One peer's key pair. ``Identity.generate()``, ``from_seed(seed)`` or ``load_or_create(path)``."""
 
@@ -91,10 +77,17 @@ class Identity:
 
     @classmethod
     def load_or_create(cls, path: str | Path) -> Identity:
-        """The identity kept in ``path``, created there (mode 0600) if the file does not exist."""
+        """The identity kept in ``path``, created there (mode 0600) if the file does not exist. ``UnsafeKeyFile``
+        for a file tracked by git or accessible by others; ``ConfigError`` for one that holds no identity."""
         path = Path(path)
         if not path.exists():
-            return cls.generate().save(path)
+            identity = cls.generate()
+            try:
+                write_secret_file(path, identity._file_text(), exclusive=True)
+                return identity
+            except FileExistsError:  # another process made it a moment ago: that one is the identity
+                pass
+        check_key_file(path, "--identity")
         try:
             header, body = path.read_text().split()
             if header != KEY_HEADER:
@@ -106,8 +99,11 @@ class Identity:
 
     def save(self, path: str | Path) -> Identity:
         """Write the key file (mode 0600, atomically); returns this identity."""
-        write_secret_file(Path(path), f"{KEY_HEADER}\n{base64.b64encode(self.seed).decode()}\n")
+        write_secret_file(Path(path), self._file_text())
         return self
+
+    def _file_text(self) -> str:
+        return f"{KEY_HEADER}\n{base64.b64encode(self.seed).decode()}\n"
 
     def sign(self, message: bytes) -> bytes:
         return self._signing.sign(message).signature

@@ -8,8 +8,9 @@ Everything a private run protects is derived from it with keyed BLAKE2b (one lab
 * the identities of a static peer list's ranks (``static_identity``).
 
 Text form: ``gsk1-`` followed by the key in unpadded base64url (48 characters in all), so it can
-be pasted into a command line. ``gossiploco keygen`` writes a key file (that text, mode 0600);
-``--swarm-key`` takes a file or the text itself. ``fingerprint`` is safe to print: it identifies
+be pasted into a command line. ``gossiploco keygen`` writes a key file (that text, mode 0600 from
+the start); ``--swarm-key`` takes a file or the text itself. A key file tracked by git or accessible
+by group or others is refused (``gossiploco.security.key_files.check_key_file``). ``fingerprint`` is safe to print: it identifies
 the key without revealing it (to compare keys across machines).
 """
 
@@ -24,8 +25,9 @@ from pathlib import Path
 import nacl.exceptions
 import nacl.secret
 
-from gossiploco.errors import ConfigError
-from gossiploco.security.identity import Identity, write_secret_file
+from gossiploco.errors import ConfigError, UnsafeKeyFile
+from gossiploco.security.identity import Identity
+from gossiploco.security.key_files import check_key_file, write_secret_file
 
 TEXT_PREFIX = "gsk1-"
 
@@ -57,7 +59,8 @@ class SwarmKey:
 
     @classmethod
     def load(cls, file_or_text: str | Path) -> SwarmKey:
-        """The key in file ``file_or_text``, or the key text itself; ``ConfigError("--swarm-key")`` otherwise."""
+        """The key in file ``file_or_text``, or the key text itself; ``ConfigError("--swarm-key")`` otherwise
+        (``UnsafeKeyFile`` for a file tracked by git or accessible by group or others)."""
         text = str(file_or_text)
         try:
             if text.strip().startswith(TEXT_PREFIX):
@@ -66,14 +69,18 @@ class SwarmKey:
             if not path.is_file():
                 raise ValueError(f"no such file: {path} (give a key file from `gossiploco keygen` or the key "
                                  f"text, {TEXT_PREFIX}...)")
+            check_key_file(path, "--swarm-key")
             return cls.parse(path.read_text())
+        except UnsafeKeyFile:
+            raise
         except (ValueError, UnicodeDecodeError, OSError) as exc:
             raise ConfigError("--swarm-key", str(exc)) from None
 
-    def save(self, path: str | Path) -> Path:
-        """Write the key file (mode 0600, atomically)."""
+    def save(self, path: str | Path, *, exclusive: bool = False) -> Path:
+        """Write the key file (mode 0600 from the start, atomically); ``exclusive``: ``FileExistsError`` rather
+        than replacing a file that exists."""
         path = Path(path)
-        write_secret_file(path, self.text + "\n")
+        write_secret_file(path, self.text + "\n", exclusive=exclusive)
         return path
 
     @property

@@ -37,8 +37,8 @@ from gossiploco.protocol.node import PeerNode
 from gossiploco.runtime.launch import free_ports
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
-from gossiploco.transport import codec
-from gossiploco.transport.codec import DTYPES, OPS, Header, decode, encode
+from gossiploco.protocol import codec
+from gossiploco.protocol.codec import DTYPES, OPS, Header, decode, encode
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 RUN = "fuzz-run"

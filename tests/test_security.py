@@ -24,10 +24,10 @@ from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer_join import corroborated
 from gossiploco.security.identity import Identity, curve_public_of, peer_id_of
 from gossiploco.security.options import ordered_identities, swarm_key_option
-from gossiploco.security.records import SwarmRecordValidator, entry_subkey
+from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 # -- identities and keys -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import zmq
 
 from conftest import wait_until
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 from gossiploco.protocol.messages import op_and_round as _op_and_round
 from gossiploco.transport.zmq_exchange import ZmqExchange
 from tests.test_exchange import ZmqGroup, free_ports, run_all
@@ -420,7 +420,7 @@ def test_inplace_all_reduce_reduces_in_the_callers_buffer_and_matches_the_copyin
 
 
 def test_all_finite_checks_every_chunk():
-    from gossiploco.mixing.operators import all_finite
+    from gossiploco.tensor_checks import all_finite
 
     flat = torch.zeros(10_000)
     assert all_finite(flat, chunk=1000)

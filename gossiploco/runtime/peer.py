@@ -68,7 +68,7 @@ from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
 from gossiploco.membership.directory import Directory
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
-from gossiploco.mixing.operators import all_finite, pack, unpack
+from gossiploco.mixing.operators import pack, unpack
 from gossiploco.reach.paths import PathPlanner, Reach
 from gossiploco.reach.tunnel import tunnel_stats
 from gossiploco.round_budget import RoundBudget
@@ -80,6 +80,7 @@ from gossiploco.runtime.peer_join import join, maybe_catch_up, provide_state
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.security.trust import Trust
+from gossiploco.tensor_checks import all_finite
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
 from gossiploco.transport.zmq_exchange import MAX_PEER_ID, ZmqExchange

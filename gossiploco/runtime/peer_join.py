@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from gossiploco.errors import ExchangeClosed, ExchangeError
-from gossiploco.mixing.operators import all_finite, pack, unpack
+from gossiploco.mixing.operators import pack, unpack
 from gossiploco.protocol.messages import STEPPING_OUT
 from gossiploco.runtime.peer_discovery import discover_at_start
 from gossiploco.runtime.waiting_line import short_start_line
+from gossiploco.tensor_checks import all_finite
 
 if TYPE_CHECKING:
     from gossiploco.factored import FactoredDiLoCo

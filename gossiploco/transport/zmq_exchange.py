@@ -59,7 +59,7 @@ from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce,
 from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, PROBE, Data, Hello, Ready, Send, ServeState, StateRequest,
                                           from_wire, to_wire)
 from gossiploco.protocol.node import PeerNode
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 from gossiploco.transport.deadlines import AdaptiveDeadlines
 from gossiploco.transport.fault_injection import FAULT_ENV, Fault
 from gossiploco.security.identity import peer_id_of

@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import Trust, routing_id
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 
 SEND_RETRY_S = 0.05

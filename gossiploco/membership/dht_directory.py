@@ -208,6 +208,12 @@ class DhtDirectory(Directory):
         return self._dht.peer_id.to_base58()
 
     @property
+    def dht(self) -> Any:
+        """This node's hivemind ``DHT`` handle, for tests that store raw entries as a misbehaving node
+        would (this directory's own records go through ``announce``)."""
+        return self._dht
+
+    @property
     def visible_maddrs(self) -> list[str]:
         """This node's multiaddrs with ``/p2p/<peer id>``; other nodes may join through any of them."""
         return list(self._visible_maddrs)

@@ -185,6 +185,14 @@ class ZmqDriver:
             rejected = dict(self.admission.rejected)
         return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected}
 
+    def grow_mailbox(self, total_bytes: int, per_sender_bytes: int) -> None:
+        """Let the mailbox of early chunks hold at least ``total_bytes``, ``per_sender_bytes`` from one
+        peer (a benchmark's payload larger than the exchange was sized for). Never shrinks it."""
+        with self._cond:
+            box = self._node.mailbox
+            box.limit_bytes = max(box.limit_bytes, total_bytes)
+            box.sender_limit_bytes = max(box.sender_limit_bytes, per_sender_bytes)
+
     def inspect(self, look: Callable[[PeerNode], object]) -> object:
         """``look(node)`` with this peer's ``PeerNode``, under the lock, and what it returns: a look at the
         protocol's state (and ``admission``) for tests, benchmarks and diagnostics. ``look`` must not

@@ -2,6 +2,7 @@
 
 Modules, by concept:
 
+    codec         the wire format: a msgpack header plus raw tensor frames, bytes in, bytes out
     messages      the five message kinds, the actions (``Send``, ``ServeState``), and their wire mapping
     peer_table    membership views: who is known, connected, and taking part in round r
     mailbox       bounded storage of chunks that arrive before anyone waits for them
@@ -24,6 +25,6 @@ A carrier is a *driver* around a ``PeerNode``. Its whole interface to the protoc
    ``FetchState``) with ``call.run_call`` or, event-driven, by the same ``poll``/``feed`` steps,
    waking the callers after every event.
 
-``gossiploco.transport.zmq_exchange`` is the ZeroMQ driver; ``gossiploco.simulation`` drives the
+``gossiploco.transport.zmq_exchange`` (on ``zmq_driver``) is the ZeroMQ driver; ``gossiploco.simulation`` drives the
 same nodes over a simulated network and clock.
 """

@@ -10,8 +10,13 @@ import sysconfig
 from pathlib import Path
 
 
+def stdlib_root() -> Path:
+    """Where this Python's standard library lives (the files' keys are paths relative to it)."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_files() -> list[Path]:
-    """The standard library's .py files, sorted by path relative to the stdlib root."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The standard library's .py files, sorted by path relative to ``stdlib_root()``."""
+    root = stdlib_root()
     files = [p for p in root.rglob("*.py") if not ({"site-packages", "dist-packages"} & set(p.relative_to(root).parts))]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gossiploco.builtin_corpus import stdlib_files
+from gossiploco.builtin_corpus import stdlib_files, stdlib_root
 from gossiploco.config import DataConfig
 from gossiploco.errors import DataError
 from gossiploco.tokenizer import BYTE_VOCAB, ByteTokenizer, load_tokenizer
@@ -90,7 +90,7 @@ def _load_text(cfg: DataConfig) -> Corpus:
         files = stdlib_files()
         if not files:
             raise DataError("built-in corpus: found no .py files in the standard library")
-        root = Path(sysconfig.get_paths()["stdlib"])
+        root = stdlib_root()
         keys = [p.relative_to(root).as_posix() for p in files]
         description = "stdlib sources"
     budget = int(cfg.max_corpus_mb * 2**20) if cfg.max_corpus_mb else None

@@ -6,6 +6,7 @@ is closed in teardown (the group's close also fails if a receiver thread is left
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -242,6 +243,34 @@ def test_fault_injection_spec_is_parsed_strictly():
     for bad in ("KILL", "NOPE:mix1/2:3", "KILL:mix1/2:x"):
         with pytest.raises(ValueError, match="SIGNAL:KEY:CHUNK"):
             _parse_fault(bad)
+
+
+def test_fault_injection_is_a_hook_passed_in_and_read_from_the_environment_only_where_a_peer_is_built(monkeypatch):
+    from gossiploco.errors import ConfigError
+    from gossiploco.protocol.messages import Data
+    from gossiploco.transport.fault_injection import FAULT_ENV, Fault, hook_from_env
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    assert hook_from_env() is None
+    monkeypatch.setenv(FAULT_ENV, "KILL:mix1/2:3")
+    hook = hook_from_env()
+    assert hook.__self__ == Fault(int(signal.SIGKILL), "mix1/2", 3)
+    monkeypatch.setenv(FAULT_ENV, "KILL:mix1")
+    with pytest.raises(ConfigError, match=FAULT_ENV):
+        hook_from_env()
+    # The exchange never reads the variable (it is malformed here); it calls the hook it was given before each send.
+    seen: list[tuple[int, object]] = []
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+    ex = [ZmqExchange(r, endpoints, "hook", 5.0, chunk_bytes=4096, fault=(lambda rank, m: seen.append((rank, m))) if r == 0
+                      else None) for r in range(2)]
+    try:
+        assert ex[0].wait_connected(5.0) and ex[1].wait_connected(5.0)
+        run_all([lambda r=r: ex[r].swap("s/0", 1 - r, torch.zeros(3000)) for r in range(2)])
+        chunks = sorted(m.chunk for rank, m in seen if isinstance(m, Data) and m.key == "s/0")
+        assert chunks == [0, 1, 2] and {rank for rank, _ in seen} == {0}  # 3000 floats in 1024-float chunks
+    finally:
+        for e in ex:
+            e.close()
 
 
 def test_peers_that_disagree_on_the_member_list_fail_at_once(groups):

@@ -20,7 +20,7 @@ import zmq.utils.z85
 
 from gossiploco.config import TINY_OVERRIDES
 from gossiploco.protocol.messages import to_wire
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 
 TINY = TINY_OVERRIDES
 ENV = {"OMP_NUM_THREADS": "1"}

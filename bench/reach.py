@@ -118,9 +118,7 @@ def probe(args: argparse.Namespace) -> int:
         mine, seconds = torch.full((int(args.mb * (1 << 20)) // 4,), float(trust.peer_id % 1000)), []
         # The mailbox is sized for the tiny model's exchanges; the payload here is far larger, and a partner
         # that starts a swap first may send it all before this side's swap begins (it would be dropped).
-        box = ex._node.mailbox
-        box.sender_limit_bytes = max(box.sender_limit_bytes, 2 * mine.numel() * 4)
-        box.limit_bytes = max(box.limit_bytes, 4 * mine.numel() * 4)
+        ex.grow_mailbox(4 * mine.numel() * 4, 2 * mine.numel() * 4)
         ns = args.cpu_ns.split(",") if args.cpu_ns else []
         if ns:  # the idle baseline: both sides wait (the partner in its first barrier)
             idle0, t = namespace_cpu(ns), time.perf_counter()

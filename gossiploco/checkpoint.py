@@ -28,9 +28,7 @@ import hashlib
 import json
 import dataclasses
 import logging
-import os
 import re
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +40,7 @@ import torch
 
 from gossiploco.config import RoundConfig
 from gossiploco.errors import GossiplocoError
+from gossiploco.files import atomic_write, atomic_write_bytes
 from gossiploco.tokenizer import tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -139,36 +138,6 @@ def check_compatible(checkpoint: Checkpoint, config: dict) -> None:
 
 
 # -- writing ---------------------------------------------------------------------------------------
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or a new file in ``directory`` durable (its entry, not only the file's bytes)."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` all or nothing: ``write(tmp)`` fills a temporary file beside it, which is fsynced and
-    renamed over ``path``; then the directory is fsynced."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda tmp: tmp.write_bytes(data))
 
 
 def _sha256(path: Path) -> str:

@@ -144,6 +144,7 @@ def peer(
         from gossiploco.runtime.dht_peer import joined_peer
         from gossiploco.runtime.peer import NetworkPeer, run_id_for
         from gossiploco.security.options import peer_trust, swarm_key_option
+        from gossiploco.transport.fault_injection import hook_from_env
 
         if bool(join) == bool(peers):
             raise ConfigError("--join", "give either --join BOOTSTRAP_MULTIADDR (the DHT) or --peers LIST (a static list)")
@@ -158,15 +159,16 @@ def peer(
             if not 0 <= rank < workers:
                 raise ConfigError("--rank", f"must be in 0..{workers - 1} (an index in --peers), got {rank}")
         swarm = swarm_key_option(swarm_key, open_run)
+        fault_hook = hook_from_env()  # GOSSIPLOCO_FAULT (tests): read here, where the process is built
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
-                               relays=relay or [], reachability=reachability, new_run=new_run)
+                               relays=relay or [], reachability=reachability, new_run=new_run, fault=fault_hook)
             rank = trust.peer_id
         else:
-            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id,
+            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id, fault=fault_hook,
                                trust=peer_trust(swarm, static_rank=rank, static_count=len(endpoints)))
     except GossiplocoError as exc:
         fail(exc)

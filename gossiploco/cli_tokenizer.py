@@ -48,7 +48,8 @@ def train(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace --out if it exists (runs trained with the old file will no longer match it)."),
 ) -> None:
     """Train a byte-level BPE tokenizer; use it with --set data.tokenizer=PATH."""
-    from gossiploco.data import expand_paths, stdlib_files
+    from gossiploco.builtin_corpus import stdlib_files
+    from gossiploco.data import expand_paths
     from gossiploco.tokenizer import train_bpe
 
     start = time.perf_counter()

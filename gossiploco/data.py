@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from gossiploco.builtin_corpus import stdlib_files, stdlib_root
 from gossiploco.config import DataConfig
 from gossiploco.errors import DataError
 from gossiploco.tokenizer import BYTE_VOCAB, ByteTokenizer, load_tokenizer
 
 __all__ = ["BYTE_VOCAB", "DOC_SEPARATOR", "ByteTokenizer", "Corpus", "TokenStream", "fixed_batches", "heldout_batch",
-           "expand_paths", "load_corpus", "stdlib_files", "validation_batches"]
+           "expand_paths", "load_corpus", "validation_batches"]
 DOC_SEPARATOR = ByteTokenizer.separator_id  # NUL never occurs in text; it marks document boundaries in the byte stream
 _STREAM_SALT = 0x5EED
 _HELDOUT_SALT = 0x4E1D
@@ -45,13 +45,6 @@ class Corpus:
     val: np.ndarray
     vocab_size: int
     description: str
-
-
-def stdlib_files() -> list[Path]:
-    """The standard library's .py files, sorted by path relative to the stdlib root."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not ({"site-packages", "dist-packages"} & set(p.relative_to(root).parts))]
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def expand_paths(paths: list[str]) -> list[Path]:
@@ -97,7 +90,7 @@ def _load_text(cfg: DataConfig) -> Corpus:
         files = stdlib_files()
         if not files:
             raise DataError("built-in corpus: found no .py files in the standard library")
-        root = Path(sysconfig.get_paths()["stdlib"])
+        root = stdlib_root()
         keys = [p.relative_to(root).as_posix() for p in files]
         description = "stdlib sources"
     budget = int(cfg.max_corpus_mb * 2**20) if cfg.max_corpus_mb else None

@@ -10,7 +10,7 @@
     └── ExchangeError               a collective with other peers did not complete
         ├── ExchangeTimeout         a peer did not answer within its deadline (remote fault: "broken")
         ├── PeerFailed              a peer is known to be gone or sent something invalid (remote fault)
-        │   └── MalformedMessage    a message failed wire-format validation (gossiploco.transport.codec)
+        │   └── MalformedMessage    a message failed wire-format validation (gossiploco.protocol.codec)
         └── ExchangeClosed          this side's exchange was closed (local misuse or shutdown)
             └── ExchangeBroken      this side's transport died (a driver thread crashed): the peer must stop
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gossiploco.checkpoint import fsync_dir
+from gossiploco.files import fsync_dir
 from gossiploco.errors import ConfigError, GossiplocoError
 from gossiploco.hf_llama import EXPORT_FORMAT, hf_config, to_hf
 from gossiploco.model_file import MODEL_FILE, LoadedModel, load_model_source

@@ -65,7 +65,7 @@ class MetricsSink:
 
     def write_summary(self, summary: dict) -> None:
         if self.out_dir:
-            from gossiploco.checkpoint import atomic_write_bytes
+            from gossiploco.files import atomic_write_bytes
 
             text = json.dumps(_clean(summary), indent=2, sort_keys=True) + "\n"
             atomic_write_bytes(self.out_dir / "summary.json", text.encode())

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from gossiploco.checkpoint import CheckpointError, atomic_write, checkpoint_files, load_model_params, run_checkpoints
+from gossiploco.checkpoint import CheckpointError, checkpoint_files, load_model_params, run_checkpoints
+from gossiploco.files import atomic_write
 from gossiploco.errors import GossiplocoError
 from gossiploco.hf_llama import EXPORT_FORMAT, from_hf, is_hf_layout
 from gossiploco.model import MODEL_SIZES, ModelArgs, Transformer, rope_tables

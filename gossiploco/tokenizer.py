@@ -234,7 +234,7 @@ def train_bpe(files: list[Path] | None, vocab_size: int, out: Path, *, max_mb: f
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from gossiploco.checkpoint import atomic_write_bytes
+    from gossiploco.files import atomic_write_bytes
 
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not BYTE_VOCAB + 1 <= vocab_size <= MAX_VOCAB:
         raise ConfigError("--vocab-size", f"must be an integer in {BYTE_VOCAB + 1}..{MAX_VOCAB} (the 256 bytes, "
@@ -246,7 +246,7 @@ def train_bpe(files: list[Path] | None, vocab_size: int, out: Path, *, max_mb: f
         raise ConfigError("--out", f"{out} exists; a tokenizer is not overwritten unless asked (--overwrite): runs "
                                  "trained with it would no longer match it")
     if not files:
-        from gossiploco.data import stdlib_files
+        from gossiploco.builtin_corpus import stdlib_files
 
         files = stdlib_files()
     seen = [0]
@@ -277,7 +277,7 @@ def save_tokenizer_copy(tokenizer: ByteTokenizer | BPETokenizer, out_dir: Path) 
     model can be used after the original file moved. Nothing for the byte-level tokenizer (returns None)."""
     if tokenizer.sha256 is None:
         return None
-    from gossiploco.checkpoint import atomic_write_bytes
+    from gossiploco.files import atomic_write_bytes
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -270,7 +270,7 @@ def assert_alive_and_mixing(proc, ex) -> None:
 @pytest.mark.timeout(90)
 def test_outsiders_with_a_members_routing_id_flood_and_hang_up_without_killing_the_victim(victim):
     key, endpoints, proc, ex = victim
-    rid = routing_id(1, ex._sockets.incarnation, False)  # the live member's own routing id
+    rid = routing_id(1, ex.sockets.incarnation, False)  # the live member's own routing id
     host, port = endpoints[0].removeprefix("tcp://").rsplit(":", 1)
     ctx = zmq.Context()
     try:
@@ -301,7 +301,7 @@ def test_a_member_key_taking_over_a_routing_id_with_2000_frames_then_hanging_up_
     member = Trust.static(key, 1, 2).identity
     ctx = zmq.Context()
     try:
-        for rid in (routing_id(1, ex._sockets.incarnation, False), routing_id(1, ex._sockets.incarnation, True)) * 2:
+        for rid in (routing_id(1, ex.sockets.incarnation, False), routing_id(1, ex.sockets.incarnation, True)) * 2:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 100_000)

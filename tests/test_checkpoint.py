@@ -16,6 +16,7 @@ import torch
 
 from conftest import tiny_config, wait_until
 from gossiploco import checkpoint as ckpt
+from gossiploco import files
 from gossiploco.checkpoint import CheckpointError, CheckpointWriter, Snapshot, latest_checkpoint, run_checkpoints
 from gossiploco.errors import ConfigError
 from gossiploco.metrics import MetricsError, MetricsSink
@@ -205,14 +206,14 @@ def test_a_checkpoint_of_another_configuration_is_refused_naming_what_differs(tm
 
 def test_a_write_that_fails_leaves_the_previous_file_and_no_partial_one(tmp_path):
     path = tmp_path / "x.json"
-    ckpt.atomic_write_bytes(path, b"old")
+    files.atomic_write_bytes(path, b"old")
 
     def half_then_crash(tmp):
         tmp.write_bytes(b"ne")
         raise OSError("disk full")
 
     with pytest.raises(OSError):
-        ckpt.atomic_write(path, half_then_crash)
+        files.atomic_write(path, half_then_crash)
     assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["x.json"]
 
 

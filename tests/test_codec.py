@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gossiploco.errors import PeerFailed
-from gossiploco.transport.codec import DTYPES, PROTOCOL_VERSION, Header, MalformedMessage, TensorSpec, decode, encode
+from gossiploco.protocol.codec import DTYPES, PROTOCOL_VERSION, Header, MalformedMessage, TensorSpec, decode, encode
 
 RUN = "run-a"
 LIMIT = 1 << 20

@@ -33,7 +33,7 @@ from gossiploco.membership.status import (MAX_HISTORY, MAX_STATUS_BYTES, StatusE
                                           status_key)
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.security.identity import Identity
-from gossiploco.security.records import SwarmRecordValidator, entry_subkey
+from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
 
 CHROMIUM = "/usr/bin/chromium"

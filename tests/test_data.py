@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from gossiploco.config import DataConfig
-from gossiploco.data import DOC_SEPARATOR, ByteTokenizer, TokenStream, heldout_batch, load_corpus, stdlib_files
+from gossiploco.builtin_corpus import stdlib_files
+from gossiploco.data import DOC_SEPARATOR, ByteTokenizer, TokenStream, heldout_batch, load_corpus
 from gossiploco.errors import DataError
 
 

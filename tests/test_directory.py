@@ -412,10 +412,10 @@ def test_malformed_and_incompatible_records_are_dropped_and_counted(bootstrap, d
     reader, writer = dht_dirs("run", bootstrap), dht_dirs("run", bootstrap)
     reader.announce(record(0))
     expiration = time.time() + 30  # distinct per store: hivemind orders equal expirations by subkey
-    writer._dht.store(writer.key, {**record(1).to_wire(), "version": 99}, expiration, subkey=1)
-    writer._dht.store(writer.key, {**record(2).to_wire(), "peer": -2}, expiration + 0.1, subkey=2)
-    writer._dht.store(writer.key, record(3).to_wire(), expiration + 0.2, subkey=4)  # under another peer's subkey
-    writer._dht.store(writer.key, "x" * 10_000, expiration + 0.3, subkey="junk")
+    writer.dht.store(writer.key, {**record(1).to_wire(), "version": 99}, expiration, subkey=1)
+    writer.dht.store(writer.key, {**record(2).to_wire(), "peer": -2}, expiration + 0.1, subkey=2)
+    writer.dht.store(writer.key, record(3).to_wire(), expiration + 0.2, subkey=4)  # under another peer's subkey
+    writer.dht.store(writer.key, "x" * 10_000, expiration + 0.3, subkey="junk")
 
     def all_seen() -> bool:
         reader.peers()
@@ -434,10 +434,10 @@ def test_forged_and_malformed_run_entries_are_dropped_and_counted(bootstrap, dht
     reader.announce_run(good)
     expiration = time.time() + 30  # distinct per store: hivemind orders equal expirations by subkey
     wire = RunEntry(1, "blue", {"workers": 3}).to_wire()
-    writer._dht.store(writer.runs_key, {**wire, "version": 7}, expiration, subkey=1)
-    writer._dht.store(writer.runs_key, {**wire, "peer": 2, "config": {"a": "x" * 5000}}, expiration + 0.1, subkey=2)
-    writer._dht.store(writer.runs_key, {**wire, "peer": 3}, expiration + 0.2, subkey=4)  # under another peer's subkey
-    writer._dht.store(writer.runs_key, "x" * 10_000, expiration + 0.3, subkey="junk")
+    writer.dht.store(writer.runs_key, {**wire, "version": 7}, expiration, subkey=1)
+    writer.dht.store(writer.runs_key, {**wire, "peer": 2, "config": {"a": "x" * 5000}}, expiration + 0.1, subkey=2)
+    writer.dht.store(writer.runs_key, {**wire, "peer": 3}, expiration + 0.2, subkey=4)  # under another peer's subkey
+    writer.dht.store(writer.runs_key, "x" * 10_000, expiration + 0.3, subkey="junk")
 
     def all_seen() -> bool:
         reader.runs()

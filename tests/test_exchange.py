@@ -71,8 +71,8 @@ class ZmqGroup:
         for ex in self.exchanges:
             ex.close()
         leaked = [t.name for t in threading.enumerate() if t.name.startswith("zmq-exchange-") and
-                  any(t is ex._receiver for ex in self.exchanges)]
-        assert not leaked, f"receiver threads still running after close: {leaked}"
+                  any(t in ex.threads for ex in self.exchanges)]
+        assert not leaked, f"exchange threads still running after close: {leaked}"
 
 
 class Libp2pCarrier:

@@ -37,8 +37,8 @@ from gossiploco.protocol.node import PeerNode
 from gossiploco.runtime.launch import free_ports
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
-from gossiploco.transport import codec
-from gossiploco.transport.codec import DTYPES, OPS, Header, decode, encode
+from gossiploco.protocol import codec
+from gossiploco.protocol.codec import DTYPES, OPS, Header, decode, encode
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 RUN = "fuzz-run"
@@ -504,7 +504,7 @@ def mutate(rng: random.Random, kind: str, wire: dict, payload: list[bytes]) -> l
 
 def predict(frames: list[bytes], control: bool) -> tuple[str | None, object]:
     """What rank 0 must do with ``frames`` from member 1 on that connection: the reason it rejects
-    them (as counted in ``rejections``), or None and the message when it takes it."""
+    them (as counted in ``security_counts()["rejected_messages"]``), or None and the message when it takes it."""
     identity = routing_id(1, "fuzz", control)
     try:
         header, tensors = decode(frames, expect_run=RUN, max_bytes=MAX_MESSAGE)
@@ -585,7 +585,8 @@ def run_live_fuzz(count: int) -> None:
         sent = accepted = frames_sent = 0
         unexpected: list[str] = []
         rss_before = peak = rss_bytes()
-        alive = lambda: target._receiver.is_alive() and target._service.is_alive()  # noqa: E731
+        alive = lambda: all(thread.is_alive() for thread in target.threads)  # noqa: E731
+        rejections = lambda: Counter(target.security_counts()["rejected_messages"])  # noqa: E731
         # A stranger without CURVE at all, sending meanwhile: refused at the handshake, never heard.
         plain = plain_ctx.socket(zmq.DEALER)
         plain.setsockopt(zmq.LINGER, 0)
@@ -631,23 +632,22 @@ def run_live_fuzz(count: int) -> None:
                     break
         sending_s = time.monotonic() - began
         total_expected = sum(expected.values())
-        rejected = lambda: sum(target.rejections.values())  # noqa: E731
+        rejected = lambda: sum(rejections().values())  # noqa: E731
         done = wait_until(lambda: rejected() >= total_expected or not alive(), 30)
         peak = max(peak, rss_bytes())
         print(f"sent {sent} messages ({frames_sent} frames) in {sending_s:.1f} s; accepted {accepted}, "
               f"rejected {rejected()} (expected {total_expected}); RSS {rss_before >> 20} -> peak {peak >> 20} MiB")
-        print(f"{len(target.rejections)} distinct rejection reasons; the commonest:",
-              dict(target.rejections.most_common(12)))
+        print(f"{len(rejections())} distinct rejection reasons; the commonest:",
+              dict(rejections().most_common(12)))
         print("security counts:", target.security_counts()["refused_connections"])
         print("protocol state:", target.protocol_state())
-        assert alive() and target._node.broken is None, \
-            f"seed {seed}: rank 0 broke: {target._node.broken}; " + "; ".join(unexpected[:3])
+        assert alive() and target.broken is None, \
+            f"seed {seed}: rank 0 broke: {target.broken}; " + "; ".join(unexpected[:3])
         assert not unexpected, f"seed {seed}: " + "; ".join(unexpected[:5])
         assert done, f"seed {seed}: rank 0 counted {rejected()} rejections of the {total_expected} expected"
         assert sent >= count * 0.99 and frames_sent >= 10_000
         # Each rejection counted once, with the reason predicted for it; every other message was taken.
-        assert Counter(target.rejections) == expected, f"seed {seed}: {Counter(target.rejections) - expected} " \
-                                                       f"vs {expected - Counter(target.rejections)}"
+        assert rejections() == expected, f"seed {seed}: {rejections() - expected} vs {expected - rejections()}"
         assert target.malformed_messages == total_expected == sent - accepted
         print("outcomes by mutation:", {kind: len(reasons) for kind, reasons in sorted(by_kind.items())})
         for kind, marks in REASONS.items():  # each kind of corruption refused, for the reason it deserves
@@ -677,7 +677,7 @@ def run_live_fuzz(count: int) -> None:
             assert mine.result(15).tolist() == [-0.0, -1.0, -2.0, -3.0, -4.0]
             assert theirs.result(15).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert time.monotonic() - began < 5.0
-        assert alive() and sum(target.rejections.values()) == total_expected
+        assert alive() and rejected() == total_expected
     finally:
         fuzzer.close()
         plain_ctx.destroy(linger=0)

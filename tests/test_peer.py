@@ -16,7 +16,7 @@ from conftest import tiny_config, tiny_peer_args, wait_until
 from gossiploco.config import preset_names
 from gossiploco.runtime.launch import LocalPeers
 from gossiploco.runtime.virtual import VirtualSwarm
-from gossiploco.transport.zmq_exchange import FAULT_ENV
+from gossiploco.transport.fault_injection import FAULT_ENV
 
 pytestmark = pytest.mark.slow  # every test starts real peer processes (seconds each)
 

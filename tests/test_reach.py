@@ -16,9 +16,10 @@ import torch
 from conftest import tiny_peer_args
 from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.reach.dialback import check_reachability, describe, parse_request
-from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, pair_path, path_between
+from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, MemoryPaths, Reach, pair_path, path_between, path_class
 from gossiploco.protocol.agreement import ring_order
 from gossiploco.runtime.launch import LocalPeers, free_ports
+from gossiploco.runtime.path_planner import PathPlanner
 from test_exchange import Libp2pCarrier, ZmqGroup, run_all
 from test_peer import ENV, assert_matches_virtual_swarm, summary
 
@@ -151,41 +152,26 @@ def test_deadlines_learned_from_direct_pairs_do_not_cut_exchanges_over_a_relay()
     for _ in range(3):
         deadlines.observe("mix2/2", 9.0, "relayed")
     assert deadlines.deadline_s("mix2/3", "relayed") == 36.0 and deadlines.deadline_s("mix2/3") == 4.0
+    assert path_class([0, 2], {2, 3}) == "" and path_class([2, 3], {2, 3}) == "relayed"
+    assert path_class([0, 2, 1, 3], {2, 3}) == "" and path_class([0, 1, 2, 3], {2, 3}) == "relayed"  # the 2 -> 3 hop
+    assert path_class([3, 0, 1, 2], {2, 3}) == "relayed" and path_class([2], {2}) == ""  # the 2 -> 3 wrap-around
     g = ZmqGroup(4, 10.0)
     try:
         ex = g.exchanges[0]
-        ex.set_behind_nat({2, 3})
-        assert ex._path_class([0, 2]) == "" and ex._path_class([2, 3]) == "relayed"
-        assert ex._path_class([0, 2, 1, 3]) == "" and ex._path_class([0, 1, 2, 3]) == "relayed"  # the 2 -> 3 hop
+        ex.set_behind_nat({2, 3})  # what the exchange's deadlines then use
+        assert ex.path_class([0, 2, 1, 3]) == "" and ex.path_class([0, 1, 2, 3]) == "relayed"
     finally:
         g.close()
 
 
 def test_a_reverse_connection_that_never_comes_up_falls_back_to_the_relay_but_one_that_worked_stays():
     from gossiploco.membership.record import PeerRecord
-    from gossiploco.reach.paths import PathPlanner, Reach
-
-    class FakeExchange:
-        def __init__(self):
-            self.up, self.added = set(), {}
-
-        def add_peer(self, peer, endpoint, key, *, listen, relayed):
-            self.added[peer] = (endpoint, listen, relayed)
-
-        def connected(self):
-            return sorted(self.up)
-
-        def set_behind_nat(self, peers, order_rings):
-            pass
-
-        def reverse_offers(self):
-            return ()
 
     now = [0.0]
     relay = "/ip4/10.88.0.10/tcp/4100/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
     nat = {p: PeerRecord(p, f"tcp://192.168.{p}.2:7000", 0, 0, reachable=False, p2p=relay.rsplit("/", 1)[1],
                          relays=(relay,)) for p in (5, 6)}
-    ex = FakeExchange()
+    ex = MemoryPaths(1)
     planner = PathPlanner(1, Reach(reachable=True), ex, run_in_node=lambda fn: 41000, reverse_wait_s=20.0,
                           clock=lambda: now[0])
     planner.sync(nat)
@@ -199,3 +185,53 @@ def test_a_reverse_connection_that_never_comes_up_falls_back_to_the_relay_but_on
     assert ex.added[5] == ("tcp://192.168.5.2:7000", True, False)
     assert ex.added[6] == ("tcp://127.0.0.1:41000", False, True) and planner.fell_back == {6}
     assert planner.summary()["per_peer"] == {"5": "reverse", "6": "relayed"}
+
+
+def test_the_planner_connects_each_pair_by_its_path_and_publishes_offers_only_when_they_change():
+    """Path selection over ``MemoryPaths`` (the in-memory twin of the exchange's ``PathControl``)."""
+    from gossiploco.membership.record import PeerRecord
+
+    relay = "/ip4/10.88.0.10/tcp/4100/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
+    p2p = relay.rsplit("/", 1)[1]
+    records = {1: PeerRecord(1, "tcp://10.0.0.1:7000", 0, 0),
+               2: PeerRecord(2, "tcp://10.0.0.2:7000", 0, 0),
+               3: PeerRecord(3, "tcp://192.168.3.2:7000", 0, 0, reachable=False, p2p=p2p, relays=(relay,))}
+    here = MemoryPaths(1)
+    planner = PathPlanner(1, Reach(reachable=True), here, run_in_node=None)
+    offers = planner.sync(records)
+    assert here.added == {2: ("tcp://10.0.0.2:7000", False, False), 3: ("tcp://192.168.3.2:7000", True, False)}
+    assert here.behind_nat == {3} and offers == here.reverse_offers() and [o[0] for o in offers] == [3]
+    assert planner.sync(records) is None  # nothing changed: nothing to republish
+    # Peer 3's side: behind NAT, it dials the ports peer 1 offers it, relays to no one without a DHT node.
+    behind = MemoryPaths(3)
+    nat_planner = PathPlanner(3, Reach(reachable=False), behind, run_in_node=None, topology_ring=False)
+    seen_by_3 = {**records, 1: PeerRecord(1, "tcp://10.0.0.1:7000", 0, 0, reverse=offers),
+                 4: PeerRecord(4, "tcp://192.168.4.2:7000", 0, 0, reachable=False, p2p=p2p, relays=(relay,))}
+    nat_planner.sync(seen_by_3)
+    assert behind.added[1] == ("tcp://10.0.0.1:7000", False, False)  # it dials the reachable peer
+    assert behind.dialed == {1: tuple(f"tcp://10.0.0.1:{port}" for port in offers[0][1:])}  # 2 offers nothing
+    assert 4 not in behind.added and nat_planner.unconnectable == {4}  # two NAT'd peers need a relay
+    assert behind.order_rings is False and nat_planner.summary()["paths"] == {"direct": 2}
+
+
+@pytest.mark.parametrize("carrier", ["memory", "zmq"])
+def test_path_control_conformance(carrier):
+    """``MemoryPaths`` answers as ``ZmqExchange`` does (the twin stays true to the real one)."""
+    from gossiploco.transport.zmq_exchange import ZmqExchange
+
+    ex = MemoryPaths(0) if carrier == "memory" else ZmqExchange(0, {0: "tcp://127.0.0.1:0"}, "paths", 5.0)
+    try:
+        assert not ex.add_peer(0, "tcp://127.0.0.1:9")  # itself
+        assert ex.add_peer(1, "tcp://127.0.0.1:9") and not ex.add_peer(1, "tcp://127.0.0.1:9")
+        assert ex.reverse_offers() == ()
+        assert ex.add_peer(2, "tcp://127.0.0.1:9", listen=True)  # a reverse connection: this peer listens for 2
+        (peer, data, control), = ex.reverse_offers()
+        assert peer == 2 and data > 0 and control > 0 and data != control
+        assert ex.add_peer(2, "tcp://127.0.0.1:9")  # back to dialing it: the offer goes
+        assert ex.reverse_offers() == ()
+        assert ex.dial_reverse(3, ["tcp://127.0.0.1:9"]) and not ex.dial_reverse(3, ["tcp://127.0.0.1:9"])
+        assert ex.dial_reverse(3, []) and ex.connected() == []
+        ex.set_behind_nat({2, 3})
+    finally:
+        if carrier == "zmq":
+            ex.close()

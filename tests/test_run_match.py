@@ -33,7 +33,7 @@ from gossiploco.runtime.run_match import (MISSING, Difference, RunWatch, active_
                                           describe_differences, fixing_flags, show_value)
 from gossiploco.runtime.waiting_line import CHANGE_EVERY_S, REPORT_EVERY_S, WaitingReport, short_start_line, waiting_line
 from gossiploco.security.identity import Identity
-from gossiploco.security.records import SwarmRecordValidator, entry_subkey
+from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
 
 # -- comparing configs ---------------------------------------------------------------------------

@@ -24,10 +24,10 @@ from gossiploco.runtime.launch import free_ports
 from gossiploco.protocol.lifecycle import corroborated
 from gossiploco.security.identity import Identity, curve_public_of, peer_id_of
 from gossiploco.security.options import ordered_identities, swarm_key_option
-from gossiploco.security.records import SwarmRecordValidator, entry_subkey
+from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 # -- identities and keys -------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def test_only_swarm_key_holders_see_or_change_a_runs_records_on_the_real_dht():
         victim = members[1].trust.peer_id
         stranger._store(victim, None, 2e10)  # a tombstone for a member
         stranger._store(stranger.trust.peer_id, {"peer": 1}, 2e10)  # a record of its own
-        raw = stranger._dht.store(members[0].key, b"replaced", expiration_time=2e10)  # a regular value
+        raw = stranger.dht.store(members[0].key, b"replaced", expiration_time=2e10)  # a regular value
         assert not raw
         assert sorted(members[0].peers()) == sorted(m.trust.peer_id for m in members)
     finally:
@@ -259,7 +259,7 @@ def test_an_open_static_list_is_still_encrypted_and_authenticated():
     exchanges = [ZmqExchange(r, endpoints, "run", 5.0, trust=Trust.static(None, r, 2)) for r in range(2)]
     try:
         out = swap_both(exchanges)
-        assert out[0].tolist() == [1.0] * 5 and exchanges[0]._sockets.router.getsockopt(zmq.CURVE_SERVER) == 1
+        assert out[0].tolist() == [1.0] * 5 and exchanges[0].sockets.router.getsockopt(zmq.CURVE_SERVER) == 1
     finally:
         for ex in exchanges:
             ex.close()

@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_peer_args, wait_until
 from gossiploco.cli_report import PLAIN_EVERY_S
 from gossiploco.runtime.launch import LocalPeers
-from gossiploco.transport.zmq_exchange import FAULT_ENV
+from gossiploco.transport.fault_injection import FAULT_ENV
 from test_peer import ENV, assert_exit, model, reached_round, records, relative_error, summary, wait_stopped
 
 pytestmark = pytest.mark.slow  # real peer processes and DHT nodes, tens of seconds each

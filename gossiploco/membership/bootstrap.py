@@ -220,7 +220,7 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
         node_id = DHTID.generate(source=PeerID.from_base58(peer_id).to_bytes())
     started = time.monotonic()
     from gossiploco.security.identity import Identity
-    from gossiploco.security.records import SwarmRecordValidator
+    from gossiploco.membership.record_validator import SwarmRecordValidator
 
     signer = Identity.generate() if swarm is not None else None  # signs this node's beacon
     validator = SwarmRecordValidator(signer, swarm) if swarm is not None or open_run else None
@@ -245,7 +245,7 @@ def store_beacon(dht: hivemind.DHT, swarm: SwarmKey, signer_id: int, timeout_s: 
     can write or read, valid for ``BEACON_TTL_S``. Logs, never raises; True if a node stored it."""
     from hivemind.utils import get_dht_time
 
-    from gossiploco.security.records import entry_subkey
+    from gossiploco.membership.record_validator import entry_subkey
 
     try:
         future = dht.store(beacon_key(swarm), {"fingerprint": swarm.fingerprint}, subkey=entry_subkey(swarm, signer_id),

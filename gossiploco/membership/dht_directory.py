@@ -63,7 +63,7 @@ hivemind is imported on first use of the DHT (about 1.3 s), so code that only us
 
 Trust (``trust``, always given by ``gossiploco peer``): the run's records live under a key derived
 from the swarm key, every node validates every record with ``SwarmRecordValidator``
-(``gossiploco.security.records``: signed by the peer whose entry it is, sealed with the swarm key
+(``gossiploco.membership.record_validator``: signed by the peer whose entry it is, sealed with the swarm key
 in a private run), and a record counts only if its data-plane ``key`` is that of its peer id. So
 nobody without the swarm key can read, write, overwrite, tombstone or replace the run's records,
 and no member can write another member's. Without ``trust`` records are unauthenticated (unit
@@ -185,7 +185,7 @@ class DhtDirectory(Directory):
         started = time.monotonic()
         validator = None
         if trust is not None:
-            from gossiploco.security.records import SwarmRecordValidator
+            from gossiploco.membership.record_validator import SwarmRecordValidator
 
             validator = SwarmRecordValidator(trust.identity, trust.swarm)
         self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
@@ -206,6 +206,12 @@ class DhtDirectory(Directory):
     def p2p_id(self) -> str:
         """This node's libp2p peer id (base58; hivemind caches it)."""
         return self._dht.peer_id.to_base58()
+
+    @property
+    def dht(self) -> Any:
+        """This node's hivemind ``DHT`` handle, for tests that store raw entries as a misbehaving node
+        would (this directory's own records go through ``announce``)."""
+        return self._dht
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -230,7 +236,7 @@ class DhtDirectory(Directory):
     def _subkey(self, peer: int) -> int:
         if self.trust is None:
             return peer
-        from gossiploco.security.records import entry_subkey
+        from gossiploco.membership.record_validator import entry_subkey
 
         return entry_subkey(self.trust.swarm, peer)
 

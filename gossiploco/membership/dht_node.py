@@ -86,7 +86,7 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
 
     The process and its p2pd die with this process, even when it is SIGKILLed
     (``gossiploco.membership.lifeline``). ``record_validator``: the node's record validator
-    (``gossiploco.security.records.SwarmRecordValidator``; None: every record is accepted). Every
+    (``gossiploco.membership.record_validator.SwarmRecordValidator``; None: every record is accepted). Every
     node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client that
     stays connected to ``relays`` (multiaddrs with ``/p2p/``), through which others reach it
     (``gossiploco.reach.relay``); any other node relays for members behind NAT, each relayed

@@ -2,6 +2,7 @@
 
 Modules, by concept:
 
+    codec         the wire format: a msgpack header plus raw tensor frames, bytes in, bytes out
     messages      the five message kinds, the actions (``Send``, ``ServeState``), and their wire mapping
     peer_table    membership views: who is known, connected, and taking part in round r
     mailbox       bounded storage of chunks that arrive before anyone waits for them
@@ -27,6 +28,6 @@ A carrier is a *driver* around a ``PeerNode``. Its whole interface to the protoc
 5. run the lifecycle's programs (``lifecycle.join``, ``maybe_catch_up``) with ``lifecycle.drive`` or,
    event-driven, by the same effects: a peer's joining and catching up are decided here, never in a driver.
 
-``gossiploco.transport.zmq_exchange`` is the ZeroMQ driver; ``gossiploco.simulation`` drives the
+``gossiploco.transport.zmq_exchange`` (on ``zmq_driver``) is the ZeroMQ driver; ``gossiploco.simulation`` drives the
 same nodes over a simulated network and clock.
 """

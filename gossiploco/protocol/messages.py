@@ -3,7 +3,7 @@
 Every message between two peers is one of five kinds (the data plane's chunks, and four control
 messages); ``to_wire`` / ``from_wire`` map them onto the codec's header plus two tensors (an
 int64 ``meta`` vector and a float32 or uint8 payload), so the bytes on the wire are the codec's
-(``gossiploco.transport.codec``), validated before anything is decoded.
+(``gossiploco.protocol.codec``), validated before anything is decoded.
 
     message        header op            key                  meta
     Data           mix1|mix2|grad|      the exchange key     [total, tag, digest?, ...]; payload: the chunk
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gossiploco.errors import MalformedMessage
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 
 MAX_PEER_ID = 2**31
 MAX_GROUP = 1000

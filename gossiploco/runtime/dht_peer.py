@@ -16,6 +16,7 @@ from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import NetworkPeer
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.security.trust import Trust
+from gossiploco.transport.fault_injection import SendHook
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ def find_reachability(mode: str, join: list[str], host: str, port: int, timeout_
 
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
                 announce: str | None, run_id: str, dht_port: int = 0, *, relays: list[str] | None = None,
-                reachability: str = "auto", new_run: bool = False) -> NetworkPeer:
+                reachability: str = "auto", new_run: bool = False, fault: SendHook | None = None) -> NetworkPeer:
     """A ``NetworkPeer`` that finds its run through the DHT at ``join`` (bootstrap multiaddrs), listens
     on ``host:port``, and tells the others ``announce`` (``HOST`` or ``HOST:PORT``); ``dht_port``
     fixes its DHT node's port. ``stream``: its data stream (default: its peer id).
@@ -43,7 +44,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     advertises the address the checker reached; a peer behind NAT runs its DHT node as a client
     connected to its ``relays`` (default: the ``join`` nodes) and is reached by reverse
     connections and relayed streams (``gossiploco.reach.paths``). ``new_run``: start this run even where
-    the swarm runs another one (``runtime.run_match``)."""
+    the swarm runs another one (``runtime.run_match``). ``fault``: the exchange's fault-injection hook (tests)."""
     t = cfg.timeouts
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]
     relays = check_initial_peers(relays) if relays else []
@@ -80,7 +81,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
                       p2p=directory.p2p_id, verified=found.checker is not None)
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
-                           run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run)
+                           run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run, fault=fault)
     except BaseException:
         directory.close()
         raise

@@ -69,20 +69,23 @@ from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
 from gossiploco.membership.directory import Directory
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
-from gossiploco.mixing.operators import all_finite, pack, unpack
-from gossiploco.reach.paths import PathPlanner, Reach
+from gossiploco.mixing.operators import pack, unpack
+from gossiploco.reach.paths import Reach
 from gossiploco.reach.tunnel import tunnel_stats
 from gossiploco.round_budget import RoundBudget
 from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1,
                                        round_reached)
+from gossiploco.runtime.path_planner import PathPlanner
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
 from gossiploco.runtime.peer_join import join, maybe_catch_up, provide_state
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.security.trust import Trust
+from gossiploco.tensor_checks import all_finite
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
+from gossiploco.transport.fault_injection import SendHook
 from gossiploco.transport.zmq_exchange import MAX_PEER_ID, ZmqExchange
 
 log = logging.getLogger(__name__)
@@ -125,7 +128,8 @@ class NetworkPeer:
 
     ``trust`` (``gossiploco.security``): its identity and the run's swarm key; the data plane is
     encrypted and admits members only, and its DHT records are signed and sealed. ``gossiploco
-    peer`` always gives it; None (plaintext, unauthenticated) is for in-process unit tests.
+    peer`` always gives it; None (plaintext, unauthenticated) is for in-process unit tests. ``fault``: the
+    exchange's fault-injection hook (``transport.fault_injection``; tests only).
 
     Build, then ``run()``. ``close()`` (idempotent) leaves the run and releases sockets and threads.
     """
@@ -134,7 +138,7 @@ class NetworkPeer:
                  directory: Directory | None = None, bind: str | None = None, advertise: str | None = None,
                  run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None,
                  trust: Trust | None = None, stream: int | None = None, reach: Reach | None = None,
-                 new_run: bool = False):
+                 new_run: bool = False, fault: SendHook | None = None):
         if (endpoints is None) == (directory is None):
             raise ConfigError("peers", "give either a static peer list or a directory to join, not both or neither")
         if endpoints is not None:
@@ -184,7 +188,7 @@ class NetworkPeer:
                                     max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
                                     bind=bind, join_round=None, heartbeat_s=t.heartbeat_s,  # join round: decided in _join
                                     trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
-                                    sender_mailbox_bytes=3 * model_bytes + 2 * chunk)
+                                    sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self.reach = reach or Reach()

@@ -1,5 +1,6 @@
-"""Trust: who a peer is (``identity``), what makes a run private (``swarm_key``), whom the data
-plane lets in (``trust``) and which DHT records are believed (``records``).
+"""Trust: who a peer is (``identity``), what makes a run private (``swarm_key``) and whom the data
+plane lets in (``trust``). Which DHT records are believed is decided beside the records themselves
+(``gossiploco.membership.record_validator``), with these keys.
 
 A private run (the default) protects, against anyone without its swarm key: the confidentiality
 of its DHT records and of every tensor on the data plane (CurveZMQ), its membership (nobody joins,

@@ -1,6 +1,6 @@
 """A peer's identity: one Ed25519 key pair, its Curve25519 twin, and the peer id derived from it.
 
-The Ed25519 key signs the peer's DHT records (``gossiploco.security.records``); its Curve25519
+The Ed25519 key signs the peer's DHT records (``gossiploco.membership.record_validator``); its Curve25519
 conversion (libsodium's ``crypto_sign_ed25519_*_to_curve25519``, through PyNaCl) is the peer's
 CurveZMQ key on the data plane. The peer id is a hash of the Curve25519 public key, so nobody can
 claim an id without the key behind it, and a receiver checks any connection's id from the key the

@@ -4,7 +4,7 @@ A connection to peer ``q``'s ROUTER is a CurveZMQ client whose handshake proves 
 secret key of the public key it presents. ``q``'s ZAP handler (``gossiploco.transport.zmq_auth``)
 lets it in only if that key is a member's: a rank's key of a static list (derived from the swarm
 key), or a key taken from a peer's DHT record, which only swarm-key holders can write
-(``gossiploco.security.records``), and whose id is ``peer_id_of(key)``. The handler gives the
+(``gossiploco.membership.record_validator``), and whose id is ``peer_id_of(key)``. The handler gives the
 connection the user id ``<peer>``, and the receiver refuses any message whose claimed sender (in
 its header and in the connection's routing id ``"<peer>.<incarnation>"``) differs from it. A
 client knows the server's key before it connects (from the same record, or derived), so nobody

@@ -1,1 +1,1 @@
-"""Transports: the wire codec (socket-independent) and the ZeroMQ driver of the protocol (``zmq_exchange`` over ``zmq_sockets``, the only zmq importers)."""
+"""Transports: the ZeroMQ driver of the protocol (``zmq_exchange`` on ``zmq_driver``, with its parts; the wire codec is ``protocol.codec``)."""

@@ -1,177 +1,74 @@
-"""The ZeroMQ driver of the peer protocol: ``Exchange`` over real sockets (with ``zmq_sockets``, the only zmq importers).
+"""``Exchange`` over ZeroMQ: the collectives, membership and path control of one peer, on ``ZmqDriver``.
 
 The protocol itself (membership, group agreement, ring all-reduce, swaps, state transfer, aborts)
-lives in ``gossiploco.protocol`` as sans-I/O state machines; this module turns sockets and
-``time.monotonic()`` into its events and carries out its actions.
+lives in ``gossiploco.protocol`` as sans-I/O state machines; ``ZmqDriver`` (``zmq_driver``) runs one
+``PeerNode`` over sockets and threads. This class is what the runtime calls: each collective becomes
+a ``Call`` run on the caller's thread, each request (``announce``, ``add_peer``...) a node method under
+the lock. It implements ``mixing.exchange.Exchange`` and ``reach.paths.PathControl``.
 
-Sockets (``zmq_sockets``): a ROUTER per peer, and per other peer a data DEALER with a monitor
-and a control DEALER (``Ready``, ``Decision``, ``Abort``: never behind megabytes of data). For a
-peer behind NAT the DEALERs listen instead of dialing and that peer's ROUTER dials them
-(``add_peer(listen=True)``, ``dial_reverse``: reverse connections, ``gossiploco.reach.paths``). With
-``trust`` every socket is CurveZMQ and only members' keys get in (``zmq_auth``); a message's
-claimed sender must match the routing id of the connection it came on and the peer its key
-authenticated, and each peer is pinned to one process at a time (``_check_incarnation``).
-Rejections are counted by reason (``security_counts``). Peer ids are
-ints below ``MAX_PEER_ID``, known from a static list or added by discovery (``add_peer``).
-
-Threads (zmq sockets are not thread-safe; one lock and condition guard the ``PeerNode``):
-
-* the receiver thread owns the ROUTER and the DEALERs' monitor sockets: it validates each
-  message (``codec.decode``, ``messages.from_wire``), feeds it to the node, and hands the node's
-  actions to the service thread; malformed messages are dropped, logged and counted. Monitor
-  events (ZMTP handshake, disconnect: a dead process at once, a frozen one after the heartbeat
-  timeout) become ``connected``/``disconnected`` events;
-* the service thread sends what the receiver decided (hello replies, decisions, aborts) and
-  serves state uploads, so the receiver never waits on a socket;
-* callers (the training thread, the Mix1 thread) run their calls with ``protocol.call.run_call``:
-  they send their own data chunks (``NOBLOCK`` with a poll/retry loop bounded by the call's
-  deadline; the ring sends views of its buffer without copying and waits for zmq to release a
-  segment before overwriting it) and wait on the condition with the call's deadline.
-
-If the receiver or service thread dies, the exchange is *broken*: the cause is logged, and every
-call in progress or later raises ``ExchangeBroken`` (never a silent identity), which stops the peer.
-
-Deadlines: a swap or all-reduce gets ``deadlines.deadline_s(key)`` (``AdaptiveDeadlines``: a
-multiple of recent durations of that kind, at most ``timeout_s``); group agreement waits at most
-``grace_s`` (leader) or ``2 * grace_s`` plus one control send (follower); control sends
-``CONTROL_SEND_S``; state transfers ``timeout_s``.
+Deadlines: a swap or all-reduce gets ``deadlines.deadline_s(key, path class)`` (``AdaptiveDeadlines``:
+a multiple of recent durations of that kind, at most ``timeout_s``; the path class is
+``reach.paths.path_class``); group agreement waits at most ``grace_s`` (leader) or ``2 * grace_s``
+plus one control send (follower); control sends ``CONTROL_SEND_S``; state transfers ``timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from gossiploco.errors import ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
+from gossiploco.errors import ExchangeError, PeerFailed
 from gossiploco.mixing.exchange import Exchange
 from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
-from gossiploco.protocol.call import Call, run_call
-from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap, state_chunks
-from gossiploco.protocol.messages import (CONTROL, MAX_PEER_ID, Data, Ready, Send, ServeState, StateRequest,
-                                          from_wire, to_wire)
-from gossiploco.protocol.node import PeerNode
-from gossiploco.transport import codec
-from gossiploco.transport.deadlines import AdaptiveDeadlines
-from gossiploco.transport.fault_injection import FAULT_ENV, Fault
+from gossiploco.protocol.call import Call
+from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap
+from gossiploco.protocol.messages import MAX_PEER_ID, Data, Send
+from gossiploco.reach.paths import PathControl, path_class
 from gossiploco.security.identity import peer_id_of
-from gossiploco.security.trust import Trust, parse_routing_id
-from gossiploco.transport.zmq_sockets import ZmqSockets
+from gossiploco.security.trust import Trust
+from gossiploco.transport.deadlines import AdaptiveDeadlines
+from gossiploco.transport.fault_injection import SendHook
+from gossiploco.transport.zmq_driver import ZmqDriver
+from gossiploco.transport.zmq_service import StateProvider
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZmqExchange", "MAX_PEER_ID", "FAULT_ENV", "StateProvider"]
-
-POLL_MS = 100
-"""How often the receiver thread wakes to notice ``close()``."""
-_FLOAT_BYTES = 4
-
-StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
-"""Returns (round, flat fp32 state) to hand a catching-up peer, or None when there is none yet."""
+__all__ = ["ZmqExchange", "MAX_PEER_ID", "StateProvider"]
 
 
-class ZmqExchange(Exchange):
-    """One peer's ``Exchange`` over ZeroMQ; the module docstring describes the threads.
+
+class ZmqExchange(ZmqDriver, Exchange, PathControl):
+    """One peer's ``Exchange`` over ZeroMQ; see the module docstring.
 
     ``endpoints[i]`` is peer i's address (``"tcp://127.0.0.1:5555"``); this peer binds ``bind``
     (default ``endpoints[rank]``) and connects to all others at construction. ``timeout_s`` is the
     longest deadline of one call. ``join_round=None``: this peer decides later (``announce``) from
-    which round it takes part. Construction raises ``ExchangeError`` if the bind fails and
-    ``ValueError`` for bad arguments. Every public method is thread-safe.
+    which round it takes part. ``trust``: CurveZMQ on every socket, members' keys only. ``fault``: a
+    hook run before each send (``fault_injection``; None in normal use). Construction raises
+    ``ExchangeError`` if the bind fails and ``ValueError`` for bad arguments. Every public method is
+    thread-safe.
     """
 
     def __init__(self, rank: int, endpoints: Sequence[str] | Mapping[int, str], run_id: str, timeout_s: float,
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
                  join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None,
-                 sender_mailbox_bytes: int | None = None):
-        endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
-        if rank not in endpoints:
-            raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
-        if any(not 0 <= p < MAX_PEER_ID for p in endpoints):
-            raise ValueError(f"peer ids must be in 0..{MAX_PEER_ID - 1}, got {sorted(endpoints)}")
-        if chunk_bytes < _FLOAT_BYTES:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must hold at least one float32")
-        if chunk_bytes + codec.MAX_HEADER_BYTES + 64 > max_message_bytes:
-            raise ValueError(f"chunk_bytes={chunk_bytes} plus a header does not fit max_message_bytes={max_message_bytes}")
-        self.rank = rank
-        self.endpoints = endpoints
-        self.run_id = run_id
-        self.timeout_s = timeout_s
-        self.grace_s = grace_s
+                 sender_mailbox_bytes: int | None = None, fault: SendHook | None = None):
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
-        self.max_message_bytes = max_message_bytes
-        self.chunk_bytes = chunk_bytes
         self._scatter_began: dict[str, float] = {}
         """Start of each compressed mean's first phase, by key (``all_to_all``)."""
-        self.bytes_sent = 0
-        self.wire_bytes_sent = 0
-        """Bytes of every message this peer sent: the codec's frames, headers and payloads, control messages and
-        state uploads included (not the transport's own framing, encryption or TCP/IP headers)."""
-        self.dropped_messages = 0
-        self.rejections: Counter[str] = Counter()
-        """Messages refused after decoding, by reason (numbers and quoted values masked)."""
-        self._cond = threading.Condition()  # guards the node
-        self._node = PeerNode(rank, endpoints, grace_s=grace_s, chunk_elems=max(1, chunk_bytes // _FLOAT_BYTES),
-                              mailbox_bytes=mailbox_bytes, sender_mailbox_bytes=sender_mailbox_bytes,
-                              join_round=join_round)
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._state_provider: StateProvider | None = None
-        self._tasks: queue.Queue = queue.Queue(maxsize=1024)  # Send / ServeState for the service thread
-        self._fault = Fault.from_env()
-
-        self.trust = trust
-        if trust is not None and trust.peer_id != rank:
-            raise ValueError(f"rank {rank} is not the peer id of this identity ({trust.peer_id})")
-        if trust is not None and any(trust.key_of(p) is None for p in endpoints if p != rank):
-            raise ValueError("a static peer list needs every rank's key (Trust.static)")
-        self._router_dials: queue.SimpleQueue = queue.SimpleQueue()  # (old, new endpoints) for the receiver thread
         self._dialed: dict[int, tuple[str, ...]] = {}  # peer -> the reverse endpoints dialed for it
-        self._sockets = ZmqSockets(rank, bind or self.endpoints[rank], self.endpoints[rank], heartbeat_s=heartbeat_s,
-                                   max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust)
-        self.endpoints[rank] = self._sockets.endpoint
-        self._dealers = self._sockets.dealers
-        self._incarnations: dict[int, tuple[bytes, float]] = {}  # peer -> (its process's incarnation, when pinned)
-        for peer, endpoint in endpoints.items():
-            if peer != rank:
-                self._sockets.connect(peer, endpoint, trust.key_of(peer) if trust is not None else None)
-        self._receiver = threading.Thread(target=self._guarded, args=(self._receive_loop, "receiver"),
-                                          name=f"zmq-exchange-{rank}-recv", daemon=True)
-        self._service = threading.Thread(target=self._guarded, args=(self._service_loop, "service"),
-                                         name=f"zmq-exchange-{rank}-service", daemon=True)
-        self._receiver.start()
-        self._service.start()
+        super().__init__(rank, endpoints, run_id, timeout_s, max_message_bytes, chunk_bytes, mailbox_bytes, grace_s,
+                         bind=bind, join_round=join_round, heartbeat_s=heartbeat_s, trust=trust,
+                         sender_mailbox_bytes=sender_mailbox_bytes, fault=fault)
 
     # -- the Exchange interface ------------------------------------------------------------------
-
-    @property
-    def current_round(self) -> int:
-        """The round this peer is in (set by its runtime; -1 before the first); told to peers."""
-        return self._node.current_round
-
-    @current_round.setter
-    def current_round(self, value: int) -> None:
-        with self._cond:
-            self._node.current_round = value
-
-    @property
-    def bytes_received(self) -> int:
-        return self._node.bytes_received
-
-    @property
-    def malformed_messages(self) -> int:
-        return self._node.malformed_messages
 
     def members(self, round_index: int | None = None) -> list[int]:
         with self._cond:
@@ -194,7 +91,7 @@ class ZmqExchange(Exchange):
         began = time.monotonic()
         mine = flat.detach().reshape(-1)
         mine = mine if mine.dtype == torch.uint8 else mine.to(torch.float32)  # a compressed payload, or values
-        path = self._path_class([self.rank, partner])
+        path = self.path_class([self.rank, partner])
         call = Swap(key, self.rank, partner, mine, self._node.chunk_elems, began,
                     began + self.deadlines.deadline_s(key, path))
         result = self._run(call)
@@ -209,7 +106,8 @@ class ZmqExchange(Exchange):
         members = list(dict.fromkeys(members))  # the agreed order is the ring's (``agreement.ring_order``)
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
-        if any(m != self.rank and m not in self._dealers for m in members):  # a group it cannot run: a failed exchange
+        if any(m != self.rank and m not in self._dealers for m in members):
+            # a group it cannot run is a failed exchange, never a crash
             raise PeerFailed(f"{key!r}: members {members} include peers this peer does not know (known: {self.known()})")
         if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
             acc = flat.detach().view(-1)
@@ -219,7 +117,7 @@ class ZmqExchange(Exchange):
         if len(members) == 1:
             return acc.view(flat.shape)
         began = time.monotonic()
-        path = self._path_class(members)
+        path = self.path_class(members)
         call = RingAllReduce(key, self.rank, members, acc, self._node.chunk_elems, began,
                              began + self.deadlines.deadline_s(key, path))
         # Chunks go out zero-copy (zmq reads them from ``acc``): a segment is overwritten only
@@ -245,7 +143,8 @@ class ZmqExchange(Exchange):
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
         others = [m for m in members if m != self.rank]
-        if any(m not in self._dealers for m in others):  # a group it cannot run: a failed exchange
+        if any(m not in self._dealers for m in others):
+            # a group it cannot run is a failed exchange, never a crash
             raise PeerFailed(f"{key!r}: members {members} include peers this peer does not know (known: {self.known()})")
         if not others:
             return {}
@@ -259,7 +158,7 @@ class ZmqExchange(Exchange):
                 while len(self._scatter_began) > 64:
                     self._scatter_began.pop(next(iter(self._scatter_began)))
             began = self._scatter_began.pop(phase[0], now) if phase[2] == "gather" else now
-        path = self._path_class(members)
+        path = self.path_class(members)
         call = AllToAll(key, self.rank, members, {m: parts[m].detach().reshape(-1) for m in others},
                         {m: int(sizes[m]) for m in others}, self._node.chunk_elems, began,
                         began + self.deadlines.deadline_s(key, path), tag)
@@ -276,36 +175,18 @@ class ZmqExchange(Exchange):
 
     def serve_state(self, provider: StateProvider) -> None:
         """Answer other peers' ``fetch_state`` with ``provider()`` (called on the service thread)."""
-        self._state_provider = provider
+        self._service_work.provider = provider
 
-    def close(self, linger_s: float = 0.0) -> None:
-        """Stop: calls in progress and later raise ``ExchangeClosed``. ``linger_s > 0`` (a graceful
-        leave) gives messages already sent that long to reach their peers. Idempotent."""
-        with self._close_lock:
-            with self._cond:
-                if self._closed:
-                    return
-                self._closed = self._node.closed = True
-                self._cond.notify_all()
-            for thread in (self._receiver, self._service):
-                if thread is not threading.current_thread():
-                    thread.join(timeout=10)
-            if self._receiver.is_alive() or self._service.is_alive():
-                log.error("rank %d: exchange threads did not stop; leaking their sockets", self.rank)
-                return
-            self._sockets.close(linger_s)
 
-    # -- membership --------------------------------------------------------------------------------
+    # -- discovery and paths (``PathControl``) ------------------------------------------------------
 
     def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False,
                  relayed: bool = False) -> bool:
-        """Connect to ``peer`` at ``endpoint`` (a peer found by discovery); it stays pending until its
-        hello (a probe goes out once its connection is up). A known peer at a new endpoint (it
-        restarted elsewhere) or on a new path is reconnected. ``key``: the peer's Curve25519 public key, from its
-        signed record (required with ``trust``; it must be the key of id ``peer``). ``listen``: a
-        reverse connection (``peer`` is behind NAT): listen on ports of this peer's host for it to
-        dial (``reverse_offers``) instead of dialing ``endpoint``. ``relayed``: ``endpoint`` is a
-        tunnel through a relay (a longer heartbeat timeout, ``ZmqSockets.connect``). Returns True if anything changed."""
+        """Connect to ``peer`` at ``endpoint`` (a peer found by discovery; ``PathControl.add_peer``); it
+        stays pending until its hello (a probe goes out once its connection is up). ``key``: the peer's
+        Curve25519 public key, from its signed record (required with ``trust``; it must be the key of id
+        ``peer``). ``listen``: its DEALERs listen on this peer's bind host, any port (``reverse_offers``).
+        ``relayed``: a longer heartbeat timeout (``ZmqSockets.connect``)."""
         if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
             return False
         if self.trust is not None:
@@ -322,7 +203,7 @@ class ZmqExchange(Exchange):
                 return False
             self.endpoints[peer] = endpoint
             self._node.add_peer(peer)
-            where = self._listen_address() if listen else None
+            where = self._sockets.bound.rsplit(":", 1)[0] + ":0" if listen else None
             if old is None:
                 self._sockets.connect(peer, endpoint, key, listen=where, relayed=relayed)
         if old is not None:
@@ -336,41 +217,31 @@ class ZmqExchange(Exchange):
         """The address this peer's ROUTER listens on (``tcp://HOST:PORT``, the port the OS picked)."""
         return self._sockets.bound
 
-    def _listen_address(self) -> str:
-        """Where reverse connections listen: this peer's bind host, any port."""
-        return self._sockets.bound.rsplit(":", 1)[0] + ":0"
-
     def reverse_offers(self) -> tuple[tuple[int, int, int], ...]:
-        """``(peer, data port, control port)`` of every reverse connection this peer listens for."""
         with self._cond:
             return tuple(sorted((peer, *(int(endpoint.rsplit(":", 1)[1]) for endpoint in endpoints))
                                 for peer, endpoints in self._sockets.listening.items()))
 
     def set_behind_nat(self, peers: set[int], order_rings: bool = True) -> None:
-        """The peers behind NAT: for the ring order of groups this peer leads (``agreement.ring_order``;
-        ``order_rings=False``: by id), and for the deadlines of exchanges over a relay (``_path_class``)."""
         with self._cond:
             self._node.behind_nat = set(peers)
             self._node.order_rings = order_rings
 
-    def _path_class(self, ring: Sequence[int]) -> str:
-        """"relayed" when two neighbours of ``ring`` (a swap's pair, or a ring in its order) are both
-        behind NAT, so their hop goes through a relay; else "" (direct and reverse are alike)."""
-        nat = self._node.behind_nat
-        n = len(ring)
-        return "relayed" if any(ring[i] in nat and ring[(i + 1) % n] in nat for i in range(n) if n > 1) else ""
+    def path_class(self, ring: Sequence[int]) -> str:
+        """The path class of an exchange over ``ring`` for its deadline (``reach.paths.path_class``)."""
+        with self._cond:
+            behind_nat = set(self._node.behind_nat)
+        return path_class(ring, behind_nat)
 
     def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> bool:
-        """This peer is behind NAT and ``peer`` offers it a reverse connection: its ROUTER dials
-        ``endpoints`` (``peer``'s listening DEALERs; none: stop), replacing what it dialed for ``peer``
-        before. Returns False when that is what it dials already."""
+        """Its ROUTER dials ``endpoints`` (``peer``'s listening DEALERs; ``PathControl.dial_reverse``)."""
         new = tuple(endpoints)
         with self._cond:
             old = self._dialed.get(peer, ())
             if old == new:
                 return False
             self._dialed[peer] = new
-        self._router_dials.put((old, new))  # the receiver thread owns the ROUTER
+        self._receiver_work.dial(old, new)  # the receiver thread owns the ROUTER
         return True
 
     def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False) -> None:
@@ -417,278 +288,3 @@ class ZmqExchange(Exchange):
         settings = lifecycle.Settings(rounds=0, hello_s=wait_s, connect_s=wait_s, boundary_s=wait_s,
                                       state_s=self.timeout_s, nonce=lambda: uuid.uuid4().hex[:16])
         return self.drive(lambda node: lifecycle.ask_rounds(node, settings))
-
-    def drive(self, program: Callable[[PeerNode], lifecycle.Program]) -> Any:
-        """Run the lifecycle program ``program(node)`` (``protocol.lifecycle``) on this peer's node: it runs under
-        the node's lock, waits on the node's condition and runs its exchange calls as ``_run`` does. Blocks
-        until the program ends (its own deadlines bound it); returns its result or raises its error
-        (``ExchangeClosed`` once this exchange closes)."""
-        def wait(until: float) -> None:
-            if not self._closed:
-                self._cond.wait(max(0.0, until - time.monotonic()))
-
-        def sleep(until: float) -> None:
-            while not self._closed and (left := until - time.monotonic()) > 0:
-                self._cond.wait(left)
-
-        try:
-            return lifecycle.drive(program(self._node), locked=lambda: self._cond, act=self._dispatch, wait=wait,
-                                   sleep=sleep, clock=time.monotonic, run=self._run)
-        finally:
-            self._flush_notes()
-
-    def check_reachable(self, timeout_s: float) -> bool:
-        """True if a ZeroMQ handshake with this peer's own advertised endpoint succeeds within
-        ``timeout_s`` (what another peer does first). A failure means the address or port is wrong
-        or closed here; success does not prove that peers behind other networks can reach it."""
-        return self._sockets.check_reachable(timeout_s)
-
-    def protocol_state(self) -> dict[str, int]:
-        """Sizes of the protocol's records and mailbox (bounded; for tests and diagnostics)."""
-        with self._cond:
-            return self._node.pending_state()
-
-    def security_counts(self) -> dict[str, dict[str, int]]:
-        """Connections the ZAP handler refused and messages the receiver rejected, by reason."""
-        with self._cond:
-            rejected = dict(self.rejections)
-        return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected}
-
-    def _wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while not predicate() and not self._closed:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-            return predicate()
-
-    # -- running calls -----------------------------------------------------------------------------
-
-    def _run(self, call: Call, in_flight: dict | None = None, before_feed=None, before_outcome=None):
-        """Run ``call`` on this thread (``protocol.call.run_call``) and log what the node noted."""
-        def send(sends: list[Send]) -> None:
-            for s in sends:
-                if isinstance(s.message, (Data, Ready, StateRequest)):  # the caller's own messages: sent here
-                    deadline = call.deadline if isinstance(s.message, Data) else time.monotonic() + CONTROL_SEND_S
-                    tracker = self._send(s, deadline, call.what, zero_copy=in_flight is not None)
-                    if in_flight is not None and s.segment is not None and tracker is not None:
-                        in_flight.setdefault(s.segment, []).append(tracker)
-                else:  # aborts and decisions: the service thread, so a failing call does not block on them
-                    self._submit(s)
-
-        def wait(until: float | None) -> None:
-            self._cond.wait(max(0.0, until - time.monotonic()) if until is not None else None)
-
-        try:
-            return run_call(call, self._node, locked=lambda: self._cond, wait=wait, clock=time.monotonic,
-                            send=send, before_feed=before_feed, before_outcome=before_outcome)
-        finally:
-            self._flush_notes()
-
-    # -- sending -----------------------------------------------------------------------------------
-
-    def _send(self, send: Send, deadline: float, what: str, zero_copy: bool = False) -> zmq.MessageTracker | None:
-        """Queue one message for its peer, retrying a full queue until ``deadline``. By default zmq
-        copies the payload; with ``zero_copy`` it reads it in place until the returned tracker is done."""
-        message, peer = send.message, send.peer
-        if self._fault is not None:
-            self._fault.before_send(self.rank, message)
-        header, tensors = to_wire(message, self.rank, self.run_id)
-        frames = codec.encode(header, tensors)
-        tracker = self._sockets.send(peer, frames, control=isinstance(message, CONTROL),
-                                     deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
-        with self._cond:
-            self.wire_bytes_sent += sum(memoryview(f).nbytes for f in frames)
-            if isinstance(message, Data):
-                self.bytes_sent += message.data.numel() * message.data.element_size()
-        return tracker
-
-    def _submit(self, action: Send | ServeState) -> None:
-        try:
-            self._tasks.put_nowait(action)
-        except queue.Full:
-            self.dropped_messages += 1
-            log.warning("rank %d: service queue full; dropped a %s for %d", self.rank, type(action).__name__, action.peer)
-
-    def _dispatch(self, actions: list) -> None:
-        """Hand the node's actions to the service thread (never sends on the calling thread)."""
-        for action in actions:
-            self._submit(action)
-
-    # -- the threads ---------------------------------------------------------------------------------
-
-    def _guarded(self, loop: Callable[[], None], name: str) -> None:
-        """Run a driver thread; if it dies, the exchange is broken: logged, and every call fails."""
-        try:
-            loop()
-        except Exception as exc:  # noqa: BLE001 - reported below, then every call fails with it
-            log.critical("rank %d: the exchange's %s thread died: %s: %s; mixing cannot go on",
-                         self.rank, name, type(exc).__name__, exc, exc_info=True)
-            with self._cond:
-                self._node.broken = f"{name} thread died: {type(exc).__name__}: {exc}"
-                self._cond.notify_all()
-        finally:
-            if name == "receiver":
-                self._sockets.close_router()  # the DEALERs' monitors are closed by close(), after their dealers stop them
-
-    def _receive_loop(self) -> None:
-        poller = zmq.Poller()
-        router = self._sockets.router
-        poller.register(router, zmq.POLLIN)
-        poller.register(self._sockets.router_monitor, zmq.POLLIN)
-        while not self._closed:
-            while not self._sockets.new_monitors.empty():  # peers added since the last poll
-                poller.register(self._sockets.new_monitors.get(), zmq.POLLIN)
-            auth = self._sockets.auth
-            if auth is not None and not auth.is_alive():
-                raise ExchangeError("the ZAP (authentication) thread died: no peer could connect any more")
-            while not self._router_dials.empty():
-                self._dial_with_router(*self._router_dials.get())
-            if self._sockets.retry_at:
-                with self._cond:
-                    endpoints = dict(self.endpoints)
-                self._sockets.retry_refused(time.monotonic(), endpoints)
-            for sock, _ in poller.poll(POLL_MS):
-                if sock is router:
-                    self._drain_router()
-                elif sock is self._sockets.router_monitor:
-                    self._sockets.count_handshake_failures()
-                else:
-                    self._drain_monitor(sock)
-
-    def _dial_with_router(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
-        """Receiver thread (it owns the ROUTER): stop dialing ``old``, dial a reverse connection's ``new`` ports."""
-        router = self._sockets.router
-        for endpoint in old:
-            try:
-                router.disconnect(endpoint)
-            except zmq.ZMQError:
-                pass
-        for endpoint in new:
-            try:
-                router.connect(endpoint)
-            except zmq.ZMQError as exc:  # an endpoint zmq refuses: that peer stays unreachable, the rest goes on
-                log.warning("rank %d: cannot dial a reverse connection at %s: %s", self.rank, endpoint, exc)
-
-    def _drain_router(self) -> None:
-        for _ in range(1000):  # bounded, so close() and the monitors are not starved
-            try:
-                frames = self._sockets.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                self._file(frames)
-            except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as exc:
-                # Validation itself failed on this input (a bug in it): the message is refused like
-                # a malformed one, loudly, instead of the receiving thread dying for every message.
-                reason = f"validation bug: {type(exc).__name__}"
-                with self._cond:
-                    self._node.malformed_messages += 1
-                    self.rejections[reason] += 1
-                    first = self.rejections[reason] == 1
-                log.error("rank %d: validating a message raised %s: %s (a bug; the message is dropped)", self.rank,
-                          type(exc).__name__, exc, exc_info=first)
-            except MalformedMessage as exc:
-                reason = exc.reason
-                with self._cond:
-                    self._node.malformed_messages += 1
-                    self.rejections[reason] += 1
-                    count = self.rejections[reason]
-                if count <= 3 or count & (count - 1) == 0:  # the first few, then at powers of two
-                    log.warning("rank %d: dropped a malformed message (%d so far for this reason): %s",
-                                self.rank, count, exc)
-        self._flush_notes()
-
-    def _file(self, frames: list) -> None:
-        """Validate one ROUTER message (routing id + codec frames) and feed it to the node."""
-        if len(frames) < 2:
-            raise MalformedMessage("no codec frames after the routing id")
-        identity = frames[0].bytes
-        # copy=False: the chunk is a view of the zmq frame (which it keeps alive), not a copy.
-        header, tensors = codec.decode(frames[1:], expect_run=self.run_id, max_bytes=self.max_message_bytes, copy=False)
-        message = from_wire(header, tensors)
-        claimed = parse_routing_id(identity)
-        if claimed is None or claimed[0] != header.sender or claimed[2] != isinstance(message, CONTROL):
-            raise MalformedMessage(f"sender {header.sender} arrived on connection {identity[:32]!r}")
-        if self.trust is not None and frames[1].get("User-Id") != str(header.sender):  # what ZAP authenticated
-            raise MalformedMessage(f"sender {header.sender} arrived on a connection authenticated as "
-                                   f"{frames[1].get('User-Id')!r}")
-        with self._cond:
-            self._check_incarnation(header.sender, claimed[1])
-            actions = self._node.receive(header.sender, message, time.monotonic())
-            self._cond.notify_all()
-        self._dispatch(actions)
-
-    def _check_incarnation(self, sender: int, incarnation: bytes) -> None:
-        """Pin each peer to the process (incarnation) it speaks from: another process claiming the
-        same peer is refused while the pinned one's connection has not dropped since it was pinned
-        (a restarted peer's new process is accepted once its old connection is gone). Holds ``_cond``."""
-        pinned = self._incarnations.get(sender)
-        if pinned is not None and pinned[0] != incarnation:
-            if self._node.peers.lost_at.get(sender, -1.0) < pinned[1]:
-                raise MalformedMessage(f"another process claims to be peer {sender} while its connection is up")
-            log.info("rank %d: peer %d speaks from a new process now", self.rank, sender)
-        if pinned is None or pinned[0] != incarnation:
-            self._incarnations[sender] = (incarnation, time.monotonic())
-
-    def _drain_monitor(self, monitor: zmq.Socket) -> None:
-        peer = self._sockets.monitors[monitor]
-        while True:
-            try:
-                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            with self._cond:
-                if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    self._sockets.refusals.pop(peer, None)
-                    actions = self._node.connected(peer, time.monotonic())
-                elif event["event"] == zmq.EVENT_DISCONNECTED:
-                    actions = self._node.disconnected(peer, time.monotonic())
-                else:  # a failed handshake: libzmq gives up on the connection, so we retry ourselves
-                    delay = self._sockets.refused_by(peer, time.monotonic())
-                    if self._sockets.refusals[peer] in (4, 16, 64):  # the first few are expected while a peer joins
-                        self._node.note(f"peer {peer} refused the handshake ({self._sockets.refusals[peer]} "
-                                        f"time(s); it may not have read this peer's record yet, or the keys "
-                                        f"differ); trying again in {delay:g} s")
-                    actions = []
-                self._cond.notify_all()
-            self._dispatch(actions)
-        self._flush_notes()
-
-    def _service_loop(self) -> None:
-        """Sends what the receiver decided and serves state requests, so the receiver never sends."""
-        while not self._closed:
-            try:
-                action = self._tasks.get(timeout=POLL_MS / 1000)
-            except queue.Empty:
-                continue
-            try:
-                if isinstance(action, ServeState):
-                    self._serve_state(action)
-                else:
-                    self._send(action, time.monotonic() + CONTROL_SEND_S, type(action.message).__name__)
-            except ExchangeClosed:
-                return
-            except ExchangeError as exc:
-                log.info("rank %d: %s to %d not sent: %s", self.rank, type(action).__name__, action.peer, exc)
-
-    def _serve_state(self, action: ServeState) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        provider = self._state_provider
-        try:
-            state = provider() if provider is not None else None
-        except Exception:  # noqa: BLE001 - a provider bug is logged; the requester gets "none yet"
-            log.exception("rank %d: the state provider failed", self.rank)
-            state = None
-        for chunk in state_chunks(action.nonce, state, self._node.chunk_elems):
-            self._send(Send(action.peer, chunk), deadline, f"state upload to {action.peer}")
-        if state is not None:
-            log.info("rank %d: gave round %d state (%d values) to peer %d", self.rank, state[0], state[1].numel(), action.peer)
-
-    def _flush_notes(self) -> None:
-        with self._cond:
-            notes, self._node.notes = self._node.notes, []
-        for routine, note in notes:
-            log.log(logging.INFO if routine else logging.WARNING, "rank %d: %s", self.rank, note)

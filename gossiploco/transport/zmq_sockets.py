@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import Trust, routing_id
-from gossiploco.transport import codec
+from gossiploco.protocol import codec
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 
 SEND_RETRY_S = 0.05
@@ -106,7 +106,7 @@ class ZmqSockets:
         # in a race with a restart) takes the id over. Without it libzmq parks the new connection
         # unread for good (seen: a resumed peer never heard the others again). Only members get
         # this far (CurveZMQ + ZAP); a message whose routing id names another peer than the one its
-        # key authenticated is refused by ``ZmqExchange``, and each peer is pinned to one process
+        # key authenticated is refused (``transport.admission``), and each peer is pinned to one process
         # (incarnation). Known limit: a misbehaving member could still take over another member's
         # routing id (ZAP does not see routing ids), costing that peer its connection until it reconnects.
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from gossiploco.errors import MalformedMessage
-from gossiploco.mixing.operators import all_finite
+from gossiploco.tensor_checks import all_finite
 
 PROTOCOL_VERSION = 1
 OPS = frozenset({"mix1", "mix2", "grad", "state", "monitor", "hello", "abort", "group"})

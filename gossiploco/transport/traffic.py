@@ -1,0 +1,38 @@
+"""Byte accounting of one peer's sends: what it put on the wire, and what it had to drop.
+
+``payload_sent`` counts the data chunks' values (``Exchange.bytes_sent``: what the mixing moved);
+``wire_sent`` every message's codec frames (headers and payloads, control messages and state
+uploads included; not the transport's own framing, encryption or TCP/IP headers); ``dropped`` the
+control messages the service thread's full queue refused. Bytes received are counted where chunks
+arrive, by the protocol (``PeerNode.bytes_received``). Thread-safe: any sending thread counts.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from gossiploco.protocol.messages import Data, Message
+
+
+class Traffic:
+    """Counters of this peer's sends; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.payload_sent = 0
+        self.wire_sent = 0
+        self.dropped = 0
+
+    def sent(self, message: Message, frames: Sequence) -> None:
+        """``message`` went out as ``frames`` (bytes, buffers or zmq frames)."""
+        wire = sum(memoryview(f).nbytes for f in frames)
+        payload = message.data.numel() * message.data.element_size() if isinstance(message, Data) else 0
+        with self._lock:
+            self.wire_sent += wire
+            self.payload_sent += payload
+
+    def drop(self) -> None:
+        """A message could not even be queued."""
+        with self._lock:
+            self.dropped += 1

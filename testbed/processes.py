@@ -6,7 +6,7 @@ left in the children's process groups. ``testbed.spawned`` drives ``multiprocess
 
 Here besides: ``wait_until`` (a condition with a deadline, never a fixed sleep), ``shielded`` (a clean-up
 that a second Ctrl+C cannot cut short), the environment children get, and a process table read from
-/proc (Linux) to find what a process left behind (``descendants``, ``session_members``).
+/proc (Linux) to find what a process left behind (``descendants``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from gossiploco.runtime.launch import ProcessGroup, signal_group
 
-__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "process_table", "session_members",
+__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "process_table",
            "shielded", "signal_group", "signal_pid", "tail", "wait_until"]
 
 
@@ -118,12 +118,6 @@ def descendants(table: dict[int, ProcInfo], root: int) -> list[ProcInfo]:
             out.append(table[pid])
             stack += children.get(pid, [])
     return out
-
-
-def session_members(table: dict[int, ProcInfo], session: int) -> list[ProcInfo]:
-    """The living (not zombie) processes of session ``session`` (a ``ProcessGroup`` child's pid) but its leader."""
-    return [info for info in table.values() if info.session == session and info.pid != session
-            and info.state not in ("Z", "X")]
 
 
 def cmdline(pid: int, limit: int = 160) -> str:

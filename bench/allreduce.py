@@ -57,7 +57,7 @@ from pathlib import Path
 
 from gossiploco.runtime.launch import free_ports
 
-from allreduce_common import (  # a sibling in bench/, on sys.path when a bench script runs
+from testbed.spawned import (
     GroupFailed, become_session_leader, close_within, cpu_seconds, finish, load_impl, proc_status, reset_peak_rss,
     run_group, thread_cpu, thread_cpu_delta,
 )

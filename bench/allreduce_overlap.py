@@ -33,7 +33,7 @@ import traceback
 
 from gossiploco.runtime.launch import free_ports
 
-from allreduce_common import (  # a sibling in bench/, on sys.path when a bench script runs
+from testbed.spawned import (
     GroupFailed, become_session_leader, close_within, finish, load_impl, proc_status, reset_peak_rss, run_group,
 )
 

@@ -36,14 +36,17 @@ import msgpack
 import torch
 import zmq
 
-from attacks_common import (ENV, IdleConnections, announced, close_outsider, handshake_outcome, listening_ports, local_items,
-                            memory_kib, outsider_dht, outsider_socket, peer_args, wait_until, wire, zmtp_null_greeting,
-                            zmtp_raw_attack)
+from gossiploco.config import TINY_OVERRIDES
 from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.protocol.messages import LEAVING, PROBE, Data, Decision, Hello, Ready
 from gossiploco.runtime.launch import LocalPeers
 from gossiploco.security.identity import curve_public_of, peer_id_of
 from gossiploco.security.swarm_key import SwarmKey
+from testbed.outsider import (ENV, IdleConnections, announced, close_outsider, handshake_outcome, listening_ports,
+                              local_items, memory_kib, outsider_dht, outsider_socket, wire, zmtp_null_greeting,
+                              zmtp_raw_attack)
+from testbed.overrides import peer_args
+from testbed.processes import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 LOSS_REL_TOL = 1e-3
@@ -76,7 +79,7 @@ class Swarm:
         key_file = self.key.save(out / "swarm.key")
         self.dht, addresses = start_bootstrap("127.0.0.1", 0, swarm=self.key)
         self.address = addresses[0]
-        self.args = peer_args(rounds=rounds, inner_steps=8)
+        self.args = peer_args("globalm1-localm2", {**TINY_OVERRIDES, "rounds": rounds, "inner_steps": 8})
         self.peers = LocalPeers(count, out, self.args, env=ENV, join=self.address, swarm_key=key_file)
         self.hwm: dict[int, int] = {}
         self._stop = threading.Event()

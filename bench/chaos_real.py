@@ -40,16 +40,16 @@ k, k uniform in 1..R-2 (for ``restart`` k = 1, so the swarm still runs when it i
 peer needs about 10 s to import torch, start its DHT node and find the swarm), plus a uniform delay within one round (the baseline's mean round time), so faults land anywhere
 in a round, Mix1 and Mix2 included. ``--faults kill,stop`` restricts the kinds drawn.
 
-Network (``--netem``): namespace ``PREFIX-sw`` holds bridges br0 and br1; the bootstrap node listens
-there on br0 (10.78.0.254); peer I lives in ``PREFIX-pI`` with eth0 = 10.78.0.I on br0 (prefix
-``glc``, distinct from bench/netem.py's ``gln``; the helpers are written here rather than imported
-from bench/netem.py, which changes sys.path at import). Loss and delay are tc qdiscs on both ends of
-the peer's link (egress of eth0 = its upload, egress of the switch port = its download): netem when
-the kernel has it; else loss is an HTB class fed by a classic-BPF classifier that sends a random
-fraction of packets (``ld rand``) to a leaf queue of length 0. A partition moves the cut-off peers'
-switch ports to br1 (they still reach each other, not the rest); healing moves them back. With
-``--netem`` every trial, baselines included, runs in the namespaces. Namespaces are removed on every
-exit path, and leftovers of a crashed earlier run with the same prefix at start.
+Network (``--netem``): the test bed's star (``testbed.netns.Star``): namespace ``PREFIX-sw`` holds
+bridges br0 and br1; the bootstrap node listens there on br0 (10.78.0.254); peer I lives in
+``PREFIX-pI`` with eth0 = 10.78.0.I on br0 (prefix ``glc``, distinct from bench/netem.py's ``gln``).
+Loss and delay are tc qdiscs on both ends of the peer's link (egress of eth0 = its upload, egress of
+the switch port = its download; ``testbed.links``): netem when the kernel has it; else loss is an HTB
+class fed by a classic-BPF classifier that sends a random fraction of packets (``ld rand``) to a leaf
+queue of length 0. A partition moves the cut-off peers' switch ports to br1 (they still reach each
+other, not the rest); healing moves them back. With ``--netem`` every trial, baselines included, runs
+in the namespaces. Namespaces are removed on every exit path, and leftovers of a crashed earlier run
+with the same prefix at start.
 
 Measurements, per trial, per peer (each start of a peer is one "life"):
 
@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -107,14 +106,19 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
+from gossiploco.cli_options import parse_sets
 from gossiploco.config import TINY_OVERRIDES
+from testbed.links import clear_links, drop_without_netem, has_netem, shape_links
+from testbed.netns import Star, Unavailable, namespace_pids, preflight, prefix_lock
+from testbed.overrides import set_args
+from testbed.peers import start_dht_node
+from testbed.processes import (ProcessGroup, ProcInfo, cmdline, descendants, process_table, shielded, signal_group,
+                               signal_pid)
 
 SCENARIO = "leader-kill-mid-mix2"
 FAULT_ENV = "GOSSIPLOCO_FAULT"
@@ -133,20 +137,15 @@ the trial inconclusive (a start takes about 10 s here: torch import, DHT node, d
 STOP_GRACE_S = 10.0
 """After SIGINT a peer gets this long to leave (withdraw its DHT record, stop its DHT node) before SIGKILL."""
 BOOTSTRAP_START_S = 60.0
-CMD_TIMEOUT_S = 20.0
 EXIT_UNAVAILABLE = 2
 EXIT_INTERRUPTED = 130
 SUBNET = "10.78.0"
 BOOTSTRAP_HOST_NETNS = f"{SUBNET}.254"
-PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 SMALL = {**{k: v for k, v in TINY_OVERRIDES.items()
              if k not in ("inner_steps", "rounds", "seed", "monitor.every", "timeouts.exchange_s")},
          "timeouts.discovery_s": 1.0}
 """tests/conftest.py's TINY scale-down (rounds, steps, monitor and timeouts come from the options)."""
 
-
-class Unavailable(Exception):
-    """This machine cannot run what was asked (exit 2)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,20 +190,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-def parse_sets(items: Sequence[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` with a TOML value (a bare word is taken as a string)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        try:
-            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key.strip()] = value
-    return out
-
-
 def overrides_for(args: argparse.Namespace, peers: int) -> dict[str, Any]:
     """The dotted config overrides every peer of a run gets (``workers`` included, for load_config)."""
     over = {**SMALL, "workers": peers, "rounds": args.rounds, "inner_steps": args.inner_steps, "seed": args.seed,
@@ -213,15 +198,6 @@ def overrides_for(args: argparse.Namespace, peers: int) -> dict[str, Any]:
             "timeouts.startup_s": args.startup_s}
     over.update(parse_sets(args.sets))
     return over
-
-
-def peer_set_args(overrides: dict[str, Any]) -> list[str]:
-    args: list[str] = []
-    for key, value in overrides.items():
-        if key == "workers":
-            continue  # --workers
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    return args
 
 
 @dataclass
@@ -236,256 +212,79 @@ class RunSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# Processes
-
-
-def sh(cmd: Sequence[str], *, check: bool = True, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """One command with a deadline; raises with its stderr when ``check`` and it fails."""
-    try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{shlex.join(cmd)}: no answer after {timeout:.0f}s") from exc
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip()}")
-    return proc
-
-
-@dataclass(frozen=True)
-class ProcInfo:
-    pid: int
-    ppid: int
-    pgrp: int
-    session: int
-    state: str
-    start: int
-    comm: str
-
-
-def process_table() -> dict[int, ProcInfo]:
-    """Every process of the machine from /proc (pid -> ppid, group, session, state, start time)."""
-    table: dict[int, ProcInfo] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                raw = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        head, _, tail = raw.rpartition(")")
-        comm = head.partition("(")[2]
-        fields = tail.split()
-        try:  # fields after comm: state ppid pgrp session ... starttime is overall field 22
-            table[int(entry.name)] = ProcInfo(int(entry.name), int(fields[1]), int(fields[2]), int(fields[3]), fields[0],
-                                              int(fields[19]), comm)
-        except (IndexError, ValueError):
-            continue
-    return table
-
-
-def descendants(table: dict[int, ProcInfo], root: int) -> list[ProcInfo]:
-    children: dict[int, list[int]] = {}
-    for info in table.values():
-        children.setdefault(info.ppid, []).append(info.pid)
-    out, stack = [], list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        if pid in table:
-            out.append(table[pid])
-            stack += children.get(pid, [])
-    return out
-
-
-def cmdline(pid: int, limit: int = 160) -> str:
-    try:
-        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@contextlib.contextmanager
-def shielded() -> Iterator[None]:
-    """Ignore SIGINT, SIGTERM and SIGHUP inside (clean-up that must finish); restore them after."""
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def signal_pid(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-# ---------------------------------------------------------------------------------------------
 # The network (--netem)
 
 
-def netns_preflight() -> str | None:
-    """Why namespaces cannot be used here, or None."""
-    if not sys.platform.startswith("linux"):
-        return f"network faults need Linux network namespaces; this is {sys.platform}"
-    if os.geteuid() != 0:
-        return "--netem needs root (network namespaces, veth and tc need CAP_NET_ADMIN)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"--netem needs the `{tool}` command (iproute2)"
-    return None
-
-
-@contextlib.contextmanager
-def prefix_lock(prefix: str) -> Iterator[None]:
-    lock_dir = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
-    path = lock_dir / f"gossiploco-chaos-real-{prefix}.lock"
-    with path.open("w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise Unavailable(f"another chaos_real.py run with prefix {prefix!r} is active ({path}); use --prefix") from None
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 class Net:
-    """Peer namespaces PREFIX-pI (eth0 = SUBNET.I) on bridge br0 of PREFIX-sw; br1 holds the cut-off side of a partition."""
+    """The faults of ``--netem``, on a star of peer namespaces PREFIX-pI (eth0 = SUBNET.I) on bridge br0 of
+    PREFIX-sw; br1 holds the cut-off side of a partition."""
 
     def __init__(self, prefix: str, ranks: Sequence[int]):
-        if not PREFIX_RE.match(prefix):
-            raise Unavailable(f"--prefix must match {PREFIX_RE.pattern}, got {prefix!r}")
         if not ranks or max(ranks) > 253 or min(ranks) < 1:
             raise Unavailable("--netem supports ranks 1..253")
-        self.prefix = prefix
-        self.ranks = list(ranks)
+        try:
+            self.star = Star(prefix, ranks, lambda rank: f"{SUBNET}.{rank}", bridges=("br0", "br1"),
+                             switch_address=f"{BOOTSTRAP_HOST_NETNS}/24")
+        except ValueError as exc:
+            raise Unavailable(f"--prefix: {exc}") from exc
         self.netem = False
         """Whether the kernel has sch_netem (probed in build)."""
         self._shaped: set[int] = set()
         self._cut: set[int] = set()
 
-    @property
-    def switch(self) -> str:
-        return f"{self.prefix}-sw"
-
     def ns(self, rank: int) -> str:
-        return f"{self.prefix}-p{rank}"
+        return self.star.ns(rank)
 
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank}"
+        return self.star.address(rank)
 
     def exec_prefix(self, rank: int | None) -> list[str]:
         """``ip netns exec`` of peer ``rank``'s namespace (None: the switch's, where the bootstrap node runs)."""
-        return ["ip", "netns", "exec", self.switch if rank is None else self.ns(rank)]
-
-    def existing(self) -> list[str]:
-        pattern = re.compile(rf"^{re.escape(self.prefix)}-(sw|p\d+)$")
-        out = sh(["ip", "netns", "list"]).stdout
-        return sorted(n for n in (line.split()[0] for line in out.splitlines() if line.strip()) if pattern.match(n))
-
-    def namespace_pids(self, ns: str) -> list[int]:
-        proc = sh(["ip", "netns", "pids", ns], check=False)
-        return [int(p) for p in proc.stdout.split() if p.isdigit()]
+        return self.star.exec_prefix(rank)
 
     def destroy(self) -> list[str]:
         """Kill every process in, then delete, every namespace with this prefix (idempotent)."""
-        names = self.existing()
-        for ns in names:
-            for pid in self.namespace_pids(ns):
-                signal_pid(pid, signal.SIGKILL)
-        if names:
-            time.sleep(0.3)
-        for ns in names:
-            sh(["ip", "netns", "del", ns], check=False)
         self._shaped.clear()
         self._cut.clear()
-        return names
+        return self.star.destroy()
 
     def build(self) -> None:
-        sw = self.switch
-        try:
-            sh(["ip", "netns", "add", sw])
-        except RuntimeError as exc:
-            raise Unavailable(f"cannot create a network namespace: {exc}") from exc
-        for bridge in ("br0", "br1"):
-            sh(["ip", "-n", sw, "link", "add", bridge, "type", "bridge", "stp_state", "0", "forward_delay", "0"])
-            sh(["ip", "-n", sw, "link", "set", bridge, "up"])
-        sh(["ip", "-n", sw, "addr", "add", f"{BOOTSTRAP_HOST_NETNS}/24", "dev", "br0"])
-        sh(["ip", "-n", sw, "link", "set", "lo", "up"])
-        for rank in self.ranks:
-            ns = self.ns(rank)
-            sh(["ip", "netns", "add", ns])
-            sh(["ip", "-n", sw, "link", "add", f"p{rank}", "type", "veth", "peer", "name", "eth0", "netns", ns])
-            sh(["ip", "-n", sw, "link", "set", f"p{rank}", "master", "br0", "up"])
-            sh(["ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0"])
-            sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-        probe = sh(["tc", "-n", sw, "qdisc", "add", "dev", "br1", "root", "netem", "delay", "1ms"], check=False)
-        self.netem = probe.returncode == 0
-        sh(["tc", "-n", sw, "qdisc", "del", "dev", "br1", "root"], check=False)
-
-    def links(self, ranks: Sequence[int]) -> list[tuple[str, str]]:
-        """(namespace, device) of each rank's upload (its eth0) and download (its switch port)."""
-        return [link for r in ranks for link in ((self.ns(r), "eth0"), (self.switch, f"p{r}"))]
+        self.star.build()
+        self.netem = has_netem(self.star.switch, "br1")
 
     def clear(self, ranks: Sequence[int] | None = None) -> None:
-        for r in list(self._shaped if ranks is None else ranks):
-            for ns, dev in self.links([r]):
-                sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)
-            self._shaped.discard(r)
+        ranks = list(self._shaped if ranks is None else ranks)
+        clear_links(self.star.links(ranks))
+        self._shaped.difference_update(ranks)
 
     def loss(self, ranks: Sequence[int], pct: float) -> str:
         self.clear(ranks)
-        for ns, dev in self.links(ranks):
-            if self.netem:
-                sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "loss", f"{pct:g}%"])
-                continue
-            # No sch_netem: an HTB class 1:20 whose leaf queue holds nothing, fed by a classic-BPF
-            # classifier that picks a random fraction of packets (ld rand; jge threshold).
-            threshold = min(2**32 - 1, int(pct / 100.0 * 2**32))
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
-            sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"])
-            sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:20", "htb", "rate", "8bit", "ceil", "8bit"])
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "pfifo", "limit", "0"])
-            code = f"4,32 0 0 {2**32 - 4096 + 56},53 1 0 {threshold},6 0 0 {0x10020},6 0 0 0"
-            sh(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "all", "prio", "1", "bpf",
-                "bytecode", code, "classid", "1:20"])
+        if self.netem:
+            shape_links(self.star.links(ranks), loss_pct=pct)
+        else:
+            drop_without_netem(self.star.links(ranks), pct)
         self._shaped.update(ranks)
         return "netem" if self.netem else "htb+cbpf"
 
     def delay(self, ranks: Sequence[int], ms: float) -> None:
         self.clear(ranks)
-        for ns, dev in self.links(ranks):
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{ms:g}ms", "limit", "10000"])
+        shape_links(self.star.links(ranks), delay_ms=ms, queue_packets=10000)
         self._shaped.update(ranks)
 
     def slow(self, ranks: Sequence[int], mbit: float) -> None:
         self.clear(ranks)
-        for ns, dev in self.links(ranks):
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
-            sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
-                f"{mbit:g}mbit", "ceil", f"{mbit:g}mbit"])
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo", "limit", "1000"])
+        shape_links(self.star.links(ranks), mbit, queue_packets=1000)
         self._shaped.update(ranks)
 
     def cut(self, ranks: Sequence[int]) -> None:
         """Move ``ranks``' switch ports to br1: they reach each other only, the rest (and the bootstrap node) not."""
         for r in ranks:
-            sh(["ip", "-n", self.switch, "link", "set", f"p{r}", "master", "br1"])
+            self.star.move_port(r, "br1")
             self._cut.add(r)
 
     def heal(self) -> None:
         for r in sorted(self._cut):
-            sh(["ip", "-n", self.switch, "link", "set", f"p{r}", "master", "br0"], check=False)
+            self.star.move_port(r, "br0", check=False)
         self._cut.clear()
 
     def reset(self) -> None:
@@ -576,6 +375,7 @@ class Swarm:
         self.overrides = overrides_for(ctx.args, spec.peers)
         self._last_tree = 0.0
         self.identities = ordered_rank_identities(run_dir, range(1, spec.peers + 1))
+        self.group = ProcessGroup(ctrl_c=True, grace_s=STOP_GRACE_S)
 
     def identity(self, rank: int) -> Path:
         """Rank ``rank``'s identity file: the same for every life of the rank (a restart keeps its peer id)."""
@@ -587,7 +387,7 @@ class Swarm:
         cmd = [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), "--join", self.ctx.bootstrap_addr,
                "--swarm-key", str(self.ctx.swarm_key), "--identity", str(self.identity(rank)),
                "--host", host, "--workers", str(self.spec.peers), "--out", str(out_dir), "--config", self.spec.config,
-               "--run-id", self.run_id, "--new-run", *peer_set_args(self.overrides)]
+               "--run-id", self.run_id, "--new-run", *set_args(self.overrides, without=("workers",))]
         return [*net.exec_prefix(rank), *cmd] if net else cmd
 
     def start(self, rank: int, env: dict[str, str] | None = None) -> Life:
@@ -597,11 +397,7 @@ class Swarm:
         self.dir.mkdir(parents=True, exist_ok=True)
         peer_env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
         peer_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env or {})})
-        with log_path.open("w") as log:
-            log.write(f"# {shlex.join(self.command(rank, out_dir))}\n")
-            log.flush()
-            proc = subprocess.Popen(self.command(rank, out_dir), stdout=log, stderr=subprocess.STDOUT, env=peer_env,
-                                    start_new_session=True, stdin=subprocess.DEVNULL)
+        proc = self.group.start(self.command(rank, out_dir), log_path, env=peer_env, header=True)
         life = Life(rank, index, out_dir, log_path, proc, time.monotonic())
         self.lives.append(life)
         return life
@@ -664,20 +460,9 @@ class Swarm:
         return out
 
     def stop(self) -> None:
-        """Resume, SIGINT, wait up to STOP_GRACE_S, SIGKILL the groups; then any process left in a life's
-        tree or session, and (--netem) in the peers' namespaces. Idempotent, never raises."""
-        live = [life for life in self.lives if life.proc.poll() is None]
-        for life in live:
-            signal_group(life.pid, signal.SIGCONT)
-            signal_group(life.pid, signal.SIGINT)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for life in live:
-            try:
-                life.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                signal_group(life.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    life.proc.wait(timeout=5)
+        """Resume, SIGINT, wait up to STOP_GRACE_S, SIGKILL the process groups (``ProcessGroup.stop``); then any
+        process left in a life's tree or session, and (--netem) in the peers' namespaces. Idempotent, never raises."""
+        self.group.stop()
         now = time.monotonic()
         for life in self.lives:
             if life.exit_code is None and life.proc.poll() is not None:
@@ -686,10 +471,9 @@ class Swarm:
         for life in self.lives:
             for info in self.leftovers(life, table):
                 signal_pid(info.pid, signal.SIGKILL)
-            signal_group(life.pid, signal.SIGKILL)
         if self.ctx.net is not None:
             for rank in range(1, self.spec.peers + 1):
-                for pid in self.ctx.net.namespace_pids(self.ctx.net.ns(rank)):
+                for pid in namespace_pids(self.ctx.net.ns(rank)):
                     signal_pid(pid, signal.SIGKILL)
 
 
@@ -704,6 +488,7 @@ class Context:
         self.args = args
         self.net: Net | None = None
         self.bootstrap: subprocess.Popen | None = None
+        self.bootstrap_group = ProcessGroup(ctrl_c=True, grace_s=10.0)
         self.bootstrap_addr = ""
         self.bootstrap_log: Path = args.out / "bootstrap.log"
         self.bootstrap_starts = 0
@@ -725,32 +510,14 @@ class Context:
 
             SwarmKey.generate().save(self.swarm_key)  # replaces an earlier bench's key in the same --out
             self._key_made = True
-        cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host, "--port", "0", "--swarm-key", str(self.swarm_key)]
-        if self.net:
-            cmd = [*self.net.exec_prefix(None), *cmd]
         self.args.out.mkdir(parents=True, exist_ok=True)
-        with self.bootstrap_log.open("a") as log:
-            start_at = log.tell()  # only this start's output counts (an earlier bench may have written here)
-            log.write(f"# {shlex.join(cmd)}\n")
-            log.flush()
-            self.bootstrap = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                              stdin=subprocess.DEVNULL,
-                                              env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        self.bootstrap_group = ProcessGroup(ctrl_c=True, grace_s=10.0)
         self.bootstrap_starts += 1
-        deadline = time.monotonic() + BOOTSTRAP_START_S
-        pattern = re.compile(rf"--join (/ip4/{re.escape(host)}/tcp/\d+/p2p/\w+)")
-        while time.monotonic() < deadline:
-            with self.bootstrap_log.open("rb") as log:
-                log.seek(start_at)
-                text = log.read().decode(errors="replace")
-            found = pattern.findall(text)
-            if found:
-                self.bootstrap_addr = found[-1]
-                return
-            if self.bootstrap.poll() is not None:
-                break
-            time.sleep(0.2)
-        raise RuntimeError(f"the bootstrap node did not start within {BOOTSTRAP_START_S:.0f}s:\n{tail_text(self.bootstrap_log, 15)}")
+        # The log is appended to: an earlier bench in the same --out may have written there; only this start counts.
+        self.bootstrap, self.bootstrap_addr = start_dht_node(
+            self.bootstrap_group, self.bootstrap_log, host=host, port=0, swarm_key=self.swarm_key,
+            where=self.net.exec_prefix(None) if self.net else (), timeout_s=BOOTSTRAP_START_S,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
 
     def stop_bootstrap(self) -> None:
         proc = self.bootstrap
@@ -758,25 +525,10 @@ class Context:
             return
         table = process_table()
         tree = [info.pid for info in descendants(table, proc.pid)]
-        if proc.poll() is None:
-            signal_group(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        signal_group(proc.pid, signal.SIGKILL)
-        for pid in tree:
+        self.bootstrap_group.stop()  # SIGINT, 10 s, SIGKILL of its process group
+        for pid in tree:  # and whatever it started elsewhere
             signal_pid(pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
         self.bootstrap = None
-
-
-def tail_text(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def warnings_of(path: Path, limit: int = 8) -> list[str]:
@@ -1245,7 +997,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     if args.netem:
-        why = netns_preflight()
+        why = preflight()
         if why:
             print(f"cannot run: {why}", file=sys.stderr)
             return EXIT_UNAVAILABLE

@@ -31,8 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # quality.py, a sibling script
-import quality  # noqa: E402
+import quality  # a sibling script: bench/ is on sys.path when a bench script runs
+from testbed.overrides import set_args
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = ["globalm1-localm2", "globalm1-adaptive"]
@@ -138,9 +138,7 @@ def run_wire(args) -> dict[tuple[str, str], dict]:
         sets = {"model.size": args.model, "inner_steps": args.inner_steps, "rounds": rounds,
                 "inner.synthetic_step_s": 0.01, "monitor.enabled": False, "device": "cpu",
                 "data.max_corpus_mb": 2.0, "timeouts.exchange_s": 60.0}
-        peer_args = ["--config", preset, "--quiet"]
-        for key, value in sets.items():
-            peer_args += ["--set", f"{key}={json.dumps(value)}"]
+        peer_args = ["--config", preset, "--quiet", *set_args(sets)]
         for s in VARIANTS[variant]:
             peer_args += ["--set", s]
         run_dir = args.out / f"wire-{preset}-{variant}-r{rounds}"

@@ -42,22 +42,20 @@ import tempfile
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script: make `bench.*` and `gossiploco` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import torch
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from gossiploco.config import ComputeConfig, InnerOptConfig, OuterOptConfig, load_config  # noqa: E402
-from gossiploco.data import Corpus, TokenStream  # noqa: E402
-from gossiploco.factored import FactoredDiLoCo  # noqa: E402
-from gossiploco.mixing import MemoryHub  # noqa: E402
-from gossiploco.runtime.common import build_trainer  # noqa: E402
-from gossiploco.model import MODEL_SIZES, build_model, count_parameters  # noqa: E402
-from gossiploco.optim import InnerOptimizer  # noqa: E402
-from gossiploco.runtime.launch import LocalPeers  # noqa: E402
-from gossiploco.trainer import LocalTrainer, resolve_device  # noqa: E402
-from gossiploco.utilization import CommPlan, block_sizes, report, resolve_scenario, simulate, wire_factor  # noqa: E402
+from gossiploco.config import ComputeConfig, InnerOptConfig, OuterOptConfig, load_config
+from gossiploco.data import Corpus, TokenStream
+from gossiploco.factored import FactoredDiLoCo
+from gossiploco.mixing import MemoryHub
+from gossiploco.runtime.common import build_trainer
+from gossiploco.model import MODEL_SIZES, build_model, count_parameters
+from gossiploco.optim import InnerOptimizer
+from gossiploco.runtime.launch import LocalPeers
+from gossiploco.trainer import LocalTrainer, resolve_device
+from gossiploco.utilization import CommPlan, block_sizes, report, resolve_scenario, simulate, wire_factor
+from testbed.overrides import set_args
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SHAPES = {"tiny": "8x128", "small": "8x128", "125m": "16x256,64x1024", "1.5b": "8x1024,16x2048:ckpt"}
@@ -208,9 +206,7 @@ def peer_overrides(args: argparse.Namespace) -> dict:
 def run_peers(preset: str, args: argparse.Namespace, out: Path) -> dict:
     """4 peers of ``preset`` on ``args.device``; per peer, medians over rounds 1.. of its round_times."""
     overrides = peer_overrides(args)
-    cli = ["--config", preset, "--device", args.device, "--quiet"]
-    for key, value in overrides.items():
-        cli += ["--set", f"{key}={json.dumps(value)}"]
+    cli = ["--config", preset, "--device", args.device, "--quiet", *set_args(overrides)]
     with LocalPeers(args.peers, out / preset, cli, env={"OMP_NUM_THREADS": str(args.threads)}) as peers:
         peers.start()
         codes = peers.wait(args.timeout_s)

@@ -43,12 +43,13 @@ import time
 from pathlib import Path
 
 from gossiploco.runtime.launch import LocalPeers
+from testbed.overrides import set_args
 
 
 def peer_args(args: argparse.Namespace, rounds: int, **sets) -> list[str]:
     settings = {"model.size": args.model, "inner_steps": args.inner_steps, "rounds": rounds, "seed": 0,
                 "device": "cpu", "monitor.enabled": False, **sets}
-    return ["--config", args.preset, "--quiet", *[a for k, v in settings.items() for a in ("--set", f"{k}={json.dumps(v)}")]]
+    return ["--config", args.preset, "--quiet", *set_args(settings)]
 
 
 def run(args: argparse.Namespace, name: str, out: Path, peers: int, rounds: int, slow: bool, **sets) -> dict:

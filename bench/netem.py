@@ -93,225 +93,63 @@ broke (a peer failed or timed out), 2 cannot run here, 130 interrupted. Output: 
 metrics.jsonl and summary.json; ``--sample-links 0.1`` adds every switch port's byte counters
 over time (links.jsonl).
 
-The probes run as ``bench/netem.py probe KIND ...`` inside the namespaces, one process per
-namespace (``bench/netem.py probe KIND --help``): ``ring``, ``swap``, ``tcp-server`` /
-``tcp-client`` (one raw TCP stream, no ZeroMQ: what a single flow gets out of the shaped link) and
-``sample`` (in the switch namespace: every port's byte counters at an interval, JSON lines).
+The network is the test bed's (``testbed.netns.Star``, links shaped by ``testbed.links``). The
+probes run as ``python -m testbed.probes KIND ...`` inside the namespaces, one process per namespace
+(``python -m testbed.probes KIND --help``): ``ring``, ``swap``, ``tcp-server`` / ``tcp-client`` (one
+raw TCP stream, no ZeroMQ: what a single flow gets out of the shaped link) and ``sample`` (in the
+switch namespace: every port's byte counters at an interval, JSON lines).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-SELF = Path(__file__).resolve()
-ROOT = SELF.parent.parent
+from testbed import netns
+from testbed.links import qdisc_text, shape_links
+from testbed.netns import PREFIX_RE, Star, Unavailable, preflight, prefix_lock, remove_namespaces, sh
+from testbed.overrides import set_args
+from testbed.peers import measured_overrides, predict, read_peer, run_swarm_key, start_dht_node
+from testbed.probes import RING_PORT, TCP_PORT
+from testbed.processes import ProcessGroup, child_env, tail
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_PREFIX = "gln"
 SUBNET = "10.77.0"
 """Peer I gets 10.77.0.{I+1}/24 (a private range; only inside this benchmark's namespaces)."""
 PEER_PORT = 7100
-RING_PORT = 6900
 SWAP_PORT = 6950
-TCP_PORT = 6800
-CMD_TIMEOUT_S = 20.0
-"""Deadline of one ip / tc command."""
 STOP_GRACE_S = 10.0
 """After SIGINT a process gets this long to leave before SIGKILL."""
-PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
 EXIT_UNAVAILABLE = 2
-
-
-class Unavailable(Exception):
-    """This machine cannot run the benchmark (not root, no ip/tc, namespaces refused)."""
-
-
-# ---------------------------------------------------------------------------------------
-# Commands
-
-
-def sh(cmd: Sequence[str], *, check: bool = True, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run one command with a deadline; raise with its stderr when ``check`` and it fails."""
-    try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{' '.join(cmd)}: no answer after {timeout:.0f}s") from exc
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: exit {proc.returncode}: {proc.stderr.strip()}")
-    return proc
-
-
-def preflight() -> str | None:
-    """Why this machine cannot run the benchmark, or None."""
-    if not sys.platform.startswith("linux"):
-        return f"needs Linux network namespaces; this is {sys.platform}"
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth and tc need CAP_NET_ADMIN); run it with sudo"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the `{tool}` command (iproute2), not found on PATH"
-    try:
-        proc = sh(["ip", "netns", "list"], check=False)
-    except RuntimeError as exc:
-        return f"`ip netns list` does not answer: {exc}"
-    if proc.returncode != 0:
-        return f"`ip netns` is unavailable: {proc.stderr.strip()}"
-    return None
+PROBES = [sys.executable, "-m", "testbed.probes"]
+"""The link probes' command (run from the repository root, in a namespace)."""
 
 
 # ---------------------------------------------------------------------------------------
 # The network
 
 
-def list_namespaces(prefix: str, suffix: str = r"sw|p\d+") -> list[str]:
-    """Namespaces this benchmark made with ``prefix`` (``PREFIX-sw``, ``PREFIX-pI``); ``suffix``, a regular
-    expression, names another tool's namespaces (bench/nat_testbed.py's)."""
-    pattern = re.compile(rf"^{re.escape(prefix)}-({suffix})$")
-    out = sh(["ip", "netns", "list"]).stdout
-    names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return sorted(n for n in names if pattern.match(n))
-
-
-def kill_namespace_processes(ns: str) -> list[int]:
-    """SIGKILL every process living in namespace ``ns`` (only ever one of ours), by pid."""
-    proc = sh(["ip", "netns", "pids", ns], check=False)
-    pids = [int(p) for p in proc.stdout.split() if p.isdigit()]
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    return pids
-
-
-def remove_namespaces(prefix: str, suffix: str = r"sw|p\d+") -> list[str]:
-    """Kill the processes in, then delete, every namespace with ``prefix`` (and ``suffix``, as in
-    ``list_namespaces``). Returns what was removed."""
-    names = list_namespaces(prefix, suffix)
-    for ns in names:
-        kill_namespace_processes(ns)
-    if names:
-        time.sleep(0.2)  # let the killed processes go (a namespace lives while a process is in it)
-    for ns in names:
-        sh(["ip", "netns", "del", ns], check=False)
-    return names
-
-
-@contextlib.contextmanager
-def prefix_lock(prefix: str) -> Iterator[None]:
-    """Hold ``/run/lock/gossiploco-netem-PREFIX.lock`` (or under /tmp): one run per prefix at a time."""
-    lock_dir = Path("/run/lock") if Path("/run/lock").is_dir() else Path(tempfile.gettempdir())
-    path = lock_dir / f"gossiploco-netem-{prefix}.lock"
-    with path.open("w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise Unavailable(f"another bench/netem.py run with prefix {prefix!r} is active ({path}); "
-                              "wait for it or use --prefix") from None
-        try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)  # still holding it: a run starting now makes a fresh file
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def shape_links(links: Sequence[tuple[str, str]], rate_mbit: float, delay_ms: float = 0.0, loss_pct: float = 0.0,
-                queue_packets: int = 1000, mtu: int = 1500) -> None:
-    """Shape each egress (namespace, device) of ``links`` as ``Network.shape`` describes (replaces earlier shaping)."""
-    rate = f"{rate_mbit:g}mbit"
-    limit = int(queue_packets)
-    for ns, dev in links:
-        sh(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False)  # earlier shaping, if any
-        sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10"])
-        sh(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb",
-            "rate", rate, "ceil", rate, "quantum", str(mtu + 14)])
-        # The leaf queue under the class: netem (delay / loss) or a plain FIFO.
-        if delay_ms > 0 or loss_pct > 0:
-            netem = ["netem", "limit", str(limit)]
-            if delay_ms > 0:
-                netem += ["delay", f"{delay_ms:g}ms"]
-            if loss_pct > 0:
-                netem += ["loss", f"{loss_pct:g}%"]
-            try:
-                sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", *netem])
-            except RuntimeError as exc:
-                raise Unavailable(f"cannot add a netem qdisc for --delay-ms / --loss-pct (this kernel may lack "
-                                  f"sch_netem): {exc}") from exc
-        else:
-            sh(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo", "limit", str(limit)])
-
-
-@dataclass
-class Network:
+class Network(Star):
     """``peers`` namespaces joined by a bridge in a switch namespace, each access link shaped (module docstring)."""
 
-    prefix: str
-    peers: int
-    mtu: int = 1500
-    built: bool = False
-    shaping: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not PREFIX_RE.match(self.prefix):
-            raise ValueError(f"--prefix must match {PREFIX_RE.pattern} (short: interface and namespace names), got {self.prefix!r}")
-        if not 1 <= self.peers <= 200:
-            raise ValueError(f"peers must be in 1..200, got {self.peers}")
-
-    @property
-    def switch(self) -> str:
-        return f"{self.prefix}-sw"
-
-    def ns(self, rank: int) -> str:
-        return f"{self.prefix}-p{rank}"
-
-    def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
-
-    def exec_prefix(self, rank: int) -> list[str]:
-        return ["ip", "netns", "exec", self.ns(rank)]
-
-    def exec_prefix_switch(self) -> list[str]:
-        return ["ip", "netns", "exec", self.switch]
-
-    def build(self) -> None:
-        """Create the namespaces, bridge and veth pairs. Raises ``Unavailable`` if namespaces are refused."""
-        sw = self.switch
-        try:
-            sh(["ip", "netns", "add", sw])
-        except RuntimeError as exc:
-            raise Unavailable(f"cannot create a network namespace: {exc}") from exc
-        self.built = True
-        try:
-            sh(["ip", "-n", sw, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0"])
-        except RuntimeError as exc:
-            raise Unavailable(f"cannot create a bridge: {exc}") from exc
-        sh(["ip", "-n", sw, "link", "set", "br0", "mtu", str(self.mtu), "up"])
-        for rank in range(self.peers):
-            ns = self.ns(rank)
-            sh(["ip", "netns", "add", ns])
-            sh(["ip", "-n", sw, "link", "add", f"p{rank}", "mtu", str(self.mtu), "type", "veth",
-                "peer", "name", "eth0", "mtu", str(self.mtu), "netns", ns])
-            sh(["ip", "-n", sw, "link", "set", f"p{rank}", "master", "br0", "up"])
-            sh(["ip", "-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0"])
-            sh(["ip", "-n", ns, "link", "set", "eth0", "up"])
-            sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-
-    def links(self) -> list[tuple[str, str]]:
-        """(namespace, device) of every shaped egress: each peer's upload, then each peer's download."""
-        return [(self.ns(r), "eth0") for r in range(self.peers)] + [(self.switch, f"p{r}") for r in range(self.peers)]
+    def __init__(self, prefix: str, peers: int, mtu: int = 1500):
+        if not 1 <= peers <= 200:
+            raise ValueError(f"peers must be in 1..200, got {peers}")
+        super().__init__(prefix, range(peers), lambda rank: f"{SUBNET}.{rank + 1}", mtu=mtu)
+        self.peers = peers
+        self.shaping: dict = {}
 
     def shape(self, rate_mbit: float, delay_ms: float = 0.0, loss_pct: float = 0.0, queue_packets: int = 1000) -> None:
         """Rate ``rate_mbit`` (10^6 bit/s of Ethernet frames) on every link in both directions, a FIFO of
@@ -321,106 +159,24 @@ class Network:
         self.shaping = {"rate_mbit": rate_mbit, "delay_ms": delay_ms, "loss_pct": loss_pct, "queue_packets": int(queue_packets)}
 
     def set_congestion_control(self, name: str) -> str:
-        """TCP congestion control of every peer namespace. ``auto``: cubic (Linux's default) when the
-        host allows it, else reno; ``inherit``: leave what the namespace got. Returns the one in use."""
-        allowed = sh(["ip", "netns", "exec", self.ns(0), "sysctl", "-n", "net.ipv4.tcp_allowed_congestion_control"],
-                     check=False).stdout.split()
-        if name == "auto":
-            name = "cubic" if "cubic" in allowed else "reno"
-        for rank in range(self.peers):
-            # Every connection starts fresh: no ssthresh / RTT remembered from an earlier run's connections.
-            sh(["ip", "netns", "exec", self.ns(rank), "sysctl", "-w", "net.ipv4.tcp_no_metrics_save=1"], check=False)
-        if name != "inherit":
-            for rank in range(self.peers):
-                proc = sh(["ip", "netns", "exec", self.ns(rank), "sysctl", "-w", f"net.ipv4.tcp_congestion_control={name}"],
-                          check=False)
-                if proc.returncode != 0:
-                    raise Unavailable(f"cannot use TCP congestion control {name!r} in the namespaces (allowed here: "
-                                      f"{' '.join(allowed) or '?'}): {proc.stderr.strip()}")
-        return sh(["ip", "netns", "exec", self.ns(0), "sysctl", "-n", "net.ipv4.tcp_congestion_control"]).stdout.strip()
+        """TCP congestion control of every peer namespace (``testbed.netns.set_congestion_control``)."""
+        return netns.set_congestion_control([self.ns(r) for r in self.ranks], name)
 
     def flush_tcp_metrics(self) -> None:
         """Forget what TCP learnt about each destination (before each run, so runs do not depend on their order)."""
-        for rank in range(self.peers):
+        for rank in self.ranks:
             sh(["ip", "-n", self.ns(rank), "tcp_metrics", "flush", "all"], check=False)
 
     def qdisc_text(self, rank: int = 0) -> str:
         """``tc qdisc show`` and ``tc class show`` of peer ``rank``'s two directions, for the record."""
-        parts = []
-        for label, ns, dev in (("upload", self.ns(rank), "eth0"), ("download", self.switch, f"p{rank}")):
-            qdisc = sh(["tc", "-n", ns, "qdisc", "show", "dev", dev]).stdout.strip()
-            cls = sh(["tc", "-n", ns, "class", "show", "dev", dev]).stdout.strip()
-            parts.append(f"{label} ({ns} {dev}):\n{qdisc}\n{cls}")
-        return "\n".join(parts)
-
-    def destroy(self) -> list[str]:
-        """Remove everything with this prefix (idempotent)."""
-        self.built = False
-        return remove_namespaces(self.prefix)
+        return qdisc_text([("upload", self.ns(rank), "eth0"), ("download", self.switch, f"p{rank}")])
 
 
-# ---------------------------------------------------------------------------------------
-# Processes
-
-
-class Group:
-    """Child processes in their own sessions; ``stop()`` always leaves none running."""
-
-    def __init__(self, out_dir: Path):
-        self.out_dir = out_dir
-        self.procs: list[subprocess.Popen] = []
-        self._logs: list[Any] = []
-
-    def start(self, cmd: list[str], log_name: str, env: dict[str, str]) -> subprocess.Popen:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        log = (self.out_dir / log_name).open("w")
-        self._logs.append(log)
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def wait(self, timeout_s: float, procs: list[subprocess.Popen] | None = None) -> list[int | None]:
-        """Exit codes once all of ``procs`` (default: every child) exit; None for any still running at the deadline."""
-        deadline = time.monotonic() + timeout_s
-        codes: list[int | None] = []
-        for proc in self.procs if procs is None else procs:
-            try:
-                codes.append(proc.wait(timeout=max(0.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
-        return codes
-
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGINT every live child's process group, wait up to ``grace_s``, then SIGKILL. Idempotent."""
-        live = [p for p in self.procs if p.poll() is None]
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGINT)
-        deadline = time.monotonic() + grace_s
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
-        for log in self._logs:
-            log.close()
-        self._logs = []
-
-
-def child_env() -> dict[str, str]:
-    """Children: unbuffered output, one math thread each (M peers share the machine's cores)."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
+def process_group(out_dir: Path) -> ProcessGroup:
+    """The processes of one probe or run: each in its own session, started from the repository root (so
+    ``-m testbed.probes`` is found), interrupted like Ctrl+C and killed ``STOP_GRACE_S`` later."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return ProcessGroup(env=child_env(), cwd=ROOT, ctrl_c=True, grace_s=STOP_GRACE_S)
 
 # ---------------------------------------------------------------------------------------
 # Probes of the link
@@ -428,15 +184,14 @@ def tail(path: Path, lines: int = 15) -> str:
 
 def probe_tcp(net: Network, out_dir: Path, seconds: float) -> dict:
     """One raw TCP stream from peer 0 to peer 1: its goodput."""
-    group = Group(out_dir)
+    group = process_group(out_dir)
     result_path = out_dir / "tcp.json"
     result_path.unlink(missing_ok=True)
-    probe = [sys.executable, str(SELF), "probe"]
     try:
-        group.start([*net.exec_prefix(1), *probe, "tcp-server", "--host", net.address(1),
-                     "--port", str(TCP_PORT), "--out", str(result_path), "--timeout-s", "60"], "tcp-server.log", child_env())
-        group.start([*net.exec_prefix(0), *probe, "tcp-client", "--host", net.address(1),
-                     "--port", str(TCP_PORT), "--seconds", str(seconds), "--timeout-s", "60"], "tcp-client.log", child_env())
+        group.start([*net.exec_prefix(1), *PROBES, "tcp-server", "--host", net.address(1), "--port", str(TCP_PORT),
+                     "--out", str(result_path), "--timeout-s", "60"], out_dir / "tcp-server.log")
+        group.start([*net.exec_prefix(0), *PROBES, "tcp-client", "--host", net.address(1), "--port", str(TCP_PORT),
+                     "--seconds", str(seconds), "--timeout-s", "60"], out_dir / "tcp-client.log")
         codes = group.wait(seconds + 90)
     finally:
         group.stop()
@@ -458,17 +213,17 @@ def probe_ring(net: Network, out_dir: Path, numel: int, repeats: int, timeout_s:
     (ports RING_PORT, RING_PORT + 1) and times them alternately, repeat by repeat (the order swaps each
     repeat), so load and link state affect both alike. ``durations_s``: the first transport's."""
     security = list(security)
-    group = Group(out_dir)
+    group = process_group(out_dir)
     paths = [out_dir / f"ring-{r}.json" for r in range(net.peers)]
     key = ["--swarm-key", str(run_swarm_key(out_dir))] if "curve" in security else []
     try:
         for r, path in enumerate(paths):
             path.unlink(missing_ok=True)
-            group.start([*net.exec_prefix(r), sys.executable, str(SELF), "probe", "ring", "--rank", str(r),
+            group.start([*net.exec_prefix(r), *PROBES, "ring", "--rank", str(r),
                          "--hosts", ",".join(net.address(q) for q in range(net.peers)), "--port", str(RING_PORT),
                          "--numel", str(numel), "--repeats", str(repeats), "--timeout-s", str(timeout_s),
                          "--chunk-mb", str(chunk_mb), "--security", ",".join(security), *key, "--out", str(path)],
-                        f"ring-{r}.log", child_env())
+                        out_dir / f"ring-{r}.log")
         codes = group.wait(timeout_s * (len(security) * repeats + 2) + 60)
     finally:
         group.stop()
@@ -494,15 +249,15 @@ def probe_swap(net: Network, out_dir: Path, mb: float, chunk_mb: float, heartbea
     """The heartbeat check: peers 0 and 1 swap ``mb`` MB with ``ZmqExchange.swap`` in ``chunk_mb`` MiB
     chunks, with heartbeat timeout ``heartbeat_s`` (0: the runtime's). A failed swap is a result, not
     an error: ``{"ok": False, "error": ...}``; an error is a probe that did not report at all."""
-    group = Group(out_dir)
+    group = process_group(out_dir)
     peers = f"tcp://{net.address(0)}:{SWAP_PORT},tcp://{net.address(1)}:{SWAP_PORT}"
     paths = [out_dir / f"swap-{r}.json" for r in range(2)]
     try:
         for r, path in enumerate(paths):
             path.unlink(missing_ok=True)
-            group.start([*net.exec_prefix(r), sys.executable, str(SELF), "probe", "swap", "--rank", str(r), "--peers", peers,
+            group.start([*net.exec_prefix(r), *PROBES, "swap", "--rank", str(r), "--peers", peers,
                          "--mb", str(mb), "--chunk-mb", str(chunk_mb), "--heartbeat-s", str(heartbeat_s),
-                         "--timeout-s", str(timeout_s), "--out", str(path)], f"swap-{r}.log", child_env())
+                         "--timeout-s", str(timeout_s), "--out", str(path)], out_dir / f"swap-{r}.log")
         codes = group.wait(2 * timeout_s + 60)
     finally:
         group.stop()
@@ -536,46 +291,13 @@ class Plan:
 
 def preset_overrides(preset: str, args: argparse.Namespace) -> dict:
     """The ``--set`` overrides of one preset's peers (also what the prediction loads)."""
-    from gossiploco.config import load_config
-
-    sync = load_config(preset).mode == "sync-dp"
-    overrides: dict[str, Any] = {
-        "model.size": args.model,
-        "workers": args.workers,
-        "inner_steps": args.sync_dp_inner_steps if sync else args.inner_steps,
-        "rounds": args.sync_dp_rounds if sync else args.rounds,
-        "seed": 0,
-        "device": "cpu",
-        "data.seq_len": args.seq_len,
-        "data.batch_size": args.batch_size,
-        "data.heldout_batch_size": 2,
-        "data.val_batches": 1,
-        "data.max_corpus_mb": 2.0,
-        "inner.warmup_steps": 1,
-        "monitor.enabled": False,
-        "timeouts.exchange_s": args.exchange_timeout_s,
-        "timeouts.startup_s": 120.0,
-        "transport.chunk_mb": args.chunk_mb,
-    }
     from gossiploco.cli_options import parse_sets
 
-    overrides.update(parse_sets(args.sets))  # e.g. mix1.compression=4bit: the peers run it, the prediction loads it
-    if not args.real_compute:
-        overrides["inner.synthetic_step_s"] = args.step_time
-    if load_config(preset).mix2.mode == "adaptive":
-        # Adaptive Mix2 is driven by the monitors: one consensus measurement per round, at h = 0.
-        overrides.update({"monitor.enabled": True, "monitor.every": 0, "monitor.val_loss": False})
-    return overrides
-
-
-def predict(cfg: Any, bandwidth_mbps: float, step_time_s: float) -> dict:
-    """``gossiploco utilization`` for ``cfg``: real parameter count and block fractions of its model."""
-    from gossiploco import utilization as util
-
-    vocab = util.default_vocab_size(cfg)
-    plan = util.CommPlan.from_config(cfg, vocab, with_monitors=True)  # what the peers run, monitors included
-    sc = util.resolve_scenario(cfg, bandwidth_mbps=bandwidth_mbps, vocab_size=vocab, step_time_s=step_time_s)
-    return util.report(plan, sc, util.simulate(plan, sc))
+    return measured_overrides(
+        preset, model=args.model, workers=args.workers, inner_steps=args.inner_steps, rounds=args.rounds,
+        sync_dp_inner_steps=args.sync_dp_inner_steps, sync_dp_rounds=args.sync_dp_rounds, seq_len=args.seq_len,
+        batch_size=args.batch_size, exchange_timeout_s=args.exchange_timeout_s, chunk_mb=args.chunk_mb,
+        step_time_s=None if args.real_compute else args.step_time, sets=parse_sets(args.sets))
 
 
 def make_plan(preset: str, bandwidth_mbps: float, args: argparse.Namespace) -> Plan:
@@ -584,17 +306,6 @@ def make_plan(preset: str, bandwidth_mbps: float, args: argparse.Namespace) -> P
     overrides = preset_overrides(preset, args)
     cfg = load_config(preset, overrides)
     return Plan(preset, bandwidth_mbps, overrides, cfg, predict(cfg, bandwidth_mbps, args.step_time))
-
-
-def run_swarm_key(out_dir: Path) -> Path:
-    """A fresh swarm key for one run, ``out_dir/swarm.key`` (peers are always encrypted; the bootstrap
-    node reads the same file instead of writing ``swarm.key`` into the current directory)."""
-    from gossiploco.security.swarm_key import SwarmKey
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "swarm.key"
-    path.unlink(missing_ok=True)  # an earlier run's, in a reused --out
-    return SwarmKey.generate().save(path)
 
 
 def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, heartbeat_s: float = 0.0,
@@ -609,59 +320,18 @@ def peer_command(net: Network, plan: Plan, rank: int, port: int, out_dir: Path, 
                  "--identity", str(out_dir / f"peer-{rank}" / "identity.key"), *key]
     else:
         where = ["--peers", ",".join(f"tcp://{net.address(r)}:{port}" for r in range(net.peers)), *key]
-    sets = []
-    for key, value in plan.overrides.items():
-        if key != "workers":  # the world size comes from --peers, or --workers with --join
-            sets += ["--set", f"{key}={json.dumps(value)}"]
+    sets = set_args(plan.overrides, without=("workers",))  # the world size: --peers, or --workers with --join
     if heartbeat_s:
         sets += ["--set", f"timeouts.heartbeat_s={heartbeat_s}"]
     return [*net.exec_prefix(rank), sys.executable, "-m", "gossiploco", "peer", "--config", plan.preset,
             "--rank", str(rank), *where, "--out", str(out_dir / f"peer-{rank}"), "--quiet", *sets]
 
 
-def start_bootstrap(net: Network, group: Group, port: int, timeout_s: float = 60.0) -> str:
-    """``gossiploco dht`` in peer 0's namespace with the run's swarm key (``group.out_dir/swarm.key``);
-    returns the multiaddr it prints for ``--join``."""
-    proc = group.start([*net.exec_prefix(0), sys.executable, "-m", "gossiploco", "dht", "--host", net.address(0),
-                        "--port", str(port), "--swarm-key", str(group.out_dir / "swarm.key")], "bootstrap.log", child_env())
-    log = group.out_dir / "bootstrap.log"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        for line in log.read_text(errors="replace").splitlines():
-            if "--join " in line:
-                return line.split("--join ", 1)[1].split()[0]
-        time.sleep(0.2)
-    raise RuntimeError(f"the bootstrap node did not print its address within {timeout_s:.0f}s:\n{tail(log)}")
-
-
-def read_peer(out_dir: Path, rank: int) -> dict:
-    """One peer's summary plus the per-round fields of its last record (the last round's Mix timings)."""
-    peer_dir = out_dir / f"peer-{rank}"
-    summary = json.loads((peer_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (peer_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = records[-1] if records else {}
-    rounds = summary["rounds"]
-    # The final record's monitor_s is the final measurement (after the rounds): not round time.
-    monitor_rounds = summary.get("total_monitor_s", 0.0) - last.get("monitor_s", 0.0)
-    blocking = {
-        "mix1_wait_s": summary.get("total_mix1_wait_s", 0.0),
-        "mix2_s": summary.get("total_mix2_s", 0.0),
-        "grad_s": summary.get("total_grad_s", 0.0),
-        "monitor_s": monitor_rounds,
-    }
-    other = summary["total_rounds_s"] - summary["total_compute_s"] - sum(blocking.values())
-    return {
-        "rank": rank,
-        "round_utilization": summary["round_utilization"],
-        "compute_s": summary["total_compute_s"],
-        "rounds_s": summary["total_rounds_s"],
-        **blocking,
-        "other_s": other,
-        "per_round_s": summary["total_rounds_s"] / rounds,
-        "last_round": {k: last.get(k) for k in ("mix1_s", "mix1_wait_s", "mix2_s", "outer_s", "mix1_bytes", "mix2_bytes")},
-        "failures": {k: summary.get(k, 0) for k in ("mix1_failures", "mix2_failures", "grad_failures", "monitor_failures")},
-        "bytes_sent": summary.get("bytes_sent"),
-    }
+def start_bootstrap(net: Network, group: ProcessGroup, out_dir: Path, port: int, timeout_s: float = 60.0) -> str:
+    """``gossiploco dht`` in peer 0's namespace with the run's swarm key (``out_dir/swarm.key``), logging to
+    ``out_dir/bootstrap.log``; returns the multiaddr it prints for ``--join``."""
+    return start_dht_node(group, out_dir / "bootstrap.log", host=net.address(0), port=port,
+                          swarm_key=out_dir / "swarm.key", where=net.exec_prefix(0), timeout_s=timeout_s)[1]
 
 
 def link_busy(path: Path, rate_mbit: float) -> dict | None:
@@ -694,23 +364,23 @@ def run_plan(net: Network, plan: Plan, args: argparse.Namespace, out_dir: Path, 
              goodput_mbps: float | None = None) -> dict:
     """M peers of ``plan`` on the shaped network; their measurements and the comparison."""
     net.flush_tcp_metrics()
-    group = Group(out_dir)
+    group = process_group(out_dir)
     timeout_s = args.startup_allowance_s + 3.0 * plan.prediction["wall_s"] * plan.cfg.rounds
     start = time.monotonic()
-    sampler = Group(out_dir)
+    sampler = process_group(out_dir)
     try:
         if args.sample_links:
-            sampler.start([*net.exec_prefix_switch(), sys.executable, str(SELF), "probe", "sample",
-                           "--interval-s", str(args.sample_links), "--seconds", str(timeout_s + 30),
-                           "--out", str(out_dir / "links.jsonl")], "sampler.log", child_env())
+            sampler.start([*net.exec_prefix(None), *PROBES, "sample", "--interval-s", str(args.sample_links),
+                           "--seconds", str(timeout_s + 30), "--out", str(out_dir / "links.jsonl")],
+                          out_dir / "sampler.log")
         run_swarm_key(out_dir)
         if args.discovery == "dht":
             from gossiploco.security.options import ordered_identities
 
             ordered_identities(net.peers, out_dir)  # out_dir/peer-I/identity.key, peer ids in rank order
-        join = start_bootstrap(net, group, port + 1) if args.discovery == "dht" else None  # stopped with the group
+        join = start_bootstrap(net, group, out_dir, port + 1) if args.discovery == "dht" else None  # stopped with the group
         peers = [group.start(peer_command(net, plan, rank, port, out_dir, args.heartbeat_timeout_s, join),
-                             f"peer-{rank}.log", child_env()) for rank in range(net.peers)]
+                             out_dir / f"peer-{rank}.log") for rank in range(net.peers)]
         codes = group.wait(timeout_s, peers)
     finally:
         group.stop()
@@ -884,234 +554,13 @@ def mix_rate(results: dict, preset: str, bandwidth: float, mix: str) -> float | 
 
 
 # ---------------------------------------------------------------------------------------
-# Probes: ``bench/netem.py probe KIND``, one process inside each namespace
-
-
-def _exchange(rank: int, peers: str, run_id: str, timeout_s: float, chunk_mb: float, heartbeat_s: float | None = None,
-              swarm_key: str | None = None):
-    """A ``ZmqExchange`` among ``peers`` (comma-separated endpoints) with the peers' transport settings;
-    plaintext, or CurveZMQ with a static list's identities when ``swarm_key`` (a key file) is given."""
-    from gossiploco.config import TransportConfig
-    from gossiploco.transport.zmq_exchange import ZmqExchange
-
-    trust = None
-    if swarm_key:
-        from gossiploco.security.swarm_key import SwarmKey
-        from gossiploco.security.trust import Trust
-
-        trust = Trust.static(SwarmKey.load(swarm_key), rank, len(peers.split(",")))
-    transport = TransportConfig(chunk_mb=chunk_mb)  # messages up to the peers' default 64 MiB
-    return ZmqExchange(rank, peers.split(","), run_id, timeout_s, max_message_bytes=int(transport.max_message_mb * (1 << 20)),
-                       chunk_bytes=int(transport.chunk_mb * (1 << 20)) // 4 * 4, heartbeat_s=heartbeat_s, trust=trust)
-
-
-def ring_side(args: argparse.Namespace) -> int:
-    """Time ``--repeats`` ring all-reduces of ``--numel`` fp32 (``ZmqExchange.all_reduce_mean``, the code
-    Mix1 and DiLoCo's Mix2 run) per transport of ``--security``, each after a tiny barrier all-reduce on
-    the same exchange so every peer starts together; check the mean; write the seconds per repeat to
-    ``--out``. Transport i listens on ``--port`` + i; with several they alternate, the order swapping
-    every repeat."""
-    import torch
-
-    torch.set_num_threads(1)
-    security = [m for m in args.security.split(",") if m]
-    if "curve" in security and not args.swarm_key:
-        print("--security curve needs --swarm-key", file=sys.stderr)
-        return 2
-    hosts = args.hosts.split(",")
-    members = list(range(len(hosts)))
-    exchanges = {}
-    seconds: dict[str, list[float]] = {mode: [] for mode in security}
-    cpu: dict[str, list[float]] = {mode: [] for mode in security}  # this process's CPU seconds (all threads)
-    try:
-        for i, mode in enumerate(security):
-            peers = ",".join(f"tcp://{h}:{args.port + i}" for h in hosts)
-            exchanges[mode] = _exchange(args.rank, peers, f"netem-ring-{mode}", args.timeout_s, args.chunk_mb,
-                                        swarm_key=args.swarm_key if mode == "curve" else None)
-        for mode, ex in exchanges.items():
-            if not ex.wait_connected(args.timeout_s):
-                print(f"rank {args.rank}: peers not connected ({mode}) after {args.timeout_s}s", file=sys.stderr)
-                return 1
-        flat = torch.full((args.numel,), float(args.rank + 1))
-        expected = sum(r + 1 for r in members) / len(members)
-        tiny = torch.zeros(1)
-        for k in range(args.repeats):
-            for mode in (security if k % 2 == 0 else security[::-1]):
-                ex = exchanges[mode]
-                ex.all_reduce_mean(f"barrier/{k}", tiny, members)
-                start, cpu0 = time.perf_counter(), time.process_time()
-                out = ex.all_reduce_mean(f"mix1/{k}", flat, members)
-                seconds[mode].append(time.perf_counter() - start)
-                cpu[mode].append(time.process_time() - cpu0)
-                if abs(float(out[0]) - expected) > 1e-4 or abs(float(out[-1]) - expected) > 1e-4:
-                    print(f"rank {args.rank}: wrong all-reduce result ({mode}) {float(out[0])} != {expected}", file=sys.stderr)
-                    return 1
-        for ex in exchanges.values():
-            ex.all_reduce_mean("barrier/end", tiny, members)
-    finally:
-        for ex in exchanges.values():
-            ex.close(linger_s=0.5)
-    Path(args.out).write_text(json.dumps({"rank": args.rank, "numel": args.numel, "workers": len(members),
-                                          "seconds": seconds[security[0]], "seconds_by_security": seconds,
-                                          "cpu_s_by_security": cpu}))
-    return 0
-
-
-def swap_side(args: argparse.Namespace) -> int:
-    """One side of the heartbeat check: swap ``--mb`` MB with the other rank; write whether it worked
-    (and how long it took, or why it failed) to ``--out``. Exit 0 either way: a failed swap is the
-    measurement; only a probe that cannot report exits non-zero."""
-    import torch
-
-    from gossiploco.config import TimeoutConfig
-    from gossiploco.errors import ExchangeError
-
-    torch.set_num_threads(1)
-    heartbeat_s = args.heartbeat_s or TimeoutConfig().heartbeat_s  # 0: what a peer runs with by default
-    ex = _exchange(args.rank, args.peers, "netem-swap", args.timeout_s, args.chunk_mb, heartbeat_s)
-    out: dict[str, Any] = {"rank": args.rank, "heartbeat_s": heartbeat_s, "chunk_mb": args.chunk_mb, "mb": args.mb}
-    try:
-        if not ex.wait_connected(args.timeout_s):
-            out.update(ok=False, error=f"peers not connected after {args.timeout_s}s")
-        else:
-            start = time.perf_counter()
-            try:
-                ex.swap("mix2/0", 1 - args.rank, torch.ones(int(args.mb * 1e6 / 4)))
-                out.update(ok=True, seconds=round(time.perf_counter() - start, 2))
-            except ExchangeError as exc:
-                out.update(ok=False, seconds=round(time.perf_counter() - start, 2), error=f"{type(exc).__name__}: {exc}")
-            # A swap returns once the partner's data is in: wait until the partner has ours too before
-            # closing. After a failed swap this barrier may fail too (at once, or at --timeout-s): the
-            # result is already known.
-            with contextlib.suppress(ExchangeError):
-                ex.all_reduce_mean("done", torch.zeros(1), [0, 1])
-    finally:
-        ex.close(linger_s=1.0)
-    Path(args.out).write_text(json.dumps(out))
-    return 0
-
-
-def tcp_server(args: argparse.Namespace) -> int:
-    """Accept one TCP stream, count what arrives until the sender closes; write the goodput to ``--out``."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((args.host, args.port))
-    srv.listen(1)
-    srv.settimeout(args.timeout_s)
-    conn, _ = srv.accept()
-    conn.settimeout(args.timeout_s)
-    received, first, last = 0, None, None
-    with conn, srv:
-        while True:
-            data = conn.recv(1 << 20)
-            if not data:
-                break
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                received += len(data)  # bytes after the first read, over the time after it
-            last = now
-    if first is None or last is None or last <= first:
-        print("tcp-server: nothing received", file=sys.stderr)
-        return 1
-    Path(args.out).write_text(json.dumps({"bytes": received, "seconds": last - first,
-                                          "mbps": received * 8 / (last - first) / 1e6}))
-    return 0
-
-
-def tcp_client(args: argparse.Namespace) -> int:
-    """Send zeros to the server as fast as TCP takes them for ``--seconds``."""
-    deadline = time.monotonic() + args.timeout_s
-    while True:  # the server may not listen yet
-        try:
-            conn = socket.create_connection((args.host, args.port), timeout=2.0)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-    buf = b"\0" * (1 << 16)
-    conn.settimeout(args.timeout_s)
-    start = time.monotonic()
-    with conn:
-        while time.monotonic() - start < args.seconds:
-            conn.sendall(buf)
-        conn.shutdown(socket.SHUT_WR)  # the server's byte count ends when the queued data has arrived
-        conn.recv(1)
-    return 0
-
-
-def sample_links(args: argparse.Namespace) -> int:
-    """Every ``--interval-s``, the byte counters of every interface of this namespace (the switch's
-    veths: rx = what the peer sent, tx = what it received), one JSON line per sample, until killed."""
-    net = Path("/sys/class/net")
-    devs = sorted(d.name for d in net.iterdir() if d.name not in ("lo", "br0"))
-    with open(args.out, "w") as out:
-        deadline = time.monotonic() + args.seconds
-        while time.monotonic() < deadline:
-            row: dict[str, Any] = {"t": time.time()}
-            for dev in devs:
-                stats = net / dev / "statistics"
-                row[dev] = [int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())]
-            out.write(json.dumps(row) + "\n")
-            out.flush()
-            time.sleep(args.interval_s)
-    return 0
-
-
-def probe_main(argv: Sequence[str]) -> int:
-    """``bench/netem.py probe KIND ...``: one probe process (the benchmark starts them in the namespaces)."""
-    parser = argparse.ArgumentParser(prog="bench/netem.py probe", description="One link probe, run inside a "
-                                     "namespace of bench/netem.py's network (the benchmark starts these itself).")
-    sub = parser.add_subparsers(dest="kind", required=True)
-    p = sub.add_parser("ring", help="time the project's ring all-reduce among all peers")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--hosts", required=True, help="Comma-separated addresses of every peer, in rank order.")
-    p.add_argument("--port", type=int, default=RING_PORT, help="Port of the first transport of --security (the next: +1).")
-    p.add_argument("--security", default="plain", help="Comma-separated transports to time, alternately: plain "
-                   "(trust=None) and/or curve (CurveZMQ, Trust.static from --swarm-key).")
-    p.add_argument("--swarm-key", help="Swarm key file (curve): the static identities derive from it.")
-    p.add_argument("--numel", type=int, required=True, help="fp32 values to all-reduce.")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--chunk-mb", type=float, default=4.0, help="transport.chunk_mb (every peer's must match).")
-    p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--out", required=True)
-    p = sub.add_parser("swap", help="the heartbeat check: swap a payload between rank 0 and rank 1")
-    p.add_argument("--rank", type=int, choices=(0, 1), required=True)
-    p.add_argument("--peers", required=True, help="The two endpoints, tcp://HOST:PORT,tcp://HOST:PORT.")
-    p.add_argument("--mb", type=float, default=8.0, help="Payload of the swap, MB.")
-    p.add_argument("--chunk-mb", type=float, default=4.0, help="transport.chunk_mb (both sides' must match).")
-    p.add_argument("--heartbeat-s", type=float, default=0.0, help="Heartbeat timeout (0: the runtime's default).")
-    p.add_argument("--timeout-s", type=float, default=120.0)
-    p.add_argument("--out", required=True)
-    p = sub.add_parser("tcp-server", help="receive one raw TCP stream, write its goodput")
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, default=TCP_PORT)
-    p.add_argument("--timeout-s", type=float, default=60.0)
-    p.add_argument("--out", required=True)
-    p = sub.add_parser("tcp-client", help="send one raw TCP stream")
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, default=TCP_PORT)
-    p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--timeout-s", type=float, default=60.0)
-    p = sub.add_parser("sample", help="this namespace's byte counters at an interval (JSON lines)")
-    p.add_argument("--interval-s", type=float, default=0.1)
-    p.add_argument("--seconds", type=float, default=3600.0)
-    p.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    return {"ring": ring_side, "swap": swap_side, "tcp-server": tcp_server, "tcp-client": tcp_client,
-            "sample": sample_links}[args.kind](args)
-
-
-# ---------------------------------------------------------------------------------------
 # Main
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="Real gossiploco peers on tc-shaped links in network namespaces: "
                                      "measured compute utilization against the simulator.",
-                                     epilog="`bench/netem.py probe KIND --help`: the link probes it runs inside the "
+                                     epilog="`python -m testbed.probes KIND --help`: the link probes it runs inside the "
                                      "namespaces (ring, swap, tcp-server, tcp-client, sample).",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--presets", default="all", help="Comma-separated preset names, 'all' (every file in peers/) or "
@@ -1214,7 +663,9 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["probe"]:
+    if argv[:1] == ["probe"]:  # the link probes' old entry point
+        from testbed.probes import main as probe_main
+
         return probe_main(argv[1:])
     args = parse_args(argv)
     if not PREFIX_RE.match(args.prefix):

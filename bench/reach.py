@@ -1,4 +1,4 @@
-"""What each path between peers costs, measured with real peers in the NAT testbed (bench/nat_testbed.py).
+"""What each path between peers costs, measured with real peers in the NAT testbed (testbed/nat.py).
 
 For each shaped rate B (``--rates``; every host's access link shaped to B each way) and each path
 (``gossiploco.reach.paths``) it runs two real peers, each a ``joined_peer(...)`` (tiny config,
@@ -19,7 +19,8 @@ and measures, with ``ZmqExchange.swap`` over that path (probe ``bench/reach.py p
    relay's too) between barrier swaps around the bulk swaps; also net of an idle window's rate.
 
 Then (``--swarm-rate``) a 4-peer swarm, ``gossiploco peer --join`` on pub1, pub2, home0, home1 with the
-bootstrap on pub0, synthetic inner steps (bench/netem.py's settings), against the simulator (see
+bootstrap on pub0, synthetic inner steps (bench/netem.py's settings, ``testbed.peers.measured_overrides``),
+against the simulator (see
 ``swarm_prediction`` for how the relay's constraint goes in); ``--ring-orders topology,id`` runs it once
 per ``transport.ring_order`` (the effect of topology-aware rings), ``--relay-rate`` gives the relay a
 slower link than the peers' (a relay shared by many). TCP congestion control: ``--cc`` in every
@@ -41,12 +42,11 @@ import sys
 import time
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script: make `bench.*` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.nat_testbed import (NatTestbed, NatUnavailable, nat_preflight, netns_peers,  # noqa: E402
-                               start_dht_node)
-from bench.netem import Group, child_env, predict, preset_overrides, read_peer, sh, tail  # noqa: E402
+from testbed.nat import NatTestbed, NatUnavailable, nat_preflight
+from testbed.netns import sh
+from testbed.overrides import set_args
+from testbed.peers import measured_overrides, netns_peers, predict, read_peer
+from testbed.processes import ProcessGroup, child_env, tail
 
 SELF = Path(__file__).resolve()
 ROOT = SELF.parent.parent
@@ -155,14 +155,14 @@ def measure_pair(bed: NatTestbed, out: Path, join: str, path: str, rate: float, 
     hosts = [bed.host(h) for h in PAIRS[path]]
     cpu_ns = [h.ns for h in hosts] + [bed.host(RELAY).ns]
     mb = args.mb[args.rates.index(rate)]
-    group, load0, t0 = Group(d), os.getloadavg(), time.monotonic()
+    group, load0, t0 = ProcessGroup(env=child_env(), cwd=ROOT, ctrl_c=True, grace_s=10.0), os.getloadavg(), time.monotonic()
     for i, host in enumerate(hosts):
-        cmd = [*host.exec_prefix(), sys.executable, str(SELF), "probe", "--join", join, "--swarm-key", str(out / "swarm.key"),
+        cmd = [*host.exec_prefix(), sys.executable, "-m", "bench.reach", "probe", "--join", join, "--swarm-key", str(out / "swarm.key"),
                "--identity", str(ids[i]), "--partner", str(ids[1 - i]), "--host", host.address, "--mb", str(mb),
                "--repeats", str(args.repeats), "--pings", str(args.pings), "--run-id", f"reach-{path}-{rate:g}",
                "--out", str(d / f"probe-{i}.json"), "--timeout-s", str(args.probe_timeout_s)]
         cmd += ["--cpu-ns", ",".join(cpu_ns)] if i == 0 else []
-        group.start(cmd, f"probe-{i}.log", child_env())
+        group.start(cmd, d / f"probe-{i}.log")
     try:
         codes = group.wait(3 * args.probe_timeout_s + 120)
     finally:
@@ -193,7 +193,7 @@ def measure_pair(bed: NatTestbed, out: Path, join: str, path: str, rate: float, 
 
 
 def swarm_prediction(cfg, rate: float, step_s: float, ids: list[int]) -> dict:
-    """The simulator's round (``bench.netem.predict``: one link rate B for every peer), plus the relay.
+    """The simulator's round (``testbed.peers.predict``: one link rate B for every peer), plus the relay.
 
     ``gossiploco.utilization`` has one bandwidth for every link; it cannot place a relay. What goes
     through the relay here: the ring (Mix1) never does (``agreement.ring_order`` puts NAT'd peers
@@ -216,14 +216,14 @@ def swarm_prediction(cfg, rate: float, step_s: float, ids: list[int]) -> dict:
 
 def measure_swarm(bed: NatTestbed, out: Path, join: str, rate: float, args: argparse.Namespace,
                   goodput: float | None, ring_order: str = "topology") -> dict:
-    o = argparse.Namespace(model=args.model, workers=4, inner_steps=args.inner_steps, rounds=args.rounds, seq_len=64,
-                           batch_size=4, exchange_timeout_s=120.0, chunk_mb=4.0, real_compute=False,
-                           step_time=args.step_time, sync_dp_inner_steps=5, sync_dp_rounds=2)
-    overrides = {**preset_overrides(PRESET, o), "transport.ring_order": ring_order}
+    overrides = measured_overrides(PRESET, model=args.model, workers=4, inner_steps=args.inner_steps, rounds=args.rounds,
+                                   sync_dp_inner_steps=5, sync_dp_rounds=2, seq_len=64, batch_size=4,
+                                   exchange_timeout_s=120.0, chunk_mb=4.0, step_time_s=args.step_time,
+                                   sets={"transport.ring_order": ring_order})
     from gossiploco.config import load_config
 
     cfg = load_config(PRESET, overrides)
-    sets = [a for k, v in overrides.items() if k != "workers" for a in ("--set", f"{k}={json.dumps(v)}")]
+    sets = set_args(overrides, without=("workers",))
     d = out / f"swarm-{rate:g}-{ring_order}"
     load0, t0 = os.getloadavg(), time.monotonic()
     # --new-run: each measured swarm is a run of its own beside the earlier ones' entries, which may outlive them
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> dict:
             SwarmKey.generate().save(out / "swarm.key")
             if args.relay_rate:  # a busy relay: its link slower than the peers'
                 bed.shape(bed.host(RELAY), args.relay_rate)
-            join = start_dht_node(bed, bed.host(RELAY), out, env=child_env())[1]
+            join = bed.start_dht_node(bed.host(RELAY), out, env=child_env())[1]
             for path in args.paths:
                 print(f"[{time.strftime('%H:%M:%S')}] {path} at {rate:g} Mbit/s ...", flush=True)
                 results["pairs"].append(measure_pair(bed, out, join, path, rate, args))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +9,8 @@ import pytest
 import torch
 
 from gossiploco.config import TINY_OVERRIDES, load_config
+from testbed.overrides import peer_args
+from testbed.processes import wait_until  # noqa: F401 - every test that waits for something uses this one
 
 torch.set_num_threads(2)
 
@@ -26,12 +26,7 @@ def tiny_config(preset: str, **overrides):
 
 def tiny_peer_args(preset: str, **overrides) -> list[str]:
     """``gossiploco peer`` arguments giving the same config as ``tiny_config(preset, **overrides)``."""
-    args = ["--config", preset, "--quiet"]
-    for key, value in {**TINY, **overrides}.items():
-        if key == "workers":
-            continue  # a peer's world size is the length of --peers
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    return args
+    return peer_args(preset, {**TINY, **overrides})  # without workers: a peer's world size is the length of --peers
 
 
 @pytest.fixture
@@ -70,12 +65,3 @@ def bootstrap(tmp_path_factory):
         dht.shutdown()
 
 
-def wait_until(predicate, timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
-    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False): a condition with a
-    deadline, never a fixed sleep. Every test that waits for something uses this one."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True

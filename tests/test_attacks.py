@@ -8,7 +8,6 @@ session; real DHT nodes against an outsider's node that has no record validator;
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import socket
@@ -31,12 +30,9 @@ from gossiploco.security.identity import Identity
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust, routing_id
 from gossiploco.transport.zmq_exchange import ZmqExchange
+from testbed import outsider as common
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("attacks_common", ROOT / "bench" / "attacks_common.py")
-common = importlib.util.module_from_spec(_spec)
-sys.modules["attacks_common"] = common  # the outsider's DHT process unpickles its coroutines from it
-_spec.loader.exec_module(common)
 
 RUN = "run"
 

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `bench` is a directory of scripts, not an installed package
-
-from bench import gpu  # noqa: E402
-from gossiploco.config import load_config  # noqa: E402
-from gossiploco.utilization import CommPlan, report, resolve_scenario, simulate  # noqa: E402
+from bench import gpu  # the repository root is on sys.path (pyproject's pytest `pythonpath`)
+from gossiploco.config import load_config
+from gossiploco.utilization import CommPlan, report, resolve_scenario, simulate
 
 
 def test_shapes_and_peaks_are_read_as_documented():

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `bench` is a directory of scripts, not an installed package
-
-from bench import reach  # noqa: E402
-from test_nat_testbed import require_netns  # noqa: E402
-
-from gossiploco.config import load_config  # noqa: E402
-from gossiploco.mixing.operators import pair_matching  # noqa: E402
+from bench import reach  # the repository root is on sys.path (pyproject's pytest `pythonpath`)
+from gossiploco.config import load_config
+from gossiploco.mixing.operators import pair_matching
+from test_nat_testbed import require_netns
 
 
 def test_swarm_prediction_adds_a_mix2_in_the_rounds_that_pair_the_natted_peers():

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(600)
 def test_chaos_real_bench_runs_the_scenario_and_a_trial_and_reports_them(tmp_path):
     out = tmp_path / "chaos"
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "chaos_real.py"), "--trials", "1", "--faults", "kill",
+    run = subprocess.run([sys.executable, "-m", "bench.chaos_real", "--trials", "1", "--faults", "kill",
                           "--rounds", "4", "--inner-steps", "40", "--monitor-every", "20", "--out", str(out)],
                          capture_output=True, text=True, timeout=560, cwd=ROOT)
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]

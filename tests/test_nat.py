@@ -1,6 +1,6 @@
 """Real peers behind real NAT (tests named ``test_nat_*``; ``pytest -k nat`` selects them).
 
-Each test builds bench/nat_testbed.py's namespaces: a public bridge with the bootstrap node (which
+Each test builds the NAT testbed's namespaces (testbed/nat.py): a public bridge with the bootstrap node (which
 also serves as relay) and reachable peers, and home hosts each behind its own router doing source
 NAT with no port forwarding. Every peer runs ``gossiploco peer --join`` exactly as a user would (the
 same single command everywhere, reachability found by the dial-back check), in its namespace.
@@ -31,6 +31,7 @@ from conftest import tiny_config, tiny_peer_args, wait_until
 from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE
 from gossiploco.runtime.launch import LocalPeers
 from test_nat_testbed import nt, require_netns
+from testbed.peers import netns_peers
 from test_peer import ENV, assert_exit, assert_matches_virtual_swarm, model, relative_error, summary
 
 pytestmark = pytest.mark.slow
@@ -45,9 +46,9 @@ def run_swarm(bed, tmp_path: Path, hosts: list, args: list[str], boot_extra: tup
     from gossiploco.security.swarm_key import SwarmKey
 
     SwarmKey.generate().save(tmp_path / "swarm.key")
-    boot, join = nt.start_dht_node(bed, bed.host("pub0"), tmp_path, extra=boot_extra, env=ENV)
+    boot, join = bed.start_dht_node(bed.host("pub0"), tmp_path, extra=boot_extra, env=ENV)
     try:
-        with nt.netns_peers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key",
+        with netns_peers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key",
                             extra=extra) as peers:
             peers.start()
             codes = peers.wait(300)
@@ -104,13 +105,13 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
         from gossiploco.security.swarm_key import SwarmKey
 
         SwarmKey.generate().save(tmp_path / "swarm.key")
-        boot, join = nt.start_dht_node(bed, bed.host("pub0"), tmp_path, env=ENV)
-        relay, relay_addr = nt.start_dht_node(bed, bed.host("pub1"), tmp_path, "relay", join=join, env=ENV)
+        boot, join = bed.start_dht_node(bed.host("pub0"), tmp_path, env=ENV)
+        relay, relay_addr = bed.start_dht_node(bed.host("pub1"), tmp_path, "relay", join=join, env=ENV)
         hosts = [bed.host(f"home{j}") for j in range(3)]
         args = [*tiny_peer_args(PRESET, rounds=rounds), "--relay", relay_addr, "--relay", join]
         cfg = tiny_config(PRESET, rounds=rounds)
         try:
-            with nt.netns_peers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
+            with netns_peers(hosts, tmp_path, args, env=ENV, join=join, swarm_key=tmp_path / "swarm.key") as peers:
                 peers.start()
                 metrics = [peers.peer_dir(rank) / "metrics.jsonl" for rank in range(3)]
 

@@ -1,4 +1,4 @@
-"""bench/nat_testbed.py: home hosts behind source NAT (and a carrier-grade NAT) reach the public
+"""testbed/nat.py: home hosts behind source NAT (and a carrier-grade NAT) reach the public
 internet and are seen as their router's address; nothing reaches them from outside; no namespace is
 ever left behind.
 
@@ -19,15 +19,10 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # `bench` is a directory of scripts, not an installed package
-
-from bench import nat_testbed as nt  # noqa: E402
+from testbed import nat as nt
 
 pytestmark = pytest.mark.slow  # network namespaces (the quick subset leaves them out)
 
@@ -44,8 +39,8 @@ def require_netns() -> None:
     if PROBLEM is None:
         return
     if os.environ.get(REQUIRE_ENV) == "1":
-        pytest.fail(f"{REQUIRE_ENV}=1, but bench/nat_testbed.py cannot run here: {PROBLEM}")
-    pytest.skip(f"bench/nat_testbed.py cannot run here: {PROBLEM} (set {REQUIRE_ENV}=1 to fail instead)")
+        pytest.fail(f"{REQUIRE_ENV}=1, but the NAT testbed cannot run here: {PROBLEM}")
+    pytest.skip(f"the NAT testbed cannot run here: {PROBLEM} (set {REQUIRE_ENV}=1 to fail instead)")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""bench/netem.py: namespaces and shaped links are built and always removed; the link probes; a short real run.
+"""bench/netem.py on the test bed's network (testbed.netns, testbed.links): namespaces and shaped links are
+built and always removed; the link probes (testbed.probes); a short real run.
 
 The tests that build namespaces need root, ``ip`` and ``tc`` (iproute2), ``sysctl`` (procps) and a
-kernel with network namespaces, veth, bridge and htb (the benchmark's own preflight). Where those
+kernel with network namespaces, veth, bridge and htb (``testbed.netns.preflight``). Where those
 are missing they skip, with the reason; with ``GOSSIPLOCO_REQUIRE_NETNS=1`` (set by ``.ci/run``, which
 runs as root and installs the tools) they fail instead, so CI never skips them silently. Every test
 uses its own name prefix, so it never touches a benchmark run in progress (prefix ``gln``).
@@ -10,7 +11,6 @@ uses its own name prefix, so it never touches a benchmark run in progress (prefi
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -20,15 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from bench import netem
 from conftest import wait_until
+from testbed.netns import list_namespaces, namespace_pids, preflight, remove_namespaces
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_netem", ROOT / "bench" / "netem.py")
-netem = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = netem  # its dataclasses look their module up
-_spec.loader.exec_module(netem)
-
-PROBLEM = netem.preflight()
+PROBLEM = preflight()
 REQUIRE_ENV = "GOSSIPLOCO_REQUIRE_NETNS"
 PREFIX = f"gt{os.getpid() % 10**7}"
 
@@ -54,10 +51,6 @@ def process_start(pid: int) -> int | None:
     except OSError:
         return None
     return None if fields[0] == "Z" else int(fields[19])
-
-
-def namespace_pids(ns: str) -> list[int]:
-    return [int(p) for p in netem.sh(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
 
 
 @pytest.mark.timeout(10)
@@ -87,7 +80,7 @@ def test_shaped_link_rate_ring_probe_and_cleanup(tmp_path):
     net = netem.Network(f"{PREFIX}a", 2)
     try:
         net.build()
-        assert netem.list_namespaces(net.prefix) == [f"{net.prefix}-p0", f"{net.prefix}-p1", f"{net.prefix}-sw"]
+        assert list_namespaces(net.prefix) == [f"{net.prefix}-p0", f"{net.prefix}-p1", f"{net.prefix}-sw"]
         assert net.set_congestion_control("auto") in ("cubic", "reno")
         net.shape(50)
         net.shape(20)  # shaping again replaces the earlier rate
@@ -108,7 +101,7 @@ def test_shaped_link_rate_ring_probe_and_cleanup(tmp_path):
             assert 0.5 * 20 < netem.ring_rate_mbps(4 * numel, 2, seconds) < 20, (mode, ring)
     finally:
         net.destroy()
-    assert netem.list_namespaces(net.prefix) == []
+    assert list_namespaces(net.prefix) == []
 
 
 @needs_netns
@@ -129,7 +122,7 @@ def test_swap_probe_shows_a_heartbeat_shorter_than_one_chunk_dropping_a_healthy_
         assert "FAILED" in netem.swap_line(dropped, 8) and "ok in" in netem.swap_line(kept, 8)
     finally:
         net.destroy()
-    assert netem.list_namespaces(net.prefix) == []
+    assert list_namespaces(net.prefix) == []
 
 
 @needs_netns
@@ -142,9 +135,9 @@ def test_leftovers_of_a_crashed_run_are_removed():
     proc = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"], start_new_session=True)
     try:
         assert wait_until(lambda: proc.pid in namespace_pids(ns), 5)
-        assert netem.remove_namespaces(prefix) == [ns]
+        assert remove_namespaces(prefix) == [ns]
         assert proc.wait(timeout=5) == -signal.SIGKILL
-        assert netem.list_namespaces(prefix) == []
+        assert list_namespaces(prefix) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -156,7 +149,7 @@ def _bench(prefix: str, out: Path, *extra: str):
     """The benchmark as a subprocess in its own process group. On exit, whatever the test saw: Ctrl+C
     if it still runs (SIGKILL to its group if that does not end it in 20 s), then removal of any
     namespace with ``prefix`` left behind. Tests check the benchmark's own clean-up before that."""
-    cmd = [sys.executable, str(ROOT / "bench" / "netem.py"), "--prefix", prefix, "--workers", "2", "--model", "tiny",
+    cmd = [sys.executable, "-m", "bench.netem", "--prefix", prefix, "--workers", "2", "--model", "tiny",
            "--presets", "globalm1", "--bandwidths", "50", "--tcp-seconds", "0", "--out", str(out), *extra]
     bench = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -169,7 +162,7 @@ def _bench(prefix: str, out: Path, *extra: str):
             except subprocess.TimeoutExpired:
                 os.killpg(bench.pid, signal.SIGKILL)
                 bench.wait(timeout=10)
-        netem.remove_namespaces(prefix)
+        remove_namespaces(prefix)
 
 
 @needs_netns
@@ -180,7 +173,7 @@ def test_short_run_measures_and_cleans_up(tmp_path):
     with _bench(prefix, tmp_path, "--step-time", "0.05", "--inner-steps", "4", "--rounds", "2", "--ring-repeats", "0") as bench:
         out, _ = bench.communicate(timeout=80)
         assert bench.returncode == 0, out
-        assert netem.list_namespaces(prefix) == []
+        assert list_namespaces(prefix) == []
     results = json.loads((tmp_path / "results.json").read_text())
     (run,) = results["runs"]
     assert run["preset"] == "globalm1" and len(run["peers"]) == 2 and run["failures"] == 0
@@ -222,5 +215,5 @@ def test_interrupt_stops_peers_and_removes_namespaces(tmp_path):
         # Checked before _bench's own clean-up runs, so only the benchmark can have stopped and removed these.
         assert bench.returncode == 130, out
         assert "interrupted (SIGINT); peers stopped, namespaces removed" in out, out
-        assert netem.list_namespaces(prefix) == [], out
+        assert list_namespaces(prefix) == [], out
         assert wait_until(lambda: not still_running(), 5), f"still running after the benchmark exited: {still_running()}\n{out}"

@@ -19,6 +19,7 @@ from gossiploco.config import load_config
 from gossiploco.data import load_corpus, validation_batches
 from gossiploco.model import build_model
 from gossiploco.runtime.launch import LocalPeers
+from testbed.overrides import set_args
 from test_peer import ENV, assert_exit, reached_round, records, summary
 
 pytestmark = pytest.mark.slow  # real peer processes and DHT nodes
@@ -27,7 +28,7 @@ SETS = {"data.max_corpus_mb": 2.0, "data.seq_len": 32, "monitor.every": 0, "time
 
 
 def swarm_command(out, *extra):
-    sets = [arg for key, value in SETS.items() for arg in ("--set", f"{key}={json.dumps(value)}")]
+    sets = set_args(SETS)
     return [sys.executable, "-m", "gossiploco", "swarm", "-c", "globalm1-localm2", "--peers", "3", "--rounds", "30",
             "--inner-steps", "20", "--model", "tiny", *sets, "--out", str(out), *extra]
 

@@ -35,6 +35,7 @@ from gossiploco.runtime.waiting_line import CHANGE_EVERY_S, REPORT_EVERY_S, Wait
 from gossiploco.security.identity import Identity
 from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
+from testbed.overrides import set_args
 
 # -- comparing configs ---------------------------------------------------------------------------
 
@@ -245,10 +246,7 @@ def test_the_waiting_line_is_said_at_once_then_on_changes_and_every_few_seconds(
 
 def peer_command(tmp_path: Path, name: str, bootstrap, *extra: str, **sets) -> list[str]:
     """``gossiploco peer`` of the tiny test config (not quiet: the INFO lines are what is tested)."""
-    args = []
-    for key, value in {**TINY, **sets}.items():
-        if key != "workers":
-            args += ["--set", f"{key}={json.dumps(value)}"]
+    args = set_args({**TINY, **sets}, without=("workers",))
     return [sys.executable, "-m", "gossiploco", "peer", "--config", "globalm1-localm2", "--join", bootstrap.address,
             "--swarm-key", str(bootstrap.swarm_key), "--host", "127.0.0.1", "--reachability", "public",
             "--identity", str(tmp_path / name / "identity.key"), "--out", str(tmp_path / name), *args, *extra]

@@ -19,6 +19,7 @@ from gossiploco.data import Corpus
 from gossiploco.errors import ConfigError
 from gossiploco.runtime.common import build_trainer
 from gossiploco.runtime.virtual import VirtualSwarm
+from testbed.overrides import set_args
 from conftest import TINY, tiny_config
 
 TOP_K = 100
@@ -176,10 +177,7 @@ def test_tracking_leaves_training_unchanged():
 
 
 def tiny_args(**overrides):
-    args = []
-    for key, value in {**TINY, "rounds": 2, **overrides}.items():
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    return args
+    return set_args({**TINY, "rounds": 2, **overrides})
 
 
 @pytest.mark.timeout(240)

@@ -10,11 +10,17 @@ and ``--rank`` picks its data stream, so a local run matches the virtual swarm's
 ``stop()`` asks every process still running to leave (SIGINT, like Ctrl+C), waits a bounded time,
 then kills what is left, so no process outlives its owner; it is also what the context manager
 runs on exit.
+
+``ProcessGroup`` is the process manager underneath (the test bed's and the benchmarks' too): each
+process it starts leads a session of its own, so its whole process group can be signalled (frozen,
+resumed, interrupted, killed) and nothing it started is left behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -22,6 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Protocol
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -36,6 +43,119 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in held:
             s.close()
+
+
+STOP_GRACE_S = 20.0
+"""How long ``stop`` waits for interrupted processes to leave before it kills them."""
+
+
+class Child(Protocol):
+    """What ``ProcessGroup`` manages: a ``subprocess.Popen``, or anything with the same three members that
+    leads its own session (a ``multiprocessing`` process that called ``os.setsid``, wrapped)."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to process group ``pgid``; one that is gone (or not ours) is ignored."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class ProcessGroup:
+    """Child processes, each the leader of its own session and process group.
+
+    ``start`` and ``adopt`` add children; ``wait`` waits for them with a deadline; ``stop`` (idempotent,
+    never raises) resumes and interrupts every live child, waits at most ``grace_s``, SIGKILLs the process
+    groups still running, and then SIGKILLs every child's process group whether its leader is alive or
+    not: whatever a child started in its session goes with it. Not thread-safe: one owner drives it.
+    """
+
+    def __init__(self, *, env: dict[str, str] | None = None, cwd: str | Path | None = None, ctrl_c: bool = False,
+                 grace_s: float = STOP_GRACE_S):
+        """``env``: the environment of every child (default: this process's). ``ctrl_c``: ``stop`` interrupts
+        each child's whole process group, as Ctrl+C in its terminal would, instead of the child alone."""
+        self.env = env
+        self.cwd = cwd
+        self.ctrl_c = ctrl_c
+        self.grace_s = grace_s
+        self.children: list[Child] = []
+
+    def start(self, cmd: Sequence[str], log: Path | None = None, *, env: dict[str, str] | None = None,
+              append: bool = False, header: bool = False, **popen: Any) -> subprocess.Popen:
+        """Start ``cmd`` in a new session, its stdout and stderr into ``log`` (``append``: after what is
+        there; ``header``: first a line ``# COMMAND``), or as ``popen`` says when ``log`` is None."""
+        env = self.env if env is None else env
+        popen.setdefault("stdin", subprocess.DEVNULL)
+        if log is None:
+            proc = subprocess.Popen(list(cmd), env=env, cwd=self.cwd, start_new_session=True, **popen)
+        else:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            with Path(log).open("a" if append else "w") as out:
+                if header:
+                    out.write(f"# {shlex.join(cmd)}\n")
+                    out.flush()
+                proc = subprocess.Popen(list(cmd), env=env, cwd=self.cwd, start_new_session=True, stdout=out,
+                                        stderr=subprocess.STDOUT, **popen)
+        self.children.append(proc)
+        return proc
+
+    def adopt(self, child: Child) -> Child:
+        """Manage ``child``, started elsewhere, which leads its own session."""
+        self.children.append(child)
+        return child
+
+    def live(self) -> list[Child]:
+        return [child for child in self.children if child.poll() is None]
+
+    def wait(self, timeout_s: float, children: Sequence[Child] | None = None) -> list[int | None]:
+        """Exit codes once all of ``children`` (default: every child) have exited; None for any still running
+        at the deadline, ``timeout_s`` from now."""
+        deadline = time.monotonic() + timeout_s
+        codes: list[int | None] = []
+        for child in self.children if children is None else children:
+            try:
+                codes.append(child.wait(timeout=max(0.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        return codes
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """SIGCONT and SIGINT every live child (its group with ``ctrl_c``), wait up to ``grace_s`` (default: the
+        group's), SIGKILL the groups still running; then SIGKILL every child's group. ``grace_s`` 0: SIGKILL at once."""
+        grace_s = self.grace_s if grace_s is None else grace_s
+        live = self.live()
+        if grace_s > 0:
+            for child in live:
+                signal_group(child.pid, signal.SIGCONT)  # a frozen child could not leave
+                if self.ctrl_c:
+                    signal_group(child.pid, signal.SIGINT)
+                else:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(child.pid, signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        for child in live:
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                signal_group(child.pid, signal.SIGKILL)
+                if child.poll() is None:  # not a group leader after all
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(child.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=5)
+        for child in self.children:
+            signal_group(child.pid, signal.SIGKILL)  # what it left in its group (its leader exited or not)
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 class LocalPeers:
@@ -56,7 +176,8 @@ class LocalPeers:
         self.endpoints = [] if join else [f"tcp://{host}:{p}" for p in free_ports(count, host)]
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[int, subprocess.Popen] = {}
-        self._logs: dict[int, object] = {}
+        """The latest process of each rank started."""
+        self.group = ProcessGroup(env=self.env)
         self.swarm_key = Path(swarm_key) if swarm_key is not None else self.out_dir / "swarm.key"
         if swarm_key is None and not self.swarm_key.exists():
             from gossiploco.security.swarm_key import SwarmKey
@@ -98,13 +219,8 @@ class LocalPeers:
 
             ordered_identities(self.count, self.out_dir)
         for rank in range(self.count) if ranks is None else ranks:
-            old = self._logs.pop(rank, None)
-            if old is not None:
-                old.close()
-            log = self.log_path(rank).open("a")
-            self._logs[rank] = log
-            self.procs[rank] = subprocess.Popen(self.command(rank), stdout=log, stderr=subprocess.STDOUT,
-                                                env={**self.env, **(env or {}).get(rank, {})}, start_new_session=True)
+            self.procs[rank] = self.group.start(self.command(rank), self.log_path(rank), append=True,
+                                                env={**self.env, **(env or {}).get(rank, {})}, stdin=None)
         return self
 
     def signal(self, rank: int, sig: int) -> None:
@@ -121,26 +237,12 @@ class LocalPeers:
                 codes[rank] = None
         return codes
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGINT every live peer (resuming frozen ones), wait up to ``grace_s``, then SIGKILL. Idempotent.
-        A peer's graceful leave tells the others, withdraws its DHT record (at most 3 s) and shuts its
-        DHT node down, which on a loaded machine takes several seconds."""
-        live = [p for p in self.procs.values() if p.poll() is None]
-        for proc in live:
-            for sig in (signal.SIGCONT, signal.SIGINT):
-                try:
-                    proc.send_signal(sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace_s
-        for proc in live:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        for log in self._logs.values():
-            log.close()
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGINT every live peer (resuming frozen ones), wait up to ``grace_s``, then SIGKILL; then anything
+        left in the peers' process groups (``ProcessGroup.stop``). Idempotent. A peer's graceful leave tells
+        the others, withdraws its DHT record (at most 3 s) and shuts its DHT node down, which on a loaded
+        machine takes several seconds."""
+        self.group.stop(grace_s)
 
     def log(self, rank: int) -> str:
         path = self.log_path(rank)

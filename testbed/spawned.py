@@ -1,11 +1,13 @@
-"""Process plumbing shared by ``bench/allreduce.py`` and ``bench/allreduce_overlap.py``.
-
-``load_impl`` loads the exchange class under test (``--zmq-impl``), in the driver and in the peers.
+"""Python functions run as a group of spawned processes (``bench/allreduce.py``, ``bench/allreduce_overlap.py``).
 
 ``run_group`` starts the peer processes (multiprocessing ``spawn``), collects their messages and
 guarantees that nothing outlives it: every peer calls ``become_session_leader`` first, and the
-driver SIGKILLs each peer's whole process group on the way out (error, timeout, Ctrl+C or
-success), which also reaps helper processes a library started (hivemind's averager and p2pd).
+process manager (``gossiploco.runtime.launch.ProcessGroup``) SIGKILLs each peer's whole process
+group on the way out (error, timeout, Ctrl+C or success), which also reaps helper processes a
+library started (hivemind's averager and p2pd).
+
+``load_impl`` loads the exchange class under test (``--zmq-impl``), in the driver and in the peers;
+the rest is what a peer measures of itself (memory, CPU time, per-thread CPU time).
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import importlib
 import importlib.util
 import os
 import queue
-import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from gossiploco.runtime.launch import ProcessGroup
 
 
 class GroupFailed(RuntimeError):
@@ -40,7 +44,8 @@ def load_impl(spec: str):
 
 
 def become_session_leader() -> None:
-    """Put this peer (and whatever it starts) in its own process group, for ``kill_group``."""
+    """Put this peer (and whatever it starts) in a session and process group of its own, for ``run_group``'s
+    clean-up."""
     with contextlib.suppress(OSError):
         os.setsid()
     if os.environ.get("BENCH_DEBUG"):  # periodic stack dumps of a peer that seems stuck
@@ -49,15 +54,21 @@ def become_session_leader() -> None:
         faulthandler.dump_traceback_later(float(os.environ["BENCH_DEBUG"]), repeat=True)
 
 
-def kill_group(proc) -> None:
-    """SIGKILL the peer's process group (it is a session leader), else the peer alone."""
-    if proc.pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        if proc.is_alive():
-            proc.kill()
+class _Spawned:
+    """A ``multiprocessing`` process seen as ``ProcessGroup`` sees a child: ``pid``, ``poll()``, ``wait(timeout)``."""
+
+    def __init__(self, proc):
+        self.proc = proc
+        self.pid = proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.proc.name, timeout)
+        return self.proc.exitcode
 
 
 def finish(results, code: int) -> None:
@@ -164,9 +175,11 @@ def run_group(target, world: int, cfg: dict, idle_timeout_s: float, label: str,
     messages: list[tuple] = []
     done: set[int] = set()
     ok = False
+    group = ProcessGroup()
     try:
         for p in procs:
             p.start()
+            group.adopt(_Spawned(p))
         last = time.monotonic()
         while len(done) < world:
             try:
@@ -203,10 +216,8 @@ def run_group(target, world: int, cfg: dict, idle_timeout_s: float, label: str,
         ok = True
         return messages
     finally:
-        for p in procs:
-            if ok:
-                p.join(timeout=5)
-            kill_group(p)  # also reaps anything left in the peer's session
-            p.join(timeout=5)
+        if ok:
+            group.wait(5)  # they are leaving: give them a moment
+        group.stop(grace_s=0)  # SIGKILL what is left, whole process groups: also what a peer's libraries started
         results.cancel_join_thread()
         info_q.cancel_join_thread()

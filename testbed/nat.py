@@ -31,7 +31,7 @@ and nothing is added to the root namespace::
   back; anything NEW arriving on wan0 for the router itself is dropped (no port forwarding).
 - IPv6 is disabled and loopback is up in every namespace.
 - ``rate_mbit`` (and ``delay_ms``, which needs sch_netem) shapes every host's access link in both
-  directions with bench/netem.py's HTB (``shape_links``): for a public host its eth0 and its br0 port;
+  directions (``testbed.links.shape_links``): for a public host its eth0 and its br0 port;
   for a home host its eth0 and its router's lan0. ``bed.shape(host, rate)`` (re)shapes one host
   (a router or the CGN: its wan link).
 
@@ -42,8 +42,10 @@ connects to it; ``bed.can_connect`` makes one TCP connection from a namespace.
 
 Needs root, iproute2, procps and nftables (``ensure_nat_tools()`` installs it, as root). A crashed run's
 leftovers are removed at start, a lock file keeps two testbeds of one prefix apart, an atexit hook removes
-one never exited, every command has a deadline. ``sudo .venv/bin/python bench/nat_testbed.py [--cleanup]``:
+one never exited, every command has a deadline. ``sudo .venv/bin/python -m testbed.nat [--cleanup]``:
 build (and list) a small testbed, or remove the leftovers of ``--prefix``.
+
+``bed.start_dht_node`` runs a ``gossiploco dht`` node in a host (``testbed.peers.netns_peers``: peers).
 """
 
 from __future__ import annotations
@@ -56,15 +58,14 @@ import select
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-if __name__ == "__main__":  # run as a script: make `bench.netem` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.netem import (PREFIX_RE, Unavailable, list_namespaces, preflight, prefix_lock,  # noqa: E402
-                         remove_namespaces, sh, shape_links, tail)
+from testbed.links import shape_links
+from testbed.netns import (PREFIX_RE, Unavailable, add_bridge, add_namespace, add_veth, list_namespaces, preflight,
+                           prefix_lock, remove_namespaces, sh)
+from testbed.peers import start_dht_node
+from testbed.processes import ProcessGroup
 
 DEFAULT_PREFIX = "gnat"
 NS_SUFFIX = r"net|cgn|pub\d+|rtr\d+|home\d+"
@@ -73,6 +74,8 @@ PUBLIC_NET = "10.88.0"
 CGN_NET = "100.64.0"
 MAX_HOSTS = 50
 INSTALL_TIMEOUT_S = 300.0
+DHT_PORT = 4100
+"""The TCP port of the ``gossiploco dht`` nodes started here."""
 READY_TIMEOUT_S = 15.0
 
 ROUTER_RULES = """
@@ -225,8 +228,11 @@ class NatTestbed:
             self.home_hosts.append(Host(f"home{j}", f"{prefix}-home{j}", f"192.168.{j + 1}.2", public_address,
                                         ((f"{prefix}-home{j}", "eth0"), (rtr, "lan0"))))
         self._behind_cgn = behind
+        self._forwarding = {host.ns for host in self.routers} | ({self.cgn.ns} if self.cgn else set())
+        """The namespaces that route (ip_forward=1): the routers and the CGN."""
         self._stack: contextlib.ExitStack | None = None
-        self._procs: list[subprocess.Popen] = []
+        self.group = ProcessGroup()
+        """Every process started in the testbed (killed with its namespace on close, and reaped)."""
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -238,8 +244,8 @@ class NatTestbed:
         try:
             stack.enter_context(prefix_lock(self.prefix))
         except Unavailable:
-            raise NatUnavailable(f"another NAT testbed (or bench/netem.py run) with prefix {self.prefix!r} is "
-                                 "active; wait for it or use another prefix") from None
+            raise NatUnavailable(f"another NAT testbed (or another run of the test bed) with prefix {self.prefix!r} "
+                                 "is active; wait for it or use another prefix") from None
         self._stack = stack
         atexit.register(self.close)
         try:
@@ -259,13 +265,12 @@ class NatTestbed:
             return
         try:
             remove_namespaces(self.prefix, NS_SUFFIX)
-            for proc in self._procs:  # killed with their namespace: reap them, close their pipes
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=5)
+            self.group.stop(grace_s=0)  # killed with their namespace already: reap them
+            for proc in self.group.children:
                 for pipe in (proc.stdin, proc.stdout, proc.stderr):
                     if pipe is not None:
                         pipe.close()
-            self._procs = []
+            self.group = ProcessGroup()
         finally:
             stack, self._stack = self._stack, None
             atexit.unregister(self.close)
@@ -281,33 +286,6 @@ class NatTestbed:
         """Every host: public hosts, the CGN (if any), routers, home hosts."""
         return self.public_hosts + ([self.cgn] if self.cgn else []) + self.routers + self.home_hosts
 
-    def _namespace(self, ns: str, forward: bool = False) -> None:
-        try:
-            sh(["ip", "netns", "add", ns])
-        except RuntimeError as exc:
-            raise NatUnavailable(f"cannot create a network namespace: {exc}") from exc
-        sysctls = ["net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"]
-        sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", *sysctls, f"net.ipv4.ip_forward={int(forward)}"])
-        sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-
-    def _wire(self, ns_a: str, dev_a: str, ns_b: str, dev_b: str, address_b: str, *, bridge: str | None = None,
-              address_a: str | None = None) -> None:
-        """A veth pair: ``dev_a`` in ``ns_a`` (a port of ``bridge``, or with ``address_a``) <-> ``dev_b`` in ``ns_b``."""
-        sh(["ip", "-n", ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b])
-        if bridge:
-            sh(["ip", "-n", ns_a, "link", "set", dev_a, "master", bridge])
-        if address_a:
-            sh(["ip", "-n", ns_a, "addr", "add", address_a, "dev", dev_a])
-        sh(["ip", "-n", ns_a, "link", "set", dev_a, "up"])
-        sh(["ip", "-n", ns_b, "addr", "add", address_b, "dev", dev_b])
-        sh(["ip", "-n", ns_b, "link", "set", dev_b, "up"])
-
-    def _bridge(self, ns: str, name: str, address: str | None = None) -> None:
-        sh(["ip", "-n", ns, "link", "add", name, "type", "bridge", "stp_state", "0", "forward_delay", "0"])
-        if address:
-            sh(["ip", "-n", ns, "addr", "add", address, "dev", name])
-        sh(["ip", "-n", ns, "link", "set", name, "up"])
-
     def _router_rules(self, host: Host) -> None:
         proc = subprocess.run([*host.exec_prefix(), "nft", "-f", "-"], input=ROUTER_RULES, capture_output=True,
                               text=True, timeout=20)
@@ -315,22 +293,24 @@ class NatTestbed:
             raise RuntimeError(f"nft -f - in {host.ns}: exit {proc.returncode}: {proc.stderr.strip()}")
 
     def _build(self) -> None:
-        self._namespace(self.net)
-        for host in self.all_hosts():
-            self._namespace(host.ns, forward=host in self.routers or host == self.cgn)
-        self._bridge(self.net, "br0")
+        for ns in [self.net] + [host.ns for host in self.all_hosts()]:
+            try:
+                add_namespace(ns, forward=ns in self._forwarding, ipv6=False)
+            except Unavailable as exc:
+                raise NatUnavailable(str(exc)) from exc
+        add_bridge(self.net, "br0")
         if self.cgn:
-            self._wire(self.net, "cgn", self.cgn.ns, "wan0", f"{self.cgn.address}/24", bridge="br0")
-            self._bridge(self.cgn.ns, "lan0", f"{CGN_NET}.1/24")
+            add_veth(self.net, "cgn", self.cgn.ns, "wan0", f"{self.cgn.address}/24", bridge="br0")
+            add_bridge(self.cgn.ns, "lan0", f"{CGN_NET}.1/24")
             self._router_rules(self.cgn)
         for host in self.public_hosts:
-            self._wire(self.net, host.name, host.ns, "eth0", f"{host.address}/24", bridge="br0")
+            add_veth(self.net, host.name, host.ns, "eth0", f"{host.address}/24", bridge="br0")
         for j, (rtr, home) in enumerate(zip(self.routers, self.home_hosts)):
             upstream_ns, bridge = (self.cgn.ns, "lan0") if j in self._behind_cgn and self.cgn else (self.net, "br0")
-            self._wire(upstream_ns, rtr.name, rtr.ns, "wan0", f"{rtr.address}/24", bridge=bridge)
+            add_veth(upstream_ns, rtr.name, rtr.ns, "wan0", f"{rtr.address}/24", bridge=bridge)
             if upstream_ns != self.net:
                 sh(["ip", "-n", rtr.ns, "route", "add", "default", "via", f"{CGN_NET}.1"])
-            self._wire(rtr.ns, "lan0", home.ns, "eth0", f"{home.address}/24", address_a=f"192.168.{j + 1}.1/24")
+            add_veth(rtr.ns, "lan0", home.ns, "eth0", f"{home.address}/24", address_a=f"192.168.{j + 1}.1/24")
             sh(["ip", "-n", home.ns, "route", "add", "default", "via", f"192.168.{j + 1}.1"])
             self._router_rules(rtr)
         if self.rate_mbit is not None:
@@ -347,10 +327,19 @@ class NatTestbed:
         raise KeyError(f"no host {name!r} in this testbed; it has {', '.join(h.name for h in self.all_hosts())}")
 
     def popen(self, host: Host, cmd: list[str], **kwargs) -> subprocess.Popen:
-        """Start ``cmd`` inside ``host``'s namespace (killed when the testbed closes)."""
-        proc = subprocess.Popen([*host.exec_prefix(), *cmd], **kwargs)
-        self._procs.append(proc)
-        return proc
+        """Start ``cmd`` inside ``host``'s namespace, in a session of its own (killed when the testbed closes);
+        ``kwargs`` go to ``subprocess.Popen``."""
+        return self.group.start([*host.exec_prefix(), *cmd], **kwargs)
+
+    def start_dht_node(self, host: Host, out: Path, name: str = "bootstrap", *, join: str | None = None,
+                       extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                       timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
+        """``gossiploco dht`` on port ``DHT_PORT`` in ``host``'s namespace with the run's key ``out/swarm.key``
+        (a bootstrap node and relay; with ``join`` a second node of the same DHT), logging to ``out/NAME.log``;
+        returns it and its ``--join`` multiaddr (``testbed.peers.start_dht_node``)."""
+        return start_dht_node(self.group, out / f"{name}.log", host=host.address, port=DHT_PORT,
+                              swarm_key=out / "swarm.key", where=host.exec_prefix(), join=join, extra=extra,
+                              env={**(env or os.environ), "PYTHONUNBUFFERED": "1"}, timeout_s=timeout_s)
 
     def run(self, host: Host, cmd: list[str], timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
         """Run ``cmd`` inside ``host``'s namespace to completion (text output captured); with ``check`` a
@@ -390,47 +379,6 @@ class NatTestbed:
         return answer.split()[0] if answer else None
 
 
-# -- gossiploco processes in the testbed ----------------------------------------------------------
-
-DHT_PORT = 4100
-"""The TCP port of the ``gossiploco dht`` nodes started here."""
-
-
-def netns_peers(hosts: list[Host], out_dir: Path, args: list[str], *, extra: dict[int, list[str]] | None = None,
-                **kwargs):
-    """``gossiploco.runtime.launch.LocalPeers`` whose peer ``rank`` runs in ``hosts[rank]``'s namespace,
-    listening on its address; ``extra``: more ``gossiploco peer`` arguments per rank."""
-    from gossiploco.runtime.launch import LocalPeers
-
-    class NetnsPeers(LocalPeers):
-        def command(self, rank: int) -> list[str]:
-            return [*hosts[rank].exec_prefix(), *super().command(rank)]
-
-    per_rank = {rank: ["--host", host.address, *(extra or {}).get(rank, [])] for rank, host in enumerate(hosts)}
-    return NetnsPeers(len(hosts), out_dir, args, per_rank=per_rank, **kwargs)
-
-
-def start_dht_node(bed: NatTestbed, host: Host, out: Path, name: str = "bootstrap", *, join: str | None = None,
-                   extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                   timeout_s: float = 90.0) -> tuple[subprocess.Popen, str]:
-    """``gossiploco dht`` in ``host``'s namespace with the run's key ``out/swarm.key`` (a bootstrap node
-    and relay; with ``join`` a second node of the same DHT); returns it and its ``--join`` multiaddr.
-    Raises ``RuntimeError`` with its log's tail if it exits or prints no address within ``timeout_s``."""
-    cmd = [sys.executable, "-m", "gossiploco", "dht", "--host", host.address, "--port", str(DHT_PORT),
-           "--swarm-key", str(out / "swarm.key"), *extra, *(["--join", join] if join else [])]
-    log = out / f"{name}.log"
-    proc = bed.popen(host, cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                     env={**(env or os.environ), "PYTHONUNBUFFERED": "1"})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        for word in log.read_text(errors="replace").split():
-            if word.startswith(f"/ip4/{host.address}/tcp/{DHT_PORT}/p2p/"):
-                return proc, word.strip(",'\"")
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{name} ({host.name}) printed no address within {timeout_s:g} s:\n{tail(log)}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cleanup", action="store_true", help="remove the namespaces of --prefix (a crashed run's)")
@@ -438,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     problem = nat_preflight()
     if problem is not None:
-        print(f"bench/nat_testbed.py cannot run here: {problem}", file=sys.stderr)
+        print(f"testbed.nat cannot run here: {problem}", file=sys.stderr)
         return 2
     if args.cleanup:
         print(f"removed: {' '.join(remove_namespaces(args.prefix, NS_SUFFIX)) or 'nothing'}")

@@ -1,4 +1,4 @@
-"""Helpers of the attack suite (``bench/attacks.py``, ``tests/test_attacks.py``): an outsider's tools.
+"""An outsider's tools, for the attack suite (``bench/attacks.py``, ``tests/test_attacks.py``).
 
 Everything here is what someone *without* the swarm key can do: open raw TCP connections, speak
 ZMTP by hand, run a pyzmq socket with no (or a random) CurveZMQ key, run a hivemind DHT node with
@@ -7,7 +7,6 @@ no record validator, and look at a machine from outside (listening ports, memory
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -18,28 +17,11 @@ from pathlib import Path
 import zmq
 import zmq.utils.z85
 
-from gossiploco.config import TINY_OVERRIDES
 from gossiploco.protocol.messages import to_wire
 from gossiploco.protocol import codec
+from testbed.processes import descendants, process_table
 
-TINY = TINY_OVERRIDES
 ENV = {"OMP_NUM_THREADS": "1"}
-
-
-def peer_args(preset: str = "globalm1-localm2", **overrides) -> list[str]:
-    args = ["--config", preset, "--quiet"]
-    for key, value in {**TINY, **overrides}.items():
-        args += ["--set", f"{key}={json.dumps(value)}"]
-    return args
-
-
-def wait_until(predicate, timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll_s)
-    return True
 
 
 # -- what a port scanner and `ps` would show ---------------------------------------------------------
@@ -53,29 +35,10 @@ def announced(log_text: str) -> tuple[int, str] | None:
     return (int(found.group(1)), found.group(2)) if found else None
 
 
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def listening_ports(pid: int) -> set[int]:
     """TCP ports some process of ``pid``'s tree listens on (the data port, the DHT's p2pd port)."""
     inodes = set()
-    for p in descendants(pid):
+    for p in [pid] + [info.pid for info in descendants(process_table(), pid)]:
         try:
             for fd in os.listdir(f"/proc/{p}/fd"):
                 target = os.readlink(f"/proc/{p}/fd/{fd}")

@@ -1,0 +1,129 @@
+"""Processes of the test bed: the one process manager, waits with deadlines, and what /proc says about processes.
+
+The manager is ``gossiploco.runtime.launch.ProcessGroup`` (``LocalPeers`` runs on it too): every child
+leads its own session, ``stop()`` interrupts, waits a bounded time, kills, and then kills whatever is
+left in the children's process groups. ``testbed.spawned`` drives ``multiprocessing`` children with it.
+
+Here besides: ``wait_until`` (a condition with a deadline, never a fixed sleep), ``shielded`` (a clean-up
+that a second Ctrl+C cannot cut short), the environment children get, and a process table read from
+/proc (Linux) to find what a process left behind (``descendants``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gossiploco.runtime.launch import ProcessGroup, signal_group
+
+__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "process_table",
+           "shielded", "signal_group", "signal_pid", "tail", "wait_until"]
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False): a condition with a
+    deadline, never a fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """A child's environment: this one's, unbuffered output, one math thread (peers share the machine's cores)."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **extra}
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a log ("" when it cannot be read)."""
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    """Send ``sig`` to process ``pid``; one that is gone (or not ours) is ignored."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+@contextlib.contextmanager
+def shielded() -> Iterator[None]:
+    """Ignore SIGINT, SIGTERM and SIGHUP inside (a clean-up that must finish); restore them after."""
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+# -- the process table ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    """One process as /proc/PID/stat describes it; (pid, start) names it even after the pid is reused."""
+
+    pid: int
+    ppid: int
+    pgrp: int
+    session: int
+    state: str
+    start: int
+    """Start time, clock ticks after boot."""
+    comm: str
+
+
+def process_table() -> dict[int, ProcInfo]:
+    """Every process of the machine from /proc (pid -> parent, group, session, state, start time)."""
+    table: dict[int, ProcInfo] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                raw = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        head, _, rest = raw.rpartition(")")  # the command name may hold spaces and ')'
+        comm = head.partition("(")[2]
+        fields = rest.split()
+        try:  # after the name: state ppid pgrp session ...; the start time is field 22 overall
+            table[int(entry.name)] = ProcInfo(int(entry.name), int(fields[1]), int(fields[2]), int(fields[3]),
+                                              fields[0], int(fields[19]), comm)
+        except (IndexError, ValueError):
+            continue
+    return table
+
+
+def descendants(table: dict[int, ProcInfo], root: int) -> list[ProcInfo]:
+    """Every process below ``root`` in ``table`` (``root`` itself not included)."""
+    children: dict[int, list[int]] = {}
+    for info in table.values():
+        children.setdefault(info.ppid, []).append(info.pid)
+    out, stack = [], list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid in table:
+            out.append(table[pid])
+            stack += children.get(pid, [])
+    return out
+
+
+def cmdline(pid: int, limit: int = 160) -> str:
+    """Process ``pid``'s command line, cut to ``limit`` characters ("" when it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -16,7 +16,6 @@ import torch
 from gossiploco.errors import ExchangeClosed, ExchangeError
 from gossiploco.mixing.operators import all_finite, pack, unpack
 from gossiploco.protocol.messages import STEPPING_OUT
-from gossiploco.runtime.peer_discovery import discover_at_start
 from gossiploco.runtime.waiting_line import short_start_line
 
 if TYPE_CHECKING:
@@ -50,7 +49,7 @@ def join(peer: NetworkPeer) -> int:
     """Wait for the others, ask where they are; returns the round this peer starts with."""
     ex, t = peer.exchange, peer.cfg.timeouts
     started = time.monotonic()
-    deadline = discover_at_start(peer) if peer.directory is not None else started + t.startup_s
+    deadline = peer.discovery.discover_at_start() if peer.discovery is not None else started + t.startup_s
     if not ex.wait_connected(t.startup_s if peer.directory is None else t.hello_s):
         log.warning("rank %d: peers %s not connected after %.0fs; starting without them until they say hello",
                     peer.rank, ex.drop_unconnected(), t.startup_s)
@@ -145,11 +144,11 @@ def catch_up(peer: NetworkPeer, ahead: dict[int, int], fresh: bool, current: int
         opt.import_moments(flat[outer:], k * peer.cfg.inner_steps)
         # Replies re-admit every peer this one had dropped while it was away (they tell their own rounds).
         peer.exchange.announce(k, caught_up=True)
-        peer._counts["catchups"] += 1
+        peer.progress.count("catchups")
         peer.clock.add("catchup_s", time.perf_counter() - start)
         log.warning("rank %d: %s; caught up from peer %d at the start of round %d, mixing again",
                     peer.rank, "joined a running swarm" if fresh else "fell behind the swarm", donor, k)
-        peer._pending["catchup_from"] = donor
+        peer.progress.merge({"catchup_from": donor})
         return k
     peer.clock.add("catchup_s", time.perf_counter() - start)
     if not fresh:  # it has a state of its own (the others finished or are gone): it goes on with that
@@ -173,7 +172,7 @@ def next_round_begins(peer: NetworkPeer, ahead: dict[int, int]) -> dict[int, int
         if max(rounds.values(), default=-1) > latest:
             newest = max(rounds.values())
             return {p: k for p, k in rounds.items() if k == newest}
-        if peer._stop_discovery.wait(BOUNDARY_POLL_S):
+        if peer.wait_closing(BOUNDARY_POLL_S):
             break
     log.warning("rank %d: no peer began a round after %d within %.0fs; catching up from round %d",
                 peer.rank, latest, peer.cfg.timeouts.startup_s, latest)
@@ -183,7 +182,7 @@ def next_round_begins(peer: NetworkPeer, ahead: dict[int, int]) -> dict[int, int
 def provide_state(peer: NetworkPeer) -> tuple[int, torch.Tensor] | None:
     """State for a catching-up peer: (k, [z_k, momentum_k, AdamW moments]): the outer state of the
     round this peer last started, and its inner optimizer's moments after its latest inner step."""
-    snapshot = peer._snapshot
+    snapshot = peer.progress.round_start
     if snapshot is None:
         return None
     k, z, momentum = snapshot

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import faulthandler
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -57,7 +58,8 @@ def handle_stop_signals() -> None:
     """SIGTERM (``kill``, a service manager) stops a run as Ctrl+C does: a ``KeyboardInterrupt`` in the main
     thread, so metrics are kept and a checkpoint is written. ``kill -USR1 PID`` prints every thread's stack."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if sys.__stderr__ is not None:  # the process's own stderr: a replaced sys.stderr may have no file descriptor
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def _raise_interrupt(signum, frame) -> None:

@@ -85,7 +85,6 @@ def probe(args: argparse.Namespace) -> int:
 
     from gossiploco.config import TINY_OVERRIDES, load_config
     from gossiploco.runtime.dht_peer import joined_peer
-    from gossiploco.runtime.peer_discovery import discover_at_start
     from gossiploco.security.identity import Identity
     from gossiploco.security.options import peer_trust
     from gossiploco.security.swarm_key import SwarmKey
@@ -99,7 +98,7 @@ def probe(args: argparse.Namespace) -> int:
     result: dict = {"peer": trust.peer_id, "partner": partner, "began": time.time()}
     node = joined_peer(cfg, trust, None, [args.join], args.host, 0, None, args.run_id, reachability="auto")
     try:
-        discover_at_start(node)  # announce, find the partner, connect by the path the records give
+        node.discovery.discover_at_start()  # announce, find the partner, connect by the path the records give
         ex, deadline = node.exchange, time.monotonic() + args.timeout_s
         while partner not in ex.connected():
             if time.monotonic() > deadline:

@@ -35,31 +35,19 @@ def simulate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
-    import signal
-
     from gossiploco.config import load_config
-    from gossiploco.metrics import MetricsSink
-    from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
+    from gossiploco.runtime.run_lifecycle import RunLifecycle
     from gossiploco.runtime.virtual import VirtualSwarm
-    from gossiploco.tokenizer import load_tokenizer, save_tokenizer_copy
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
-        out = output_dir(out, Path("runs/simulate"), resume)
-        checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
-        save_tokenizer_copy(load_tokenizer(cfg.data.tokenizer), out)  # OUT/tokenizer.json: the model's tokenizer
+        run = RunLifecycle.open(cfg, out, Path("runs/simulate"), resume=resume, say=console.print)
         swarm = VirtualSwarm(cfg)
-        if checkpoint is not None:
-            swarm.resume(checkpoint)
-        sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
+        run.start(swarm)
     except GossiplocoError as exc:
         fail(exc)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops it like Ctrl+C: a checkpoint is written
-    writer = checkpoint_writer(cfg, out)
-    if checkpoint is not None:
-        console.print(f"resuming {out} at round {checkpoint.round} from {checkpoint.path.name}")
     console.print(
         f"[bold]{cfg.name}[/]: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, "
         f"model {cfg.model.size}, {swarm.corpus.description}, device {swarm.device}"
@@ -84,22 +72,13 @@ def simulate(
                              done // cfg.inner_steps)
 
         try:
-            result = swarm.run(sink, on_step, writer)
+            result = run.train(lambda sink, writer: swarm.run(sink, on_step, writer), before_report=progress.stop)
         except KeyboardInterrupt:
-            sink.write_summary({**swarm.summary_so_far(), "run_config": cfg.to_dict()})
-            sink.close()
-            progress.stop()
-            stop_checkpoints(writer, out, interrupted=True)
             raise typer.Exit(code=130)
-    stop_checkpoints(writer, out, interrupted=False)
-    result.summary.update(run_config=cfg.to_dict(), **(writer.stats() if writer is not None else {}))
-    sink.write_summary(result.summary)
-    sink.close()
-    from gossiploco.model_file import save_model
-
-    model_path = save_model(result.final_params, out, cfg.to_dict())
-    print_summary([result.summary])
-    console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {model_path}")
+        except GossiplocoError as exc:
+            progress.stop()
+            fail(exc)
+    _report(run.out, result.summary, run.finish(result))
 
 
 @app.command()
@@ -132,15 +111,11 @@ def peer(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the final table."),
 ) -> None:
     """Run one peer: it joins a run through a DHT bootstrap address (--join) or a static list (--peers) and mixes over ZeroMQ."""
-    import faulthandler
-    import signal
-
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = None
     try:
         from gossiploco.config import load_config
-        from gossiploco.metrics import MetricsSink
         from gossiploco.runtime.dht_peer import joined_peer
         from gossiploco.runtime.peer import NetworkPeer, run_id_for
         from gossiploco.security.options import peer_trust, swarm_key_option
@@ -177,25 +152,16 @@ def peer(
             node.close()
         console.print("[yellow]interrupted[/] during start-up")
         raise typer.Exit(code=130)
-    out = out or Path(f"runs/peer-{rank}")
     try:
-        from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
-        from gossiploco.tokenizer import load_tokenizer, save_tokenizer_copy
+        from gossiploco.runtime.run_lifecycle import RunLifecycle
 
-        output_dir(out, out, resume)  # never over a run without --resume
-        checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
-        save_tokenizer_copy(load_tokenizer(cfg.data.tokenizer), out)  # OUT/tokenizer.json: the model's tokenizer
-        if checkpoint is not None:
-            node.resume(checkpoint)
-            console.print(f"resuming {out} at round {checkpoint.round} from {checkpoint.path.name}")
-        sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
+        out = out or Path(f"runs/peer-{rank}")
+        # never over a run without --resume; a peer stopped before its first record leaves no run there
+        run = RunLifecycle.open(cfg, out, out, resume=resume, say=console.print, forget_unstarted=True)
+        run.start(node)
     except GossiplocoError as exc:
         node.close()
         fail(exc)
-    writer = checkpoint_writer(cfg, out)
-    # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept, a checkpoint written.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     console.print(f"[bold]{cfg.name}[/] peer {rank} at {node.endpoint}: {cfg.rounds} rounds x "
                   f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
 
@@ -210,75 +176,22 @@ def peer(
         console.print(text)
 
     try:
-        result = node.run(sink, on_record, writer)
+        result = run.train(lambda sink, writer: node.run(sink, on_record, writer))
     except KeyboardInterrupt:
-        if _forget_unstarted_run(sink, out, resume):
-            stop_checkpoints(writer, out, interrupted=False)  # nothing was submitted: this only stops its thread
-            console.print(f"[yellow]interrupted[/] before the first round: nothing kept in {out}")
-            raise typer.Exit(code=130)
-        sink.write_summary({**node.summary_so_far(), "run_config": cfg.to_dict()})
-        sink.close()
-        stop_checkpoints(writer, out, interrupted=True)
         raise typer.Exit(code=130)
     except GossiplocoError as exc:
-        sink.close()
-        stop_checkpoints(writer, out, interrupted=False)
-        _forget_unstarted_run(sink, out, resume)
         fail(exc)
-    stop_checkpoints(writer, out, interrupted=False)
-    result.summary.update(run_config=cfg.to_dict(), **(writer.stats() if writer is not None else {}))
-    sink.write_summary(result.summary)
-    sink.close()
-    from gossiploco.model_file import save_model
+    _report(run.out, result.summary, run.finish(result))
 
-    model_path = save_model(result.final_params, out, cfg.to_dict())
-    print_summary([result.summary])
+
+def _report(out: Path, summary: dict, model_path: Path) -> None:
+    """The end of a finished run: its summary table and where it wrote what."""
+    print_summary([summary])
     console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {model_path}")
-
-
-def _forget_unstarted_run(sink, out: Path, resume: bool) -> bool:
-    """A peer stopped before its first record (refused at start, or Ctrl+C while it waited for the others, to
-    restart it with other settings) leaves no run in ``out``, so the corrected command may use it again. True
-    when it removed it."""
-    if resume or sink.records:
-        return False
-    sink.close()
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    return True
 
 
 def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def checkpoint_writer(cfg, out: Path):
-    """The run's checkpoint writer (None with ``checkpoint.enabled = false``)."""
-    from gossiploco.checkpoint import CheckpointWriter, run_checkpoints
-
-    return CheckpointWriter(run_checkpoints(out), cfg.to_dict(), cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
-
-
-def stop_checkpoints(writer, out: Path, interrupted: bool) -> None:
-    """Finish writing checkpoints (a second Ctrl+C abandons the one being written: the previous one stays) and say
-    how to continue an interrupted run."""
-    if writer is None:
-        if interrupted:
-            console.print(f"[yellow]interrupted[/]; checkpoints are off (checkpoint.enabled = false): metrics so far "
-                          f"are in {out / 'metrics.jsonl'}")
-        return
-    try:
-        writer.close()
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted again[/]: the checkpoint being written was abandoned")
-    if writer.failures:
-        console.print(f"[bold red]{writer.failures} checkpoint(s) could not be written[/] (see the errors above)")
-    if interrupted:
-        from gossiploco.checkpoint import checkpoint_files, run_checkpoints
-
-        files = checkpoint_files(run_checkpoints(out))
-        last = files[0].name if files else "none"
-        console.print(f"[yellow]interrupted[/]; newest checkpoint: {last} in {out / 'checkpoints'}; continue with the "
-                      f"same command plus --resume --out {out}")
 
 
 @app.command()

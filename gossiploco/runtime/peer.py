@@ -50,8 +50,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,30 +57,28 @@ from functools import partial
 
 import torch
 
-from gossiploco import consensus
 from gossiploco.adaptive import AdaptiveMix2
-from gossiploco.blocks import group_by_block
 from gossiploco.checkpoint import Checkpoint, CheckpointWriter, Snapshot, shared_config
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
-from gossiploco.errors import ConfigError, ExchangeClosed, ExchangeError
+from gossiploco.errors import ConfigError
 from gossiploco.membership.directory import Directory
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
-from gossiploco.mixing.operators import pack, unpack
 from gossiploco.reach.paths import Reach
 from gossiploco.reach.tunnel import tunnel_stats
 from gossiploco.round_budget import RoundBudget
-from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1,
-                                       round_reached)
+from gossiploco.runtime.common import build_trainer, make_summary, measure_due, round_reached
 from gossiploco.runtime.path_planner import PathPlanner
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
+from gossiploco.runtime.peer_discovery import Discovery
 from gossiploco.runtime.peer_join import join, maybe_catch_up, provide_state
+from gossiploco.runtime.peer_monitor import PeerMonitor
+from gossiploco.runtime.peer_progress import TrainingProgress
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.security.trust import Trust
-from gossiploco.tensor_checks import all_finite
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
 from gossiploco.transport.fault_injection import SendHook
@@ -131,7 +127,11 @@ class NetworkPeer:
     peer`` always gives it; None (plaintext, unauthenticated) is for in-process unit tests. ``fault``: the
     exchange's fault-injection hook (``transport.fault_injection``; tests only).
 
-    Build, then ``run()``. ``close()`` (idempotent) leaves the run and releases sockets and threads.
+    Built from parts with their own state: ``progress`` (``TrainingProgress``: what the next record carries,
+    counters, tokens, the round's starting state given to peers catching up), ``monitor`` (``PeerMonitor``:
+    measurements and records), ``discovery`` (``Discovery``, with a directory: its thread), ``clock``
+    (``PeerClock``: where the seconds go). Build, then ``run()``. ``close()`` (idempotent) leaves the run and
+    releases sockets and threads.
     """
 
     def __init__(self, cfg: RunConfig, rank: int, endpoints: Sequence[str] | None = None, *,
@@ -167,11 +167,10 @@ class NetworkPeer:
         self.compile_s = self.trainer.warm_up()
         if self.compile_s:
             log.info("rank %d: compiled the model in %.1fs", rank, self.compile_s)
-        self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
+        eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)  # the monitor's scratch model
+        heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
+        val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.names = self.trainer.names
-        self.groups = group_by_block(self.names)
-        self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
-        self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.run_id = run_id or run_id_for(cfg)
         chunk = int(cfg.transport.chunk_mb * (1 << 20)) // 4 * 4
         t = cfg.timeouts
@@ -194,15 +193,17 @@ class NetworkPeer:
         self.reach = reach or Reach()
         self.paths = PathPlanner(rank, self.reach, self.exchange, getattr(directory, "run_in_node", None),
                                  topology_ring=cfg.transport.ring_order == "topology")
-        self._stop_discovery = threading.Event()
-        self._discovery: threading.Thread | None = None
-        self._tokens = 0
+        self.progress = TrainingProgress()
+        """What the next record carries, the run's counters and tokens, the round's starting state."""
+        self.discovery = Discovery(cfg, rank, self.run_id, self.endpoint, self.exchange, directory, runs=self.runs,
+                                   reach=self.reach, paths=self.paths, trust=trust,
+                                   tokens=lambda: self.progress.tokens) if directory is not None else None
+        """Finding the run's peers through the directory (None with a static list)."""
         self.algo: FactoredDiLoCo | SyncDP
         if cfg.mode == "sync-dp":
             self.algo = SyncDP(self.trainer, cfg, self.exchange)
         else:
             self.algo = FactoredDiLoCo(self.trainer, cfg, self.exchange)
-        self._snapshot: tuple[int, TensorDict, TensorDict] | None = None  # (round, z, momentum) at a round start
         self.exchange.serve_state(partial(provide_state, self))
         self.sink = MetricsSink(None)
         self.on_record: Callable[[dict], None] | None = None
@@ -210,20 +211,12 @@ class NetworkPeer:
         """This peer's live status for observers (``gossiploco dashboard``), published with its record."""
         if self.status is not None:
             directory.set_status_source(self.status.wire)
-        self._losses: list[torch.Tensor | float] = []
-        self._pending: dict = {}
         self.clock = PeerClock()
-        self._counts = {"mix1_failures": 0, "mix2_failures": 0, "grad_failures": 0, "monitor_failures": 0,
-                        "catchups": 0}
-        self._final_params: TensorDict | None = None
         self._closed = False
         self.adaptive = AdaptiveMix2(cfg) if cfg.mix2.mode == "adaptive" and cfg.mode == "factored" else None
-        self._round_js: list[float] = []
-        self._reuse_mix1 = monitor_reuses_mix1(cfg, self.names)
-        self._deferred: dict | None = None
-        """The round's h = 0 record while it waits for Mix1's average (``monitor_reuses_mix1``)."""
-        self._held: list[dict] = []
-        """Later records of that round, written after it (records stay in (round, h) order)."""
+        self.monitor = PeerMonitor(cfg, rank, self.exchange, self.trainer, eval_trainer, heldout, val_batches,
+                                   clock=self.clock, progress=self.progress, adaptive=self.adaptive, publish=self._publish)
+        """Measurements and metrics records (written through ``_publish``)."""
         self._started = time.perf_counter()
         self.start_round = 0
         """The round of the checkpoint this peer resumed from (0: a new peer)."""
@@ -257,10 +250,10 @@ class NetworkPeer:
             self._checkpoint(checkpoints, cfg.rounds)
             self.clock.add("rounds_s", time.perf_counter() - t)
             self.exchange.current_round = cfg.rounds
-            final = self._record(cfg.rounds, 0, val_loss=True, final=True)
+            final = self.monitor.record(cfg.rounds, 0, val_loss=True, final=True)
             reach = self._reach_summary()
         except BaseException as exc:
-            self._write_held(f"the run stopped before Mix1's average ({type(exc).__name__})")
+            self.monitor.write_held(f"the run stopped before Mix1's average ({type(exc).__name__})")
             self.close()
             if checkpoints is not None and isinstance(exc, KeyboardInterrupt):
                 self._checkpoint_interrupted(checkpoints)
@@ -269,7 +262,17 @@ class NetworkPeer:
         wall = time.perf_counter() - start
         summary = make_summary(self.cfg, self.sink.records, final.get("val_loss"), wall)
         summary.update(self._peer_summary(wall), reach=reach)
-        return PeerResult(final_params=self._final_params or self._own_params(), summary=summary, records=self.sink.records)
+        final_params = self.monitor.final_params
+        return PeerResult(final_params=final_params or self.trainer.params_cpu(), summary=summary,
+                          records=self.sink.records)
+
+    def _publish(self, record: dict) -> None:
+        """A finished record: to the metrics file, the live status and the caller's ``on_record``."""
+        self.sink.write(record)
+        if self.status is not None:
+            self.status.add(record, self.paths.paths)
+        if self.on_record:
+            self.on_record(record)
 
     def _checkpoint(self, checkpoints: CheckpointWriter | None, r: int) -> None:
         """Snapshot the state at the start of round ``r`` (kept for Ctrl+C); hand it to the writer when due."""
@@ -301,6 +304,7 @@ class NetworkPeer:
         """Continue from this peer's ``checkpoint`` (configuration checked by the caller): ``run`` then starts at
         its round, or downloads a newer state if the swarm went on."""
         restore_peer(self, checkpoint)
+        self.start_round = checkpoint.round
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the exchange first (wakes a Mix1 still waiting), then the algorithm's thread. Idempotent.
@@ -308,13 +312,14 @@ class NetworkPeer:
         if self._closed:
             return
         self._closed = True
-        self._stop_discovery.set()
+        if self.discovery is not None:
+            self.discovery.stop()
         self.exchange.leave(linger_s=linger_s)  # first: the others drop this peer at once, no deadline to wait out
         self.algo.close()
         if self.directory is not None:
             self.directory.close()  # withdraws this peer's announcement (bounded; it expires anyway)
-        if self._discovery is not None:
-            self._discovery.join(timeout=self.cfg.timeouts.discovery_s + 10)
+        if self.discovery is not None:
+            self.discovery.join(timeout_s=self.cfg.timeouts.discovery_s + 10)
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -325,7 +330,7 @@ class NetworkPeer:
         self.clock.begin_round()
         blocked = self._train_round(r)
         steps = getattr(self.algo, "round_steps", self.cfg.inner_steps)  # sync-dp: always H
-        merge_stats(self._pending, {"other_s": self.clock.end_round(r, time.perf_counter() - start, blocked, steps)})
+        self.progress.merge({"other_s": self.clock.end_round(r, time.perf_counter() - start, blocked, steps)})
 
     def _train_round(self, r: int) -> dict[str, float]:
         """Returns the seconds blocked in Mix1 and in Mix2 (sync-dp: in gradient all-reduces)."""
@@ -335,7 +340,7 @@ class NetworkPeer:
         if factored:
             algo: FactoredDiLoCo = self.algo  # type: ignore[assignment]
             # Before telling anyone this round began: a peer that hears so may ask for this state at once.
-            self._snapshot = (r, algo.z, algo.momentum)  # outer_step makes new dicts: safe to hand out
+            self.progress.set_round_start(r, algo.z, algo.momentum)  # outer_step makes new dicts: safe to hand out
         self.exchange.current_round = r
         if factored:
             algo.begin_round(r)
@@ -344,14 +349,11 @@ class NetworkPeer:
         while self.budget.another(h, time.perf_counter()):
             due, val_loss = measure_due(cfg, h)
             measuring = time.perf_counter()
-            if due and h == 0 and self._reuse_mix1:
-                # measured against Mix1's average at the round's end; its group is agreed now, beside Mix1's, as
-                # an undeferred measurement's is (a round waits no longer for a missing peer than before)
-                self._deferred = self._record_start(r, h, val_loss)
-                self._deferred["group"] = self._monitor_group(r, h)
+            if due and h == 0 and self.monitor.reuses_mix1:
+                self.monitor.defer(r, h, val_loss=val_loss)  # measured against Mix1's average at the round's end
             elif due:
                 self._finish_compute()
-                self._record(r, h, val_loss=val_loss)
+                self.monitor.record(r, h, val_loss=val_loss)
             if due:  # the round's length is for training: the measurement's time moves its deadline
                 self.budget.pause(time.perf_counter() - measuring)
             t = time.perf_counter()
@@ -362,17 +364,17 @@ class NetworkPeer:
             else:
                 loss = self._sync_dp_step(r * cfg.inner_steps + h, t)
             self.budget.step_took(time.perf_counter() - t)
-            self._losses.append(loss)
+            self.progress.add_loss(loss)
             h += 1
         self._finish_compute()
         if factored:
-            if self._deferred is not None:
-                self._record_deferred(algo)
+            if self.monitor.deferring:
+                self.monitor.record_deferred(algo)
+            round_js = self.monitor.take_round_js()
             if self.adaptive is not None:
-                decision = self.adaptive.decide(r, max(self._round_js, default=None))
+                decision = self.adaptive.decide(r, max(round_js, default=None))
                 algo.set_mix2_blocks(decision.blocks)
-                self._pending["mix2_decision"] = decision.to_dict()
-            self._round_js = []
+                self.progress.merge({"mix2_decision": decision.to_dict()})
             rep = self.algo.end_round(r)
             self._round_done(rep)
             return {"mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s}
@@ -385,7 +387,7 @@ class NetworkPeer:
         self.clock.tick("compute_s", time.perf_counter() - t)
 
     def _inner_step(self) -> torch.Tensor | float:
-        self._tokens += self.cfg.data.batch_size * self.cfg.data.seq_len
+        self.progress.add_tokens(self.cfg.data.batch_size * self.cfg.data.seq_len)
         if self.cfg.inner.synthetic_step_s > 0:  # benchmarks: compute replaced by a fixed sleep
             time.sleep(self.cfg.inner.synthetic_step_s)
             self.algo.advance()
@@ -417,8 +419,8 @@ class NetworkPeer:
         result = algo.reduce_and_step(step)
         self.clock.add("grad_s", time.perf_counter() - t)
         if not result.ok:
-            self._counts["grad_failures"] += 1
-            merge_stats(self._pending, {"grad_failures": 1, "grad_cause": result.cause})
+            self.progress.count("grad_failures")
+            self.progress.merge({"grad_failures": 1, "grad_cause": result.cause})
         return loss
 
     def _round_done(self, rep: RoundReport) -> None:
@@ -432,140 +434,14 @@ class NetworkPeer:
             res = getattr(rep, mix)
             if not res.ok:
                 stats[f"{mix}_cause"] = res.cause
-                self._counts[f"{mix}_failures"] += 1
+                self.progress.count(f"{mix}_failures")
             if res.partner is not None:
                 stats[f"{mix}_partner"] = res.partner
         self.clock.add("mix1_wait_s", rep.mix1_wait_s)
         self.clock.add("mix2_s", rep.mix2_s)
-        merge_stats(self._pending, stats)
+        self.progress.merge(stats)
 
-    # -- measurement -------------------------------------------------------------------------------
-
-    def _own_params(self) -> TensorDict:
-        return self.trainer.params_cpu()
-
-    def _record(self, r: int, h: int, *, val_loss: bool, final: bool = False) -> dict:
-        record = self._record_start(r, h, val_loss)
-        t = time.perf_counter()
-        record.update(self._measure(r, h, val_loss=val_loss, final=final))
-        self.clock.tick("monitor_s", time.perf_counter() - t)
-        return self._record_end(record)
-
-    def _record_start(self, r: int, h: int, val_loss: bool) -> dict:
-        """A record's bookkeeping as of now (the losses and stats since the last one), before its measurement."""
-        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h, "val_loss_due": val_loss}
-        record["members"] = len(self.exchange.members(r))  # the group this measurement averages over
-        if self._losses:
-            record["loss"] = mean_loss(self._losses)
-        record.update(self._pending)
-        self._pending, self._losses = {}, []
-        return record
-
-    def _monitor_group(self, r: int, h: int) -> list[int] | ExchangeError:
-        try:
-            return self.exchange.group(f"monitor/{r}/{h}", r)
-        except ExchangeClosed:
-            raise
-        except ExchangeError as exc:
-            return exc
-
-    def _record_end(self, record: dict) -> dict:
-        record.pop("val_loss_due")
-        record.pop("group", None)
-        record.update(self.clock.take_record())
-        record["bytes_sent"] = self.exchange.bytes_sent
-        record["wire_bytes_sent"] = self.exchange.wire_bytes_sent
-        record["bytes_received"] = self.exchange.bytes_received
-        if self._deferred is not None:  # written after the round's h = 0 record
-            self._held.append(record)
-            return record
-        for done in [record, *self._held]:
-            self.sink.write(done)
-            if self.status is not None:
-                self.status.add(done, self.paths.paths)
-            if self.on_record:
-                self.on_record(done)
-        self._held = []
-        return record
-
-    def _write_held(self, cause: str) -> None:
-        """Write a deferred record unmeasured (saying why), and the records held behind it."""
-        if self._deferred is not None:
-            record, self._deferred = self._deferred, None
-            record["monitor_cause"] = cause
-            self._record_end(record)
-
-    def _record_deferred(self, algo: FactoredDiLoCo) -> None:
-        """The round's h = 0 measurement against Mix1's average (``monitor_reuses_mix1``), then the held records."""
-        record, self._deferred = self._deferred, None
-        mix1 = algo.mix1_result()  # the wait counts as the round's Mix1 wait (RoundReport.mix1_wait_s)
-        t = time.perf_counter()
-        own = {n: v.detach().to("cpu", torch.float32) for n, v in algo.z.items()}  # z_{m,r}: the parameters at h = 0
-        avg = {n: v.detach().to("cpu", torch.float32) for n, v in mix1.values[0].items()} if mix1.ok else None
-        record.update(self._measure(record["round"], 0, val_loss=record["val_loss_due"], final=False, at=(own, avg),
-                                    group=record["group"]))
-        self.clock.tick("monitor_s", time.perf_counter() - t)
-        self._record_end(record)
-
-    def _measure(self, r: int, h: int, *, val_loss: bool, final: bool,
-                 at: tuple[TensorDict, TensorDict | None] | None = None,
-                 group: list[int] | ExchangeError | None = None) -> dict:
-        """Swarm-wide consensus from per-peer terms (module docstring); own values if the group fails.
-
-        ``at``: this peer's parameters and the average to measure them against (Mix1's; None when this
-        peer's Mix1 failed): no parameters are exchanged, and the group's terms average over the peers that
-        had an average (each sends a validity weight with its terms). ``group``: the members agreed earlier (or
-        why that failed)."""
-        ex = self.exchange
-        params = self._own_params() if at is None else at[0]
-        out: dict = {}
-        try:
-            if isinstance(group, ExchangeError):
-                raise group
-            members = ex.group(f"monitor/{r}/{h}", r) if group is None else group
-            if at is None:
-                flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members, inplace=True)
-                if not all_finite(flat):
-                    raise ExchangeError("non-finite average")
-                avg = unpack(flat, [params], self.names)[0]
-            else:
-                avg = at[1]
-            valid = avg is not None
-            terms = consensus.l2_term(params, avg if valid else params, self.groups)
-            if at is not None:  # the model now holds y_{m,r,H}: the scratch model gives z_{m,r}'s logits
-                self.eval_trainer.load_params(params)
-            own_logits = (self.trainer if at is None else self.eval_trainer).logits(self.heldout)
-            self.eval_trainer.load_params(avg if valid else params)
-            js = consensus.js_term(own_logits, self.eval_trainer.logits(self.heldout), self.cfg.monitor.js_top_k)
-            blocks = list(terms)
-            total = sum(terms.values())
-            extra = [float(self.adaptive.size)] if self.adaptive is not None else []
-            weight = float(valid)
-            mine = torch.tensor([weight] + [weight * v for v in [math.sqrt(total), total, js]
-                                            + [math.sqrt(terms[b]) for b in blocks]] + extra, dtype=torch.float32)
-            mean = ex.all_reduce_mean(f"monitor/{r}/{h}/terms", mine, members).tolist()
-            if mean[0] <= 0:
-                raise ExchangeError("no peer of the group had Mix1's average to measure against")
-            mean = [mean[0]] + [v / mean[0] for v in mean[1:4 + len(blocks)]] + mean[4 + len(blocks):]
-            out.update(cd_l2=mean[1], cd_l2_sq=mean[2], cd_js=mean[3],
-                       cd_l2_blocks={b: mean[4 + i] for i, b in enumerate(blocks)})
-            self._round_js.append(mean[3])
-            if self.adaptive is not None:
-                # Every member sees the same mean, so all adopt the same prefix (a late joiner, or
-                # a peer that missed a measurement, realigns here).
-                self.adaptive.adopt(int(math.floor(mean[-1] + 0.5)))
-            if final:
-                self._final_params = {n: v.clone() for n, v in avg.items()}
-        except ExchangeClosed:
-            raise
-        except ExchangeError as exc:
-            self._counts["monitor_failures"] += 1
-            out["monitor_cause"] = f"{type(exc).__name__}: {exc}"
-            log.warning("rank %d: monitor average at round %d h %d failed: %s", self.rank, r, h, exc)
-            self.eval_trainer.load_params(params)  # validation loss of this peer's own model
-        if val_loss:
-            out["val_loss"] = self.eval_trainer.evaluate(self.val_batches)
-        return out
+    # -- summaries -------------------------------------------------------------------------------
 
     def _reach_summary(self) -> dict:
         """Reachability, the path to each peer, and the tunnels' counters (from the DHT process, while it runs)."""
@@ -582,7 +458,7 @@ class NetworkPeer:
             "rank": self.rank,
             "run_id": self.run_id,
             **self.clock.summary(wall),
-            **{k: v for k, v in self._counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
+            **{k: v for k, v in self.progress.counts.items() if k not in ("mix1_failures", "mix2_failures", "grad_failures")},
             "bytes_sent": self.exchange.bytes_sent,
             "wire_bytes_sent": self.exchange.wire_bytes_sent,
             "bytes_received": self.exchange.bytes_received,
@@ -590,6 +466,6 @@ class NetworkPeer:
             "security": {"private": self.trust is not None and not self.trust.open,
                          "encrypted": self.trust is not None, **self.exchange.security_counts()},
             "dropped_messages": self.exchange.dropped_messages,
-            "final_model": "averaged" if self._final_params is not None else "own",
+            "final_model": "averaged" if self.monitor.final_params is not None else "own",
             "resumed_from": self.start_round or None,
         }

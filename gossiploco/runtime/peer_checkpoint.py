@@ -28,14 +28,14 @@ def peer_snapshot(peer: NetworkPeer, r: int) -> Snapshot:
     copier = Copier()
     tensors, worker = capture(peer.algo, WORKER, copier)
     meta = {"workers": [WORKER], "worker_state": {WORKER: worker}, "metrics_bytes": peer.sink.bytes_written,
-            "pending": dict(peer._pending), "losses": [float(v) for v in peer._losses], "counts": dict(peer._counts),
-            "tokens": peer._tokens, "adaptive": peer.adaptive.state() if peer.adaptive is not None else None,
+            **peer.progress.snapshot(), "adaptive": peer.adaptive.state() if peer.adaptive is not None else None,
             "deadlines": peer.exchange.deadlines.state(), "peer": peer.rank, "run_id": peer.run_id, "taken_at": time.time()}
     return Snapshot(r, tensors, meta, copier.wait)
 
 
 def restore_peer(peer: NetworkPeer, checkpoint: Checkpoint) -> None:
-    """Put a checkpoint's state into a freshly built peer of the same run; it then starts at the checkpoint's round."""
+    """Put a checkpoint's state into a freshly built peer of the same run (its algorithm, training progress,
+    adaptive Mix2 and deadlines); ``NetworkPeer.resume`` then starts it at the checkpoint's round."""
     meta = checkpoint.meta
     if meta.get("workers") != [WORKER]:
         raise CheckpointError(f"{checkpoint.path} is not a network peer's checkpoint (workers {meta.get('workers')}); "
@@ -43,13 +43,9 @@ def restore_peer(peer: NetworkPeer, checkpoint: Checkpoint) -> None:
     if meta.get("run_id") != peer.run_id:
         raise CheckpointError(f"{checkpoint.path} belongs to run {meta.get('run_id')!r}, this peer joins {peer.run_id!r}")
     restore(peer.algo, WORKER, checkpoint.tensors, meta["worker_state"][WORKER])
-    peer._pending = dict(meta["pending"])
-    peer._losses = list(meta["losses"])
-    peer._counts.update(meta["counts"])
-    peer._tokens = int(meta["tokens"])
+    peer.progress.restore(meta)
     if peer.adaptive is not None and meta.get("adaptive") is not None:
         peer.adaptive.load_state(meta["adaptive"])
     peer.exchange.deadlines.load_state(meta.get("deadlines", {}))
-    peer.start_round = checkpoint.round
     if peer.cfg.mode == "factored":  # others may ask for this state at once (a whole swarm restarting)
-        peer._snapshot = (checkpoint.round, peer.algo.z, peer.algo.momentum)
+        peer.progress.set_round_start(checkpoint.round, peer.algo.z, peer.algo.momentum)

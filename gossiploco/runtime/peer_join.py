@@ -19,7 +19,6 @@ import torch
 
 from gossiploco.mixing.operators import pack, unpack
 from gossiploco.protocol import lifecycle
-from gossiploco.runtime.peer_discovery import discover_at_start
 from gossiploco.runtime.waiting_line import short_start_line
 
 if TYPE_CHECKING:
@@ -44,7 +43,7 @@ def settings(peer: NetworkPeer) -> lifecycle.Settings:
 def join(peer: NetworkPeer) -> int:
     """Find the others (with a directory), wait for them, ask where they are; returns the round this peer starts with."""
     started = time.monotonic()
-    deadline = discover_at_start(peer) if peer.directory is not None else None
+    deadline = peer.discovery.discover_at_start() if peer.discovery is not None else None
     quorum = peer.cfg.workers if peer.directory is not None else 1  # start together once `workers` peers are in
     life = settings(peer)
     position = peer.exchange.drive(lambda node: lifecycle.join(node, life, peer.start_round, quorum, deadline))
@@ -71,15 +70,15 @@ def install(peer: NetworkPeer, position: lifecycle.Position) -> int:
     outer = 2 * sum(algo.z[n].numel() for n in peer.names)
     algo.set_state(*unpack(flat[:outer], [algo.z, algo.momentum], peer.names))
     peer.trainer.inner_opt.import_moments(flat[outer:], k * peer.cfg.inner_steps)
-    peer._counts["catchups"] += 1
-    peer._pending["catchup_from"] = position.donor
+    peer.progress.count("catchups")
+    peer.progress.merge({"catchup_from": position.donor})
     return k
 
 
 def provide_state(peer: NetworkPeer) -> tuple[int, torch.Tensor] | None:
     """State for a catching-up peer: (k, [z_k, momentum_k, AdamW moments]): the outer state of the
     round this peer last started, and its inner optimizer's moments after its latest inner step."""
-    snapshot = peer._snapshot
+    snapshot = peer.progress.round_start
     if snapshot is None:
         return None
     k, z, momentum = snapshot

@@ -28,7 +28,7 @@ from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call
 from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap
-from gossiploco.protocol.messages import MAX_PEER_ID, Data, Send
+from gossiploco.protocol.messages import MAX_PEER_ID, Data
 from gossiploco.reach.paths import PathControl, path_class
 from gossiploco.security.identity import peer_id_of
 from gossiploco.security.trust import Trust

@@ -15,11 +15,13 @@ from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_sum
                                    slowest_round)
 from gossiploco.cli_tokenizer import tokenizer_app
 from gossiploco.errors import ConfigError, GossiplocoError
+from gossiploco.runtime.stopping import exit_stopped, stops_cleanly
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
 
 
 @app.command()
+@stops_cleanly("simulate")
 def simulate(
     config: str = CONFIG,
     workers: Optional[int] = WORKERS,
@@ -35,8 +37,6 @@ def simulate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
-    import signal
-
     from gossiploco.config import load_config
     from gossiploco.metrics import MetricsSink
     from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
@@ -56,7 +56,6 @@ def simulate(
         sink = MetricsSink(out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint else (0 if resume else None))
     except GossiplocoError as exc:
         fail(exc)
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops it like Ctrl+C: a checkpoint is written
     writer = checkpoint_writer(cfg, out)
     if checkpoint is not None:
         console.print(f"resuming {out} at round {checkpoint.round} from {checkpoint.path.name}")
@@ -89,8 +88,7 @@ def simulate(
             sink.write_summary({**swarm.summary_so_far(), "run_config": cfg.to_dict()})
             sink.close()
             progress.stop()
-            stop_checkpoints(writer, out, interrupted=True)
-            raise typer.Exit(code=130)
+            exit_stopped("simulate", stop_checkpoints(writer, out, interrupted=True))
     stop_checkpoints(writer, out, interrupted=False)
     result.summary.update(run_config=cfg.to_dict(), **(writer.stats() if writer is not None else {}))
     sink.write_summary(result.summary)
@@ -103,6 +101,7 @@ def simulate(
 
 
 @app.command()
+@stops_cleanly("peer")
 def peer(
     config: str = CONFIG,
     join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`); repeat for several."),
@@ -173,8 +172,7 @@ def peer(
     except KeyboardInterrupt:  # during start-up (loading data, starting the DHT node): nothing to keep
         if node is not None:
             node.close()
-        console.print("[yellow]interrupted[/] during start-up")
-        raise typer.Exit(code=130)
+        exit_stopped("peer", "during start-up")
     out = out or Path(f"runs/peer-{rank}")
     try:
         from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
@@ -191,8 +189,6 @@ def peer(
         node.close()
         fail(exc)
     writer = checkpoint_writer(cfg, out)
-    # SIGTERM (a service manager, `kill`) stops the peer like Ctrl+C: sockets closed, metrics kept, a checkpoint written.
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` prints every thread's stack
     console.print(f"[bold]{cfg.name}[/] peer {rank} at {node.endpoint}: {cfg.rounds} rounds x "
                   f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
@@ -212,12 +208,10 @@ def peer(
     except KeyboardInterrupt:
         if _forget_unstarted_run(sink, out, resume):
             stop_checkpoints(writer, out, interrupted=False)  # nothing was submitted: this only stops its thread
-            console.print(f"[yellow]interrupted[/] before the first round: nothing kept in {out}")
-            raise typer.Exit(code=130)
+            exit_stopped("peer", f"before the first round: nothing kept in {out}")
         sink.write_summary({**node.summary_so_far(), "run_config": cfg.to_dict()})
         sink.close()
-        stop_checkpoints(writer, out, interrupted=True)
-        raise typer.Exit(code=130)
+        exit_stopped("peer", stop_checkpoints(writer, out, interrupted=True))
     except GossiplocoError as exc:
         sink.close()
         stop_checkpoints(writer, out, interrupted=False)
@@ -245,10 +239,6 @@ def _forget_unstarted_run(sink, out: Path, resume: bool) -> bool:
     return True
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def checkpoint_writer(cfg, out: Path):
     """The run's checkpoint writer (None with ``checkpoint.enabled = false``)."""
     from gossiploco.checkpoint import CheckpointWriter, run_checkpoints
@@ -256,14 +246,13 @@ def checkpoint_writer(cfg, out: Path):
     return CheckpointWriter(run_checkpoints(out), cfg.to_dict(), cfg.checkpoint.keep) if cfg.checkpoint.enabled else None
 
 
-def stop_checkpoints(writer, out: Path, interrupted: bool) -> None:
-    """Finish writing checkpoints (a second Ctrl+C abandons the one being written: the previous one stays) and say
-    how to continue an interrupted run."""
+def stop_checkpoints(writer, out: Path, interrupted: bool) -> str | None:
+    """Finish writing checkpoints (a second Ctrl+C abandons the one being written: the previous one stays); for an
+    interrupted run, return how to continue it (the detail of the stop line, ``runtime.stopping``)."""
     if writer is None:
         if interrupted:
-            console.print(f"[yellow]interrupted[/]; checkpoints are off (checkpoint.enabled = false): metrics so far "
-                          f"are in {out / 'metrics.jsonl'}")
-        return
+            return f"checkpoints are off (checkpoint.enabled = false): metrics so far are in {out / 'metrics.jsonl'}"
+        return None
     try:
         writer.close()
     except KeyboardInterrupt:
@@ -275,11 +264,13 @@ def stop_checkpoints(writer, out: Path, interrupted: bool) -> None:
 
         files = checkpoint_files(run_checkpoints(out))
         last = files[0].name if files else "none"
-        console.print(f"[yellow]interrupted[/]; newest checkpoint: {last} in {out / 'checkpoints'}; continue with the "
-                      f"same command plus --resume --out {out}")
+        return (f"newest checkpoint: {last} in {out / 'checkpoints'}; continue with the same command plus "
+                f"--resume --out {out}")
+    return None
 
 
 @app.command()
+@stops_cleanly("keygen")
 def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the new swarm key to (mode 0600); never overwritten.")) -> None:
     """Write a new swarm key: the secret that makes a run private. Give it to every peer (--swarm-key)."""
     from gossiploco.security.swarm_key import SwarmKey
@@ -292,6 +283,7 @@ def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the 
 
 
 @app.command()
+@stops_cleanly("dht")
 def dht(
     host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on."),
     port: int = typer.Option(0, "--port", help="TCP port (0: any free one; give a fixed one for an address that survives restarts)."),
@@ -304,13 +296,10 @@ def dht(
     relay_time_s: float = typer.Option(1800.0, "--relay-time-s", help="Relaying: the longest life of one relayed connection, in seconds."),
 ) -> None:
     """Run a bootstrap DHT node (which also relays for peers behind NAT) for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
-    import signal
-
     from gossiploco.membership.bootstrap import serve_bootstrap
     from gossiploco.security.swarm_key import SwarmKey
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     key = None
     try:
         if not open_run:
@@ -335,10 +324,10 @@ def dht(
                         relay_limits=(relay_data_mb * (1 << 20), relay_time_s))
     except GossiplocoError as exc:
         fail(exc)
-    console.print("bootstrap node stopped")
 
 
 @app.command()
+@stops_cleanly("doctor")
 def doctor(
     join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`): check it answers, and this machine's reachability and clock; repeat or comma-separate for several."),
     swarm_key: Optional[str] = typer.Option(None, "--swarm-key", help="With --join: the run's swarm key (file or gsk1-... text); check the bootstrap node holds the same one."),
@@ -365,6 +354,7 @@ def doctor(
 
 
 @app.command()
+@stops_cleanly("swarm")
 def swarm(
     config: str = CONFIG,
     peers: int = typer.Option(4, "--peers", "-n", help="Number of peer processes."),
@@ -411,9 +401,6 @@ def swarm(
         args += ["--set", item]
     console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
                   f"{cfg.model.size}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
-    import signal
-
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the swarm like Ctrl+C: peers leave, summary kept
     local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)
     # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
     # at least every PLAIN_EVERY_S seconds
@@ -427,8 +414,9 @@ def swarm(
             live.start()
         summary = local.run(show)
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
-        raise typer.Exit(code=130)
+        if live is not None:
+            live.stop()
+        exit_stopped("swarm", f"the peers stopped; what they wrote is in {out}/ (summary.json)")
     finally:
         if live is not None:
             live.stop()

@@ -102,7 +102,7 @@ def test_ctrl_c_stops_a_simulation_cleanly(tmp_path):
         assert proc.poll() is None, "the simulation ended before it was interrupted"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 130
-        assert "interrupted" in proc.stderr.read()
+        assert "gossiploco simulate: stopped (SIGINT); newest checkpoint: " in proc.stderr.read()
     finally:
         proc.kill()
 

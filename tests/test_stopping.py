@@ -72,6 +72,15 @@ def still_running(tree: dict[int, int]) -> list[int]:
     return [pid for pid, start in tree.items() if (stat := _stat(pid)) is not None and stat[0] != "Z" and stat[2] == start]
 
 
+def assert_stopped_cleanly(out: str, command: str, signum: int) -> None:
+    """``out`` has no traceback, nothing at ERROR, and one stop line: ``gossiploco COMMAND: stopped (SIGNAL)``."""
+    assert "Traceback" not in out, out[-6000:]
+    assert not ERROR.search(out), out[-6000:]
+    stops = [line for line in out.splitlines() if "stopped (" in line]
+    assert len(stops) == 1 and stops[0].startswith(f"gossiploco {command}: stopped ({signal.Signals(signum).name})"), \
+        out[-4000:]
+
+
 class Command:
     """``gossiploco ARGS`` in a session of its own, stdout and stderr together in ``log``."""
 
@@ -109,11 +118,7 @@ class Command:
                         + self.output()[-4000:])
         out = self.output()
         assert code == 130, f"exit code {code}\n{out[-4000:]}"
-        assert "Traceback" not in out, out[-6000:]
-        assert not ERROR.search(out), out[-6000:]
-        stops = [line for line in out.splitlines() if "stopped (" in line]
-        assert stops and stops == [line for line in stops if line.startswith(
-            f"gossiploco {command}: stopped ({signal.Signals(signum).name})")] and len(stops) == 1, out[-4000:]
+        assert_stopped_cleanly(out, command, signum)
         assert wait_until(lambda: not still_running(self.tree), GONE_WITHIN_S), \
             f"left running: {still_running(self.tree)}\n{out[-3000:]}"
 
@@ -224,6 +229,8 @@ def test_swarm_with_its_dashboard_stops_cleanly(tmp_path, browser, signum, targe
             page.open(f"http://127.0.0.1:{port}/", "document.getElementById('summary').dataset.peers === '2'")
         swarm.stop(signum, target)
         swarm.check_stopped("swarm", signum)
+        for rank in range(2):  # the swarm stops its peers with SIGINT: they leave cleanly too
+            assert_stopped_cleanly((out / f"peer-{rank}.log").read_text(errors="replace"), "peer", signal.SIGINT)
     finally:
         if page is not None:
             page.close()

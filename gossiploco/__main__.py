@@ -1,6 +1,6 @@
-"""``python -m gossiploco``: the CLI. Ctrl+C or SIGTERM while the CLI itself is still being imported (torch
-takes seconds) stops it like a stop anywhere else (``gossiploco.runtime.stopping``): the stop line, code 130,
-no traceback.
+"""``python -m gossiploco`` and the ``gossiploco`` console script (``main``): the CLI. Ctrl+C or SIGTERM while
+the CLI itself is still being imported (torch takes seconds) stops it like a stop anywhere else
+(``gossiploco.runtime.stopping``): the stop line, code 130, no traceback.
 
 SIGINT gets a handler even when this process inherited it *ignored* (a command started in the background by
 a non-interactive shell, e.g. ``nohup ... &``, a service manager): launchers (``gossiploco swarm``, the tests,
@@ -18,17 +18,21 @@ import sys
 
 from gossiploco.runtime.stopping import STOP_EXIT_CODE, exit_stopped, forget_handled_interrupt, stop_on_signals
 
-stop_on_signals()
 
-try:
-    from gossiploco.cli import app
-except KeyboardInterrupt:
-    command = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else None
-    exit_stopped(command)
+def main() -> None:
+    """The ``gossiploco`` command (the console script), as ``python -m gossiploco`` runs it."""
+    stop_on_signals()
+    try:
+        from gossiploco.cli import app
+    except KeyboardInterrupt:
+        exit_stopped(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else None)
+    try:
+        app()
+    except SystemExit as exc:
+        if exc.code == STOP_EXIT_CODE:
+            forget_handled_interrupt()
+        raise
 
-try:
-    app()
-except SystemExit as exc:
-    if exc.code == STOP_EXIT_CODE:
-        forget_handled_interrupt()
-    raise
+
+if __name__ == "__main__":
+    main()

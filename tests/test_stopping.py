@@ -178,6 +178,28 @@ def test_dht_stops_cleanly(tmp_path, signum, target):
         dht.kill()
 
 
+def _loading_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as file:
+            return "libtorch" in file.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum,target", [(signal.SIGINT, "group"), (signal.SIGTERM, "process")], ids=_signal_id)
+def test_dht_stopped_while_it_imports_torch_stops_cleanly(tmp_path, signum, target):
+    """The signal lands inside ``import torch`` (hivemind's), which it must not cut short: torch's C++ would abort
+    the process, and a half-imported module fails later with an AttributeError (``runtime.stopping``)."""
+    dht = Command(tmp_path, "dht", "--host", "127.0.0.1", "--swarm-key", str(tmp_path / "swarm.key"))
+    try:
+        dht.wait_for(lambda: _loading_torch(dht.proc.pid), "torch's libraries loaded", 60)
+        dht.stop(signum, target)
+        dht.check_stopped("dht", signum)
+    finally:
+        dht.kill()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("signum,target", SIGNALS, ids=_signal_id)
 def test_a_training_peer_stops_cleanly(tmp_path, bootstrap, signum, target):

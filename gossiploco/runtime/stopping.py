@@ -11,11 +11,13 @@ the shell's "stopped by Ctrl+C") for both signals: a stop asked for is an orderl
 ``stops_cleanly(command)`` wraps a command (under ``@app.command()``). It installs ``stop_on_signals()`` first,
 so that SIGINT and SIGTERM both raise ``Stopped``, a ``KeyboardInterrupt``, in the main thread: every
 ``except KeyboardInterrupt`` cleanup path (a peer leaving the run, the swarm stopping its peers, a checkpoint
-written) runs for both. An interrupt that ends the command, or ``typer.Exit(130)`` raised after its cleanup,
-becomes the stop line and exit 130. A command whose cleanup has something to tell (where its output went, how
-to continue) calls ``exit_stopped(command, detail)`` itself. A second signal during the cleanup interrupts it
-(an impatient user's second Ctrl+C) and still ends in the stop line; once the line is printed the signals take
-their default action (the process is only exiting then).
+written) runs for both; one that comes while a module is being imported is raised once the import is done
+(``_raise_stopped``). An interrupt that ends the command, or ``typer.Exit(130)`` raised after its cleanup,
+becomes the stop line and exit 130; so does any other exception once a stopping signal came (code cut short
+may fail in its own way: a consequence of the stop, logged at DEBUG). A command whose cleanup has something
+to tell (where its output went, how to continue) calls ``exit_stopped(command, detail)`` itself. A second
+signal during the cleanup interrupts it (an impatient user's second Ctrl+C) and still ends in the stop line;
+once the line is printed the signals take their default action (the process is only exiting then).
 
 Processes a command starts are stopped by the command, never by the same signal behind its back (a terminal
 sends Ctrl+C to the whole foreground process group): hivemind's DHT process and its p2pd run in a process group
@@ -25,17 +27,28 @@ own (``gossiploco.runtime.launch``).
 
 from __future__ import annotations
 
+import _thread
 import functools
+import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any, NoReturn, TypeVar
+
+log = logging.getLogger(__name__)
 
 STOP_EXIT_CODE = 130
 """The exit code of a command stopped by SIGINT or SIGTERM."""
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+IMPORT_RETRY_S = 0.05
+"""How often a stop that landed inside an import is tried again (``_raise_stopped``)."""
+
 _received: list[int] = []  # the stopping signals received by this process, in order
+_deferred: int | None = None  # a stop that landed inside an import, raised once the import is done
+_retry: threading.Timer | None = None
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -48,9 +61,39 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _raise_stopped(signum: int, frame: object) -> None:
-    _received.append(signum)
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    """The handler of SIGINT and SIGTERM: raise ``Stopped``, unless a module is being imported. An exception cut
+    into an import leaves the module half-initialised (the next import fails with an ``AttributeError``) or, in
+    torch's, escapes through C++ that aborts the process; so the stop waits until the import is done, tried again
+    every ``IMPORT_RETRY_S`` (``_thread.interrupt_main``, which calls this handler again)."""
+    global _deferred, _retry
+    if _deferred is None:
+        _received.append(signum)
+    if _inside_import(frame):
+        _deferred = _deferred if _deferred is not None else signum
+        if _retry is None:
+            _retry = threading.Timer(IMPORT_RETRY_S, _retry_stop, (_deferred,))
+            _retry.daemon = True
+            _retry.start()
+        return
+    signum = _deferred if _deferred is not None else signum
+    _deferred = None
     raise Stopped(signum)
+
+
+def _retry_stop(signum: int) -> None:
+    global _retry
+    _retry = None
+    _thread.interrupt_main(signum)  # nothing once the handler is SIG_DFL again (``exit_stopped``)
+
+
+def _inside_import(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (where the main thread was when the signal came) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib."):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def stop_on_signals() -> None:
@@ -104,6 +147,12 @@ def stops_cleanly(command: str) -> Callable[[F], F]:
             except Exit as exc:  # the command's own exit after its cleanup
                 if exc.exit_code != STOP_EXIT_CODE:
                     raise
+            except Exception:
+                if not _received:
+                    raise
+                # Stopped inside code that does not expect it (a library's import cut short fails later in its
+                # own way): the user asked for the stop, this is how it went
+                log.debug("gossiploco %s: failed after %s", command, signal.Signals(_received[0]).name, exc_info=True)
             exit_stopped(command)
 
         return run  # type: ignore[return-value]

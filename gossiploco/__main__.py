@@ -1,44 +1,38 @@
-"""``python -m gossiploco``: the CLI. Ctrl+C while the CLI itself is still being imported (torch
-takes seconds) exits like Ctrl+C anywhere else: code 130, no traceback.
+"""``python -m gossiploco`` and the ``gossiploco`` console script (``main``): the CLI. Ctrl+C or SIGTERM while
+the CLI itself is still being imported (torch takes seconds) stops it like a stop anywhere else
+(``gossiploco.runtime.stopping``): the stop line, code 130, no traceback.
 
-SIGINT gets Python's usual handler even when this process inherited it *ignored* (a command
-started in the background by a non-interactive shell, e.g. ``nohup ... &``, a service manager):
-launchers (``gossiploco swarm``, the tests, the benches) stop peers with SIGINT so that they leave
-gracefully, and an ignored SIGINT would leave them running until they are killed.
+SIGINT gets a handler even when this process inherited it *ignored* (a command started in the background by
+a non-interactive shell, e.g. ``nohup ... &``, a service manager): launchers (``gossiploco swarm``, the tests,
+the benches) stop peers with SIGINT so that they leave gracefully, and an ignored SIGINT would leave them
+running until they are killed.
 
-Exit code 130 is kept even when CPython would turn it into death by SIGINT (-2 for the parent):
-when a KeyboardInterrupt escapes code that a C extension runs through ``PyRun_*`` (start-up code
-hit by Ctrl+C), CPython sets its ``_Py_UnhandledKeyboardInterrupt`` flag, never clears it, and at
-exit kills itself with SIGINT although the CLI caught the interrupt and exits 130 (measured: 8 of
-40 peers interrupted 2.4 to 4 s into start-up). The flag is cleared after a handled interrupt.
+Exit code 130 is kept even when CPython would turn it into death by SIGINT (-2 for the parent): when a
+KeyboardInterrupt escapes code that a C extension runs through ``PyRun_*`` (start-up code hit by Ctrl+C),
+CPython sets its ``_Py_UnhandledKeyboardInterrupt`` flag, never clears it, and at exit kills itself with
+SIGINT although the CLI caught the interrupt and exits 130 (measured: 8 of 40 peers interrupted 2.4 to 4 s
+into start-up). ``exit_stopped`` clears the flag, and so does this module after any exit with code 130.
 """
 
-import signal
 import sys
 
-signal.signal(signal.SIGINT, signal.default_int_handler)
+from gossiploco.runtime.stopping import STOP_EXIT_CODE, exit_stopped, forget_handled_interrupt, stop_on_signals
 
 
-def _forget_handled_interrupt() -> None:
-    """Clear CPython's "a KeyboardInterrupt went unhandled" flag (see the module docstring);
-    nothing on interpreters without it."""
-    import ctypes
-
+def main() -> None:
+    """The ``gossiploco`` command (the console script), as ``python -m gossiploco`` runs it."""
+    stop_on_signals()
     try:
-        ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
-    except (ValueError, AttributeError, OSError):
-        pass
+        from gossiploco.cli import app
+    except KeyboardInterrupt:
+        exit_stopped(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else None)
+    try:
+        app()
+    except SystemExit as exc:
+        if exc.code == STOP_EXIT_CODE:
+            forget_handled_interrupt()
+        raise
 
 
-try:
-    from gossiploco.cli import app
-except KeyboardInterrupt:
-    _forget_handled_interrupt()
-    sys.exit(130)
-
-try:
-    app()
-except SystemExit as exc:
-    if exc.code == 130:
-        _forget_handled_interrupt()
-    raise
+if __name__ == "__main__":
+    main()

@@ -15,11 +15,13 @@ from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_sum
                                    slowest_round)
 from gossiploco.cli_tokenizer import tokenizer_app
 from gossiploco.errors import ConfigError, GossiplocoError
+from gossiploco.runtime.stopping import exit_stopped, stops_cleanly
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
 
 
 @app.command()
+@stops_cleanly("simulate")
 def simulate(
     config: str = CONFIG,
     workers: Optional[int] = WORKERS,
@@ -43,7 +45,8 @@ def simulate(
     try:
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
-        run = RunLifecycle.open(cfg, out, Path("runs/simulate"), resume=resume, say=console.print)
+        run = RunLifecycle.open(cfg, out, Path("runs/simulate"), resume=resume, say=console.print,
+                                command="simulate")
         swarm = VirtualSwarm(cfg)
         run.start(swarm)
     except GossiplocoError as exc:
@@ -73,7 +76,7 @@ def simulate(
 
         try:
             result = run.train(lambda sink, writer: swarm.run(sink, on_step, writer), before_report=progress.stop)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # stopped outside the run's own handling: the stop line (runtime.stopping)
             raise typer.Exit(code=130)
         except GossiplocoError as exc:
             progress.stop()
@@ -82,6 +85,7 @@ def simulate(
 
 
 @app.command()
+@stops_cleanly("peer")
 def peer(
     config: str = CONFIG,
     join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`); repeat for several."),
@@ -150,14 +154,14 @@ def peer(
     except KeyboardInterrupt:  # during start-up (loading data, starting the DHT node): nothing to keep
         if node is not None:
             node.close()
-        console.print("[yellow]interrupted[/] during start-up")
-        raise typer.Exit(code=130)
+        exit_stopped("peer", "during start-up")
     try:
         from gossiploco.runtime.run_lifecycle import RunLifecycle
 
         out = out or Path(f"runs/peer-{rank}")
         # never over a run without --resume; a peer stopped before its first record leaves no run there
-        run = RunLifecycle.open(cfg, out, out, resume=resume, say=console.print, forget_unstarted=True)
+        run = RunLifecycle.open(cfg, out, out, resume=resume, say=console.print, forget_unstarted=True,
+                                command="peer")
         run.start(node)
     except GossiplocoError as exc:
         node.close()
@@ -177,7 +181,7 @@ def peer(
 
     try:
         result = run.train(lambda sink, writer: node.run(sink, on_record, writer))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # stopped outside the run's own handling: the stop line (runtime.stopping)
         raise typer.Exit(code=130)
     except GossiplocoError as exc:
         fail(exc)
@@ -190,11 +194,8 @@ def _report(out: Path, summary: dict, model_path: Path) -> None:
     console.print(f"metrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.json'}  model: {model_path}")
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 @app.command()
+@stops_cleanly("keygen")
 def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the new swarm key to (mode 0600); never overwritten.")) -> None:
     """Write a new swarm key: the secret that makes a run private. Give it to every peer (--swarm-key)."""
     from gossiploco.security.swarm_key import SwarmKey
@@ -215,6 +216,7 @@ def keygen(out: Path = typer.Option(..., "--out", "-o", help="File to write the 
 
 
 @app.command()
+@stops_cleanly("dht")
 def dht(
     host: str = typer.Option("0.0.0.0", "--host", help="Address to listen on."),
     port: int = typer.Option(0, "--port", help="TCP port (0: any free one; give a fixed one for an address that survives restarts)."),
@@ -227,13 +229,10 @@ def dht(
     relay_time_s: float = typer.Option(1800.0, "--relay-time-s", help="Relaying: the longest life of one relayed connection, in seconds."),
 ) -> None:
     """Run a bootstrap DHT node (which also relays for peers behind NAT) for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
-    import signal
-
     from gossiploco.membership.bootstrap import serve_bootstrap
     from gossiploco.security.options import bootstrap_swarm_key
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     key = None
     try:
         if open_run and swarm_key:
@@ -258,10 +257,10 @@ def dht(
                         relay_limits=(relay_data_mb * (1 << 20), relay_time_s))
     except GossiplocoError as exc:
         fail(exc)
-    console.print("bootstrap node stopped")
 
 
 @app.command()
+@stops_cleanly("doctor")
 def doctor(
     join: Optional[list[str]] = typer.Option(None, "--join", help="Bootstrap multiaddr of the run's DHT (from `gossiploco dht`): check it answers, and this machine's reachability and clock; repeat or comma-separate for several."),
     swarm_key: Optional[str] = typer.Option(None, "--swarm-key", help="With --join: the run's swarm key (file or gsk1-... text); check the bootstrap node holds the same one."),
@@ -288,6 +287,7 @@ def doctor(
 
 
 @app.command()
+@stops_cleanly("swarm")
 def swarm(
     config: str = CONFIG,
     peers: int = typer.Option(4, "--peers", "-n", help="Number of peer processes."),
@@ -334,9 +334,6 @@ def swarm(
         args += ["--set", item]
     console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
                   f"{cfg.model.size}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
-    import signal
-
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # `kill` stops the swarm like Ctrl+C: peers leave, summary kept
     local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)
     # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
     # at least every PLAIN_EVERY_S seconds
@@ -352,8 +349,9 @@ def swarm(
     except GossiplocoError as exc:  # e.g. OUT/swarm.key refused on --resume
         fail(exc)
     except KeyboardInterrupt:
-        console.print(f"[yellow]interrupted[/]: peers stopped; what they wrote is in {out}/ (summary.json)")
-        raise typer.Exit(code=130)
+        if live is not None:
+            live.stop()
+        exit_stopped("swarm", f"the peers stopped; what they wrote is in {out}/ (summary.json)")
     finally:
         if live is not None:
             live.stop()

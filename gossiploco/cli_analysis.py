@@ -14,10 +14,12 @@ import typer
 from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INNER_STEPS, MODEL, ROUNDS, SEED, SETS, WORKERS, console, fail,
                                     parse_sets, training_overrides)
 from gossiploco.errors import ConfigError, GossiplocoError
+from gossiploco.runtime.stopping import stops_cleanly
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
+    @stops_cleanly("presets")
     def presets() -> None:
         """List the ready-made configurations in peers/."""
         from gossiploco.config import load_config, preset_names
@@ -28,6 +30,7 @@ def register(app: typer.Typer) -> None:
                   f" mix2={cfg.mix2.kind} blocks={','.join(cfg.mix2.blocks)}")
 
     @app.command()
+    @stops_cleanly("utilization")
     def utilization(
         config: str = CONFIG,
         bandwidth_mbps: float = typer.Option(..., "--bandwidth-mbps", help="Bandwidth of the link between any two peers, Mbit/s."),
@@ -73,6 +76,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"plot: {plot}")
 
     @app.command()
+    @stops_cleanly("sensitivity")
     def sensitivity(
         config: str = CONFIG,
         workers: Optional[int] = WORKERS,
@@ -125,6 +129,7 @@ def register(app: typer.Typer) -> None:
         console.print(f"report: {out}")
 
     @app.command()
+    @stops_cleanly("plot")
     def plot(
         run_dirs: list[Path] = typer.Argument(..., help="Output directories of simulate runs, network peers (each with metrics.jsonl) or swarms (all their peers)."),
         out: Optional[Path] = typer.Option(None, "--out", "-o", help="PNG to write (default: RUN_DIR/metrics.png for one run, plot.png for several)."),

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from gossiploco.errors import GossiplocoError
+from gossiploco.runtime.stopping import stops_cleanly
 
 if TYPE_CHECKING:
     from gossiploco.security.swarm_key import SwarmKey
@@ -76,12 +77,10 @@ def dashboard(
         raise typer.Exit(code=2)
     console.print(f"dashboard: {running.url} (Prometheus: {running.url}metrics); Ctrl+C stops it")
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        threading.Event().wait()  # until Ctrl+C or SIGTERM (``runtime.stopping``)
     finally:
         running.close()
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(dashboard)
+    app.command()(stops_cleanly("dashboard")(dashboard))

@@ -83,6 +83,8 @@ def eval_model(
 
 def register(app: typer.Typer) -> None:
     """Add ``export``, ``generate`` and ``eval`` to ``app``."""
-    app.command("export")(export)
-    app.command("generate")(generate)
-    app.command("eval")(eval_model)
+    from gossiploco.runtime.stopping import stops_cleanly
+
+    app.command("export")(stops_cleanly("export")(export))
+    app.command("generate")(stops_cleanly("generate")(generate))
+    app.command("eval")(stops_cleanly("eval")(eval_model))

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from gossiploco.errors import GossiplocoError
+from gossiploco.runtime.stopping import stops_cleanly
 
 tokenizer_app = typer.Typer(add_completion=False, no_args_is_help=True,
                             help="Train a byte-level BPE tokenizer for text data (data.tokenizer).")
@@ -40,6 +41,7 @@ def _sample(files: list[Path], limit: int) -> str:
 
 
 @tokenizer_app.command()
+@stops_cleanly("tokenizer train")
 def train(
     data: Optional[list[str]] = typer.Option(None, "--data", help="Text files or globs to train on (default: the built-in corpus, the stdlib's sources)."),
     vocab_size: int = typer.Option(..., "--vocab-size", help="Tokens in the vocabulary: <|endoftext|> (id 0), the 256 bytes, then merges."),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,3 +68,25 @@ def bootstrap(tmp_path_factory):
         dht.shutdown()
 
 
+CHROMIUM = "/usr/bin/chromium"
+"""Debian's Chromium, which the browser tests drive through Playwright."""
+
+
+def browser_or_skip() -> None:
+    """Skip a browser test where Chromium or Playwright is missing (fail instead with GOSSIPLOCO_REQUIRE_BROWSER=1)."""
+    why = None
+    if not os.path.exists(CHROMIUM):
+        why = f"no Chromium at {CHROMIUM} (as root: apt-get install -y chromium)"
+    elif importlib.util.find_spec("playwright") is None:
+        why = "playwright is not installed (pip install -e .[dev])"
+    if why is not None:
+        if os.environ.get("GOSSIPLOCO_REQUIRE_BROWSER") == "1":
+            pytest.fail(f"GOSSIPLOCO_REQUIRE_BROWSER=1 but {why}")
+        pytest.skip(why)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

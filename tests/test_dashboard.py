@@ -10,11 +10,9 @@ and a real ``gossiploco swarm --dashboard`` watched in headless Chromium.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -25,7 +23,7 @@ from hivemind.dht.validation import DHTRecord
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from conftest import wait_until
+from conftest import CHROMIUM, browser_or_skip, free_port, wait_until
 from gossiploco.dashboard.app import create_app
 from gossiploco.dashboard.observer import SwarmState
 from gossiploco.membership.record import IncompatibleRecord
@@ -35,8 +33,6 @@ from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.security.identity import Identity
 from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey
 from gossiploco.security.swarm_key import SwarmKey
-
-CHROMIUM = "/usr/bin/chromium"
 
 
 def status(peer: int = 7, **fields) -> StatusEntry:
@@ -209,30 +205,12 @@ def test_only_swarm_key_holders_can_observe_a_private_runs_status(bootstrap):
 # -- a real swarm in a real browser ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _browser_or_skip() -> None:
-    why = None
-    if not os.path.exists(CHROMIUM):
-        why = f"no Chromium at {CHROMIUM} (as root: apt-get install -y chromium)"
-    elif importlib.util.find_spec("playwright") is None:
-        why = "playwright is not installed (pip install -e .[dev])"
-    if why is not None:
-        if os.environ.get("GOSSIPLOCO_REQUIRE_BROWSER") == "1":
-            pytest.fail(f"GOSSIPLOCO_REQUIRE_BROWSER=1 but {why}")
-        pytest.skip(why)
-
-
 @pytest.mark.slow
 def test_a_swarm_dashboard_shows_every_peer_live_in_a_real_browser(tmp_path):
-    _browser_or_skip()
+    browser_or_skip()
     from playwright.sync_api import sync_playwright
 
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "swarm.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gossiploco", "swarm", "--peers", "2", "--dashboard", "--dashboard-port", str(port),

@@ -6,7 +6,9 @@ package (nothing is fetched from elsewhere); ``/api/state`` the ``SwarmState`` s
 (a comment every ``KEEPALIVE_S`` otherwise); ``/metrics`` the peers' latest figures in Prometheus'
 text format, gauges labelled by ``peer`` and ``run`` (point Grafana's Prometheus at it).
 
-``serve`` runs the app with uvicorn on a daemon thread (``DashboardServer``), bounded start and stop.
+``DashboardServer`` runs the app with uvicorn on a daemon thread, bounded start and stop. Stopping ends the
+event streams first (``SwarmState.release``): a browser's stream never ends by itself, and uvicorn's graceful
+shutdown would wait for it, then cancel it with an ERROR and a ``CancelledError`` traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -35,6 +38,8 @@ STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0
 WAIT_S = 1.0
 """How long an event stream waits for a change before it checks whether its client left."""
+STREAMS_END_S = 3.0
+"""How long ``DashboardServer.close`` waits for the event streams to end before it stops the server."""
 GAUGES = {
     "round": "The round the peer is in.",
     "step": "The peer's global inner step (round x inner steps + h).",
@@ -75,8 +80,27 @@ class StateCollector:
                                 value=sum(1 for s in peers.values() if s["live"]))
 
 
+class OpenStreams:
+    """How many ``/events`` streams are open (thread-safe); the app keeps it in ``app.state.streams``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+
+    def add(self, change: int) -> None:
+        with self._lock:
+            self._open += change
+
+    @property
+    def count(self) -> int:
+        with self._lock:
+            return self._open
+
+
 def create_app(state: SwarmState) -> Starlette:
-    """The dashboard app over ``state`` (a ``SwarmState``, fed by a ``SwarmObserver`` or a test)."""
+    """The dashboard app over ``state`` (a ``SwarmState``, fed by a ``SwarmObserver`` or a test). Its event
+    streams end once ``state`` is released (``SwarmState.release``)."""
+    streams = OpenStreams()
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StateCollector(state))
 
@@ -92,36 +116,47 @@ def create_app(state: SwarmState) -> Starlette:
     async def events(request: Request) -> Response:
         async def stream():
             seen, quiet = -1, 0.0
-            while not await request.is_disconnected():
-                version = await asyncio.to_thread(state.wait_change, seen, 0.0 if seen < 0 else WAIT_S)
-                if version != seen:
-                    seen, quiet = version, 0.0
-                    yield f"event: state\ndata: {json.dumps(state.snapshot(), allow_nan=False)}\n\n"
-                else:
-                    quiet += WAIT_S
-                    if quiet >= KEEPALIVE_S:
-                        quiet = 0.0
-                        yield ": keepalive\n\n"
+            streams.add(1)
+            try:
+                while not state.released and not await request.is_disconnected():
+                    version = await asyncio.to_thread(state.wait_change, seen, 0.0 if seen < 0 else WAIT_S)
+                    if state.released:
+                        return
+                    if version != seen:
+                        seen, quiet = version, 0.0
+                        yield f"event: state\ndata: {json.dumps(state.snapshot(), allow_nan=False)}\n\n"
+                    else:
+                        quiet += WAIT_S
+                        if quiet >= KEEPALIVE_S:
+                            quiet = 0.0
+                            yield ": keepalive\n\n"
+            finally:
+                streams.add(-1)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    return Starlette(routes=[
+    app = Starlette(routes=[
         Route("/", index), Route("/api/state", api_state), Route("/metrics", metrics), Route("/events", events),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
     ])
+    app.state.streams = streams
+    return app
 
 
 class DashboardServer:
     """uvicorn serving ``create_app(state)`` on ``host:port`` from a daemon thread. ``start`` returns once it
-    listens (``ConfigError`` if it cannot within ``timeout_s``); ``close`` stops it (bounded)."""
+    listens (``ConfigError`` if it cannot within ``timeout_s``); ``close`` ends the event streams (releasing
+    ``state``), then stops it (bounded)."""
 
     def __init__(self, state: SwarmState, host: str = "127.0.0.1", port: int = 8080):
         import uvicorn
 
         self.host, self.port = host, port
-        config = uvicorn.Config(create_app(state), host=host, port=port, log_level="warning", lifespan="off",
-                                timeout_graceful_shutdown=1)
+        self.state = state
+        self.app = create_app(state)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
+                                timeout_graceful_shutdown=STREAMS_END_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="dashboard-server", daemon=True)
 
@@ -144,7 +179,11 @@ class DashboardServer:
         return self
 
     def close(self) -> None:
+        self.state.release()
+        streams, deadline = self.app.state.streams, time.monotonic() + STREAMS_END_S
+        while streams.count and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
         self._server.should_exit = True
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=STREAMS_END_S + 5.0)
         if self._thread.is_alive():
             log.error("dashboard: the web server did not stop")

@@ -5,7 +5,7 @@ and the swarm's list of runs (``membership.runs``): each peer's latest status, i
 merged over every read (so the curves grow longer than one entry's history), its traffic (bytes sent
 and received, and the rate, at each step it was read: the observer's own series, since an entry carries
 only the latest counters), whether it is still live, and each run's shared config. It has no I/O: ``update`` takes what was read. Thread-safe;
-``version`` grows with every change and ``wait_change`` blocks (bounded) until it does.
+``version`` grows with every change and ``wait_change`` blocks (bounded) until it does, or until ``release``.
 
 ``SwarmObserver`` reads the entries every ``poll_s`` through a ``DhtDirectory`` of its own that
 announces nothing (``open_directory``), and feeds them to its ``SwarmState``. With a swarm key it
@@ -49,6 +49,8 @@ class SwarmState:
         self._runs: dict[str, dict] = {}
         self.reads = 0
         self.failed_reads = 0
+        self.released = False
+        """Set by ``release``: nobody should wait for changes any more."""
 
     def update(self, entries: dict[int, StatusEntry] | None, runs: dict[str, dict] | None = None) -> None:
         """Take one read: the live entries by peer (None: the read failed, nothing changes) and, when read,
@@ -105,10 +107,17 @@ class SwarmState:
                     "series": list(SERIES)}
 
     def wait_change(self, seen: int, timeout_s: float) -> int:
-        """Block until ``version`` differs from ``seen`` or ``timeout_s`` passes; the version then."""
+        """Block until ``version`` differs from ``seen``, ``timeout_s`` passes or ``release`` is called (at once if
+        it was); the version then."""
         with self._cond:
-            self._cond.wait_for(lambda: self.version != seen, timeout=timeout_s)
+            self._cond.wait_for(lambda: self.version != seen or self.released, timeout=timeout_s)
             return self.version
+
+    def release(self) -> None:
+        """Wake every ``wait_change``, now and from now on (the dashboard's server ends its event streams)."""
+        with self._cond:
+            self.released = True
+            self._cond.notify_all()
 
 
 def open_directory(join: Sequence[str], swarm: SwarmKey | None, *, host: str = "127.0.0.1",

@@ -282,7 +282,7 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     ``--join``. With ``identity_file``, the peers the node is connected to are saved in
     ``peers_file_for(identity_file)`` every ``PEERS_SAVE_S`` and at shutdown, for the next start to
     reconnect to. Raises what ``start_bootstrap`` raises, and ``DirectoryError`` if the DHT process
-    dies while serving. KeyboardInterrupt ends serving normally (no exception).
+    dies while serving. Ctrl+C (KeyboardInterrupt) propagates once the node is shut down.
     """
     dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run, join=join,
                                      relay_limits=relay_limits)
@@ -302,8 +302,6 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
             if peers_file is not None and time.monotonic() >= next_save:
                 save_known_peers(dht, peers_file)
                 next_save = time.monotonic() + PEERS_SAVE_S
-    except KeyboardInterrupt:
-        log.info("bootstrap node interrupted; shutting down")
     finally:
         if peers_file is not None and dht.is_alive():
             save_known_peers(dht, peers_file)

@@ -39,10 +39,21 @@ once and then that process's p2pd: both are gone within about 50 ms (measured on
 ``tests/test_orphans.py`` checks the whole process tree is gone within 10 s; the last to go, after
 about 2 s, is torch's ``torch_shm_manager``, which torch starts and which exits by itself once its
 clients are gone. Without the parent-death signal it takes up to ``WATCHDOG_POLL_S`` more. SIGKILL,
-not SIGTERM: the DHT child ignores SIGINT and inherits the parent's Python signal handlers (``gossiploco
-dht`` turns SIGTERM into KeyboardInterrupt), and an orphaned node has nothing worth saving (its
-records are replicated and expire). What a SIGKILL leaves behind is p2pd's unix socket file in the
-temporary directory (``hivemind-p2pd-*.sock``, empty).
+not SIGTERM: an orphaned node has nothing worth saving (its records are replicated and expire). What a
+SIGKILL leaves behind is p2pd's unix socket file in the temporary directory (``hivemind-p2pd-*.sock``,
+empty).
+
+Stopping signals are its parent's (``gossiploco.runtime.stopping``): the DHT child is shut down by the
+process that started it, never stopped behind its back. A terminal's Ctrl+C sends SIGINT to the whole
+foreground process group, and ``kill -TERM -PGID`` SIGTERM; reaching the DHT child and p2pd, such a
+signal made p2pd close its sockets (a go-libp2p ``[ERROR] ... use of closed network connection``), the
+parent's shutdown then time out, and the child, which had inherited the parent's Python handler
+across the fork, die with a ``KeyboardInterrupt`` traceback from inside uvloop (or exit under a
+watching ``DhtDirectory``, which reports that at ERROR). So the DHT child, first thing, moves to a
+process group of its own (its p2pd inherits it), ignores SIGINT (as hivemind does) and takes SIGTERM's
+default action: quiet death, for hivemind's "hard way" ``terminate()`` and for ``multiprocessing``'s
+at exit. SIGINT and SIGTERM are blocked from before the fork until then, so a signal sent to the
+parent's group in between is dropped, not delivered with the parent's handler.
 
 Normal shutdown is unchanged: ``DHT.shutdown()`` asks the child to stop, which terminates and
 waits for p2pd, and the child exits; neither signal is sent, and the watchdog dies with the child.
@@ -68,6 +79,9 @@ log = logging.getLogger(__name__)
 
 WATCHDOG_POLL_S = 0.25
 """How often the DHT process's watchdog checks that its parent is still alive."""
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals that stop a gossiploco command (``gossiploco.runtime.stopping``); never the DHT process's own."""
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option (linux/prctl.h): the signal this process gets when its parent thread dies."""
@@ -118,6 +132,7 @@ class _Lifeline:
         # PR_SET_PDEATHSIG fires when the *thread* that forked dies: safe only from the main thread.
         self.from_main_thread = threading.current_thread() is threading.main_thread()
         self.children: list[Any] = []  # asyncio processes the DHT child started (p2pd)
+        self.signal_mask: set[int] = set()  # the forking thread's signal mask before ``TiedDHT.start`` blocked any
         global _warned
         if _prctl is None and not _warned:
             _warned = True
@@ -129,7 +144,9 @@ class _Lifeline:
                       "parent-death signal", threading.current_thread().name, WATCHDOG_POLL_S)
 
     def hold(self) -> None:
-        """In the DHT child, first thing: tie it and its future children to the parent (see the module doc)."""
+        """In the DHT child, first thing: leave the parent's stopping signals and tie it and its future children
+        to the parent (see the module doc)."""
+        self._leave_stop_signals()
         if self.from_main_thread and not set_parent_death_signal(signal.SIGKILL) and _prctl is not None:
             log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d); the DHT process watches its parent every %g s "
                         "instead", ctypes.get_errno(), WATCHDOG_POLL_S)
@@ -137,6 +154,18 @@ class _Lifeline:
             os._exit(1)
         self._wrap_subprocess_creation()
         threading.Thread(target=self._watch, name="dht-parent-watchdog", daemon=True).start()
+
+    def _leave_stop_signals(self) -> None:
+        """In the DHT child, with SIGINT and SIGTERM still blocked (``TiedDHT.start``): a process group of its
+        own, SIGINT ignored, SIGTERM default; a stopping signal sent to the parent's group meanwhile is dropped."""
+        try:
+            os.setpgid(0, 0)
+        except OSError as exc:  # not expected for a forked child; then a group's Ctrl+C reaches it as before
+            log.warning("the DHT process could not leave its parent's process group: %r", exc)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.signal_mask)  # pending ones are ignored, so dropped
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     def _wrap_subprocess_creation(self) -> None:
         original = asyncio.subprocess.create_subprocess_exec
@@ -180,7 +209,12 @@ class TiedDHT(hivemind.DHT):
 
     def start(self) -> None:
         self._lifeline = _Lifeline()
-        super().start()
+        # Blocked across the fork, unblocked in the child once it ignores them (``_Lifeline.hold``); here at once
+        self._lifeline.signal_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._lifeline.signal_mask)
 
     def run(self) -> None:
         if self._lifeline is not None:

@@ -9,9 +9,9 @@ as on Ctrl+C, and at the end the summary and the final model. In order::
     result = run.train(lambda sink, writer: runner.run(sink, callback, writer))
     model_path = run.finish(result)                              # summary.json, model.safetensors
 
-Stopped (Ctrl+C, SIGTERM) while it trains, ``train`` keeps what the run measured (a summary marked
-``interrupted``), lets the checkpoint being written finish, says how to continue, and raises the
-``KeyboardInterrupt`` again for the command to exit with. A run that fails with a ``GossiplocoError`` closes
+Stopped (Ctrl+C, SIGTERM: ``runtime.stopping``) while it trains, ``train`` keeps what the run measured (a
+summary marked ``interrupted``), lets the checkpoint being written finish, and ends the command with the stop
+line saying how to continue (``stopping.exit_stopped``). A run that fails with a ``GossiplocoError`` closes
 the same way and raises it. With ``forget_unstarted`` (a peer), a run stopped before its first record leaves
 no run behind, so the same command (corrected) can use the directory again.
 """
@@ -32,6 +32,7 @@ from gossiploco.config import RunConfig
 from gossiploco.errors import GossiplocoError
 from gossiploco.metrics import MetricsSink
 from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
+from gossiploco.runtime.stopping import exit_stopped
 
 
 class Runner(Protocol):
@@ -54,16 +55,11 @@ class RunResult(Protocol):
 R = TypeVar("R", bound=RunResult)
 
 
-def handle_stop_signals() -> None:
-    """SIGTERM (``kill``, a service manager) stops a run as Ctrl+C does: a ``KeyboardInterrupt`` in the main
-    thread, so metrics are kept and a checkpoint is written. ``kill -USR1 PID`` prints every thread's stack."""
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 PID`` prints every thread's stack (SIGINT and SIGTERM: ``runtime.stopping``, installed by
+    the command)."""
     if sys.__stderr__ is not None:  # the process's own stderr: a replaced sys.stderr may have no file descriptor
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 class RunLifecycle:
@@ -71,7 +67,7 @@ class RunLifecycle:
     that order, on the main thread. ``say``: prints one line to the user (rich markup)."""
 
     def __init__(self, cfg: RunConfig, out: Path, *, resume: bool, checkpoint: Checkpoint | None,
-                 say: Callable[[str], None], forget_unstarted: bool = False):
+                 say: Callable[[str], None], forget_unstarted: bool = False, command: str | None = None):
         self.cfg = cfg
         self.out = out
         self.resume = resume
@@ -79,13 +75,15 @@ class RunLifecycle:
         """What the run continues from (None: a new run, or a resumed one that stopped before its first checkpoint)."""
         self.say = say
         self.forget_unstarted = forget_unstarted
+        self.command = command
+        """The command's name in its stop line (``gossiploco COMMAND: stopped ...``)."""
         self.sink: MetricsSink | None = None
         self.writer: CheckpointWriter | None = None
         self._runner: Runner | None = None
 
     @classmethod
     def open(cls, cfg: RunConfig, out: Path | None, default: Path, *, resume: bool, say: Callable[[str], None],
-             forget_unstarted: bool = False) -> RunLifecycle:
+             forget_unstarted: bool = False, command: str | None = None) -> RunLifecycle:
         """The run's directory (``run_dir.output_dir``: ``out``, else ``default`` or its first free ``-N``; with
         ``resume``, the run to continue), its newest checkpoint when resuming (checked against ``cfg``), and
         ``OUT/tokenizer.json``. Raises ``ConfigError``/``CheckpointError`` (nothing is written then)."""
@@ -94,11 +92,12 @@ class RunLifecycle:
         out = output_dir(out, default, resume)
         checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
         save_tokenizer_copy(load_tokenizer(cfg.data.tokenizer), out)  # OUT/tokenizer.json: the model's tokenizer
-        return cls(cfg, out, resume=resume, checkpoint=checkpoint, say=say, forget_unstarted=forget_unstarted)
+        return cls(cfg, out, resume=resume, checkpoint=checkpoint, say=say, forget_unstarted=forget_unstarted,
+                   command=command)
 
     def start(self, runner: Runner) -> None:
         """Resume ``runner`` from the checkpoint, open the metrics (a resumed file is cut where its checkpoint
-        was taken), start the checkpoint writer, and handle stop signals (``handle_stop_signals``)."""
+        was taken), start the checkpoint writer (and ``dump_stacks_on_sigusr1``)."""
         self._runner = runner
         checkpoint = self.checkpoint
         if checkpoint is not None:
@@ -109,7 +108,7 @@ class RunLifecycle:
         cfg = self.cfg
         if cfg.checkpoint.enabled:
             self.writer = CheckpointWriter(run_checkpoints(self.out), cfg.to_dict(), cfg.checkpoint.keep)
-        handle_stop_signals()
+        dump_stacks_on_sigusr1()
 
     def train(self, work: Callable[[MetricsSink, CheckpointWriter | None], R], *,
               before_report: Callable[[], None] | None = None) -> R:
@@ -120,8 +119,7 @@ class RunLifecycle:
         try:
             return work(self.sink, self.writer)
         except KeyboardInterrupt:
-            self._interrupted(before_report)
-            raise
+            exit_stopped(self.command, self._interrupted(before_report))
         except GossiplocoError:
             self.sink.close()
             self._stop_checkpoints(interrupted=False)
@@ -140,17 +138,17 @@ class RunLifecycle:
         self.sink.close()
         return save_model(result.final_params, self.out, self.cfg.to_dict())
 
-    def _interrupted(self, before_report: Callable[[], None] | None) -> None:
+    def _interrupted(self, before_report: Callable[[], None] | None) -> str | None:
+        """Close a stopped run; returns what its stop line adds (where things are, how to continue)."""
         assert self.sink is not None and self._runner is not None
         if self._forget_unstarted_run():
             self._stop_checkpoints(interrupted=False)  # nothing was submitted: this only stops its thread
-            self.say(f"[yellow]interrupted[/] before the first round: nothing kept in {self.out}")
-            return
+            return f"before the first round: nothing kept in {self.out}"
         self.sink.write_summary({**self._runner.summary_so_far(), "run_config": self.cfg.to_dict()})
         self.sink.close()
         if before_report is not None:
             before_report()
-        self._stop_checkpoints(interrupted=True)
+        return self._stop_checkpoints(interrupted=True)
 
     def _forget_unstarted_run(self) -> bool:
         """With ``forget_unstarted``: a run stopped before its first record (refused at start, or Ctrl+C while it
@@ -163,15 +161,14 @@ class RunLifecycle:
         (self.out / "metrics.jsonl").unlink(missing_ok=True)
         return True
 
-    def _stop_checkpoints(self, interrupted: bool) -> None:
-        """Finish writing checkpoints (a second Ctrl+C abandons the one being written: the previous one stays) and
-        say how to continue an interrupted run."""
+    def _stop_checkpoints(self, interrupted: bool) -> str | None:
+        """Finish writing checkpoints (a second Ctrl+C abandons the one being written: the previous one stays); for
+        an interrupted run, return how to continue it."""
         writer, out = self.writer, self.out
         if writer is None:
             if interrupted:
-                self.say(f"[yellow]interrupted[/]; checkpoints are off (checkpoint.enabled = false): metrics so far "
-                         f"are in {out / 'metrics.jsonl'}")
-            return
+                return f"checkpoints are off (checkpoint.enabled = false): metrics so far are in {out / 'metrics.jsonl'}"
+            return None
         try:
             writer.close()
         except KeyboardInterrupt:
@@ -181,5 +178,5 @@ class RunLifecycle:
         if interrupted:
             files = checkpoint_files(run_checkpoints(out))
             last = files[0].name if files else "none"
-            self.say(f"[yellow]interrupted[/]; newest checkpoint: {last} in {out / 'checkpoints'}; continue with the "
-                     f"same command plus --resume --out {out}")
+            return f"newest checkpoint: {last} in {out / 'checkpoints'}; continue with the same command plus --resume --out {out}"
+        return None

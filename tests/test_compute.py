@@ -97,7 +97,8 @@ def summed_term_sizes(corpus, seq: int, batch: int, **where) -> dict[str, torch.
         out.retain_grad()
         seen.append((module, args[0], out))
 
-    hooks = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding, RMSNorm))]
+    summed = (nn.Linear, nn.Embedding, RMSNorm)
+    hooks = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, summed)]
     F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
     for hook in hooks:
         hook.remove()
@@ -111,6 +112,7 @@ def summed_term_sizes(corpus, seq: int, batch: int, **where) -> dict[str, torch.
         else:
             term = torch.zeros_like(module.weight).index_add_(0, a.flatten(), delta)
         sizes[names[module] + ".weight"] += term
+    assert {names[module] + ".weight" for module, _, _ in seen} == set(sizes), "a parameter of another kind"
     return sizes
 
 
@@ -135,8 +137,9 @@ def eq22_gradient_bounds(corpus, micro: int, seq: int = 16, batch: int = 4,
     final RMSNorm's weight is 2.8 times as far from eq. 22's as the eager fp32 one (measured on an AMD EPYC), so
     twice the eager error alone is no bound for it. Both terms are this machine's numbers for this model and
     batch, not an assumed size, so the bound holds whatever the CPU; here it is 1e-5 to 4e-5 of each tensor's
-    norm (the terms' absolute values sum to 2 to 4.5 times the gradient), and errors are a few percent of it. A micro-batching that weighted, dropped or repeated a micro-batch is off by a quarter or more of the
-    gradient, a loss scaled by 1 + 1e-3 by a thousandth of it."""
+    norm (the terms' absolute values sum to 2 to 4.5 times the gradient), and errors are a few percent of it.
+    A micro-batching that weighted, dropped or repeated one of k <= 4 micro-batches is off by a quarter or more
+    of the gradient, a loss scaled by 1 + 1e-3 by a thousandth of it."""
     _, parts, _ = micro_batch_gradients(corpus, seq, batch, micro, dtype=torch.float64, **where)
     _, fp32, _ = micro_batch_gradients(corpus, seq, batch, 0, **where)
     sizes = summed_term_sizes(corpus, seq, batch, **where)

@@ -43,6 +43,12 @@ MODEL_SIZES: dict[str, ModelArgs] = {
 }
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or as it is if wider: half-precision activations are normalised and rotated in fp32, and a
+    float64 model (the tests' reference for the fp32 one) computes in float64 throughout."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -51,7 +57,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (..., dim); normalise in fp32 for stability, return in x's dtype
-        xf = x.float()
+        xf = at_least_fp32(x)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
 
@@ -65,7 +71,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, T, n_heads, head_dim); pairs (x[2i], x[2i+1]) rotate by angle t * freq_i
-    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, H, head_dim/2, 2)
+    xf = at_least_fp32(x).unflatten(-1, (-1, 2))  # (B, T, H, head_dim/2, 2)
     x_even, x_odd = xf[..., 0], xf[..., 1]
     cos = cos[None, :, None, :]  # (1, T, 1, head_dim/2)
     sin = sin[None, :, None, :]
@@ -188,7 +194,7 @@ class Transformer(nn.Module):
         recompute = self.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
-        return self.lm_head(self.norm(x)).float()
+        return at_least_fp32(self.lm_head(self.norm(x)))
 
 
 def build_model(size: str, vocab_size: int, seq_len: int, seed: int, device: torch.device | str = "cpu") -> Transformer:

@@ -57,7 +57,7 @@ from gossiploco.model import MODEL_SIZES, build_model, count_parameters  # noqa:
 from gossiploco.optim import InnerOptimizer  # noqa: E402
 from gossiploco.runtime.launch import LocalPeers  # noqa: E402
 from gossiploco.trainer import LocalTrainer, resolve_device  # noqa: E402
-from gossiploco.utilization import CommPlan, block_sizes, report, resolve_scenario, simulate, wire_factor  # noqa: E402
+from gossiploco.utilization import block_sizes, comm_plan, report, resolve_scenario, simulate, wire_factor  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SHAPES = {"tiny": "8x128", "small": "8x128", "125m": "16x256,64x1024", "1.5b": "8x1024,16x2048:ckpt"}
@@ -243,7 +243,7 @@ def link_mbps(runs: list[dict], args: argparse.Namespace) -> tuple[float, str]:
 
 def predict(run: dict, mbps: float) -> float:
     cfg = run["cfg"]
-    plan = CommPlan.from_config(cfg, VOCAB)
+    plan = comm_plan(cfg, VOCAB)
     sc = resolve_scenario(cfg, bandwidth_mbps=mbps, vocab_size=VOCAB, step_time_s=run["step_s"], workers=len(run["peers"]))
     return report(plan, sc, simulate(plan, sc))["compute_utilization"]
 

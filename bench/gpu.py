@@ -54,7 +54,7 @@ from gossiploco.model import MODEL_SIZES, build_model, count_parameters
 from gossiploco.optim import InnerOptimizer
 from gossiploco.runtime.launch import LocalPeers
 from gossiploco.trainer import LocalTrainer, resolve_device
-from gossiploco.utilization import CommPlan, block_sizes, report, resolve_scenario, simulate, wire_factor
+from gossiploco.utilization import block_sizes, comm_plan, report, resolve_scenario, simulate, wire_factor
 from testbed.overrides import set_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ def link_mbps(runs: list[dict], args: argparse.Namespace) -> tuple[float, str]:
 
 def predict(run: dict, mbps: float) -> float:
     cfg = run["cfg"]
-    plan = CommPlan.from_config(cfg, VOCAB)
+    plan = comm_plan(cfg, VOCAB)
     sc = resolve_scenario(cfg, bandwidth_mbps=mbps, vocab_size=VOCAB, step_time_s=run["step_s"], workers=len(run["peers"]))
     return report(plan, sc, simulate(plan, sc))["compute_utilization"]
 

@@ -130,7 +130,7 @@ def render() -> str:
         "# Compute utilization: the paper's Table 1 and Table 3 against the simulator",
         "",
         "Regenerate: `python bench/utilization.py` (runs every command below in process and writes this file).",
-        "The model and its equations are in the docstring of `gossiploco/utilization.py`.",
+        "The model and its equations are in the docstring of `gossiploco/utilization/model.py`.",
         "",
         "These numbers come from the analytic simulator. Real peers on tc-shaped links (`bench/netem`)",
         "are measured against it in the last section, \"Real peers on shaped links\".",

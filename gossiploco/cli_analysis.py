@@ -65,7 +65,7 @@ def register(app: typer.Typer) -> None:
                 cfg, bandwidth_mbps=bandwidth_mbps, params=params, vocab_size=vocab, workers=workers, inner_steps=inner_steps,
                 step_time_s=step_time, tokens_per_step=tokens_per_step, peak_tflops=peak_tflops, mfu=mfu,
                 outer_step_s=outer_step_time, bytes_per_value=bytes_per_value, failure_rate=failure_rate)
-            plan = util.CommPlan.from_config(cfg, vocab, subset_fraction, with_monitors)
+            plan = util.comm_plan(cfg, vocab, subset_fraction, with_monitors)
             plans = util.preset_plans(cfg.model.size, vocab, subset_fraction) if plot else []
         except GossiplocoError as exc:
             fail(exc)

@@ -134,7 +134,7 @@ def predict(cfg: Any, bandwidth_mbps: float, step_time_s: float) -> dict:
     from gossiploco import utilization as util
 
     vocab = util.default_vocab_size(cfg)
-    plan = util.CommPlan.from_config(cfg, vocab, with_monitors=True)  # what the peers run, monitors included
+    plan = util.comm_plan(cfg, vocab, with_monitors=True)  # what the peers run, monitors included
     sc = util.resolve_scenario(cfg, bandwidth_mbps=bandwidth_mbps, vocab_size=vocab, step_time_s=step_time_s)
     return util.report(plan, sc, util.simulate(plan, sc))
 

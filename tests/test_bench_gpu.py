@@ -9,7 +9,7 @@ import torch
 
 from bench import gpu  # the repository root is on sys.path (pyproject's pytest `pythonpath`)
 from gossiploco.config import load_config
-from gossiploco.utilization import CommPlan, report, resolve_scenario, simulate
+from gossiploco.utilization import comm_plan, report, resolve_scenario, simulate
 
 
 def test_shapes_and_peaks_are_read_as_documented():
@@ -60,6 +60,6 @@ def test_a_cpu_run_measures_peers_against_the_simulator_and_writes_the_report(tm
 def test_the_prediction_is_the_simulators_for_the_measured_step_and_link():
     cfg = load_config("globalm1-localm2", {"model.size": "tiny", "inner_steps": 10})
     run = {"cfg": cfg, "step_s": 0.05, "peers": [{}] * 4}
-    plan = CommPlan.from_config(cfg, gpu.VOCAB)
+    plan = comm_plan(cfg, gpu.VOCAB)
     sc = resolve_scenario(cfg, bandwidth_mbps=100.0, vocab_size=gpu.VOCAB, step_time_s=0.05, workers=4)
     assert gpu.predict(run, 100.0) == report(plan, sc, simulate(plan, sc))["compute_utilization"]

@@ -304,13 +304,13 @@ def test_the_utilization_simulator_sends_what_each_codec_sends(make_config):
     from gossiploco import utilization as util
 
     cfg = make_config("globalm1-localm2", **{"mix1.compression": "4bit", "mix2.compression": "topk"})
-    plan = util.CommPlan.from_config(cfg, 256)
+    plan = util.comm_plan(cfg, 256)
     assert plan.mix1.scale == pytest.approx((0.5 + 4 / 4096) / 4)  # 4 bits and one fp32 scale per 4096 values
     assert plan.mix2.scale == pytest.approx(build_codec("topk").encoded_bytes(1 << 24) / (4 << 24))
-    sparse = util.CommPlan.from_config(make_config("diloco", **{"mix2.compression": "topk"}), 256)
+    sparse = util.comm_plan(make_config("diloco", **{"mix2.compression": "topk"}), 256)
     assert sparse.mix2.scale == pytest.approx(plan.mix2.scale * cfg.workers / 2)  # an all-gather, not a ring
     sc = util.resolve_scenario(cfg, bandwidth_mbps=100, vocab_size=256, step_time_s=0.1)
-    fp32 = util.CommPlan.from_config(make_config("globalm1-localm2"), 256)
+    fp32 = util.comm_plan(make_config("globalm1-localm2"), 256)
     assert util.attempt_seconds(plan.mix1, sc) == pytest.approx(util.attempt_seconds(fp32.mix1, sc) * plan.mix1.scale)
 
 

@@ -19,6 +19,7 @@ from gossiploco.utilization import (
     Scenario,
     attempt_seconds,
     block_fraction,
+    comm_plan,
     estimate_step_time,
     expected_overrun,
     parse_bytes_per_value,
@@ -42,7 +43,7 @@ def paper_step_time(bandwidth_mbps: int) -> float:
 
 
 def plan(preset: str, subset_fraction: float | None = None) -> CommPlan:
-    return CommPlan.from_config(load_config(preset), 256, subset_fraction)
+    return comm_plan(load_config(preset), 256, subset_fraction)
 
 
 def scenario(**overrides) -> Scenario:
@@ -393,7 +394,7 @@ def test_monitor_all_reduces_block_and_share_the_link_with_mix1():
 
 
 def test_monitors_per_round_follow_the_measurement_schedule(make_config):
-    from gossiploco.utilization import CommPlan, monitors_per_round
+    from gossiploco.utilization import comm_plan, monitors_per_round
 
     assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 0})) == 1
     assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 4})) == 3  # h = 0, 4, 8
@@ -402,7 +403,7 @@ def test_monitors_per_round_follow_the_measurement_schedule(make_config):
     # with a global Mix1 of every parameter the h = 0 measurement takes Mix1's average: no all-reduce
     assert monitors_per_round(make_config("globalm1", **{"inner_steps": 10, "monitor.every": 4}), 1.0) == 2
     cfg = make_config("globalm1-adaptive", **{"monitor.every": 0})
-    assert CommPlan.from_config(cfg, 256).monitors == 0  # not modelled unless asked (the paper's tables)
-    assert CommPlan.from_config(cfg, 256, with_monitors=True).monitors == 0
+    assert comm_plan(cfg, 256).monitors == 0  # not modelled unless asked (the paper's tables)
+    assert comm_plan(cfg, 256, with_monitors=True).monitors == 0
     cfg = make_config("diloco", **{"monitor.every": 0})
-    assert CommPlan.from_config(cfg, 256, with_monitors=True).monitors == 1
+    assert comm_plan(cfg, 256, with_monitors=True).monitors == 1

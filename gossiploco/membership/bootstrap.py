@@ -54,7 +54,7 @@ from gossiploco.membership.dht_node import (
     start_dht,
     visible_maddrs,
 )
-from gossiploco.membership.dht_directory import BEACON_TTL_S, beacon_key
+from gossiploco.membership.beacon import BEACON_TTL_S, store_beacon
 
 if TYPE_CHECKING:
     import hivemind
@@ -238,22 +238,6 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     if identity_file is not None:
         _reconnect_saved_peers(dht, peers_file_for(Path(identity_file)))
     return dht, addresses
-
-
-def store_beacon(dht: hivemind.DHT, swarm: SwarmKey, signer_id: int, timeout_s: float) -> bool:
-    """Publish the swarm's beacon: a record under ``beacon_key(swarm)`` that only holders of the key
-    can write or read, valid for ``BEACON_TTL_S``. Logs, never raises; True if a node stored it."""
-    from hivemind.utils import get_dht_time
-
-    from gossiploco.membership.record_validator import entry_subkey
-
-    try:
-        future = dht.store(beacon_key(swarm), {"fingerprint": swarm.fingerprint}, subkey=entry_subkey(swarm, signer_id),
-                           expiration_time=get_dht_time() + BEACON_TTL_S, return_future=True)
-        return bool(future.result(timeout=timeout_s))
-    except Exception as exc:  # noqa: BLE001 - a missing beacon is reported by the peers that look for it
-        log.warning("could not publish the swarm's beacon: %r", exc)
-        return False
 
 
 def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:

@@ -3,13 +3,9 @@
 Records in the DHT
 ------------------
 
-All records of run ``R`` live under one DHT key, ``f"gossiploco/{R}/peers"``, as a hivemind
-*dictionary value*: subkey = the peer id (an int; with ``trust`` in a private run a keyed hash of
-it, ``entry_subkey``), value = ``PeerRecord.to_wire()`` (a plain
-msgpack-able dict; hivemind serializes with msgpack, never pickle). Every subkey carries its own
-expiration time (hivemind's ``get_dht_time()`` is wall-clock time, so peers' clocks must agree to
-within a few seconds). Runs with different ids use different keys, so they never see each
-other's records even on a shared DHT.
+All records of run ``R`` live under one DHT key, ``f"gossiploco/{R}/peers"``, one subkey per peer, each
+with its own expiration; ``gossiploco.membership.dht_entries`` tells how entries are stored and read
+(validated, bad ones dropped, counted and logged once).
 
 * ``announce()`` stores the record at once (bounded by ``timeout_s``), expiring ``ttl_s`` later;
   a daemon heartbeat thread re-stores the current record every ``heartbeat_s`` with a fresh
@@ -23,13 +19,9 @@ other's records even on a shared DHT.
 * A peer that crashes stores no tombstone: its record vanishes when its last expiration passes,
   at most ``ttl_s`` after its last heartbeat. ``ttl_s`` should be a few heartbeats long so one
   slow store does not make a live peer disappear.
-* ``peers()`` asks the DHT for the latest value of the key (``latest=True``: the search visits
-  the nodes nearest to the key and merges their subkeys, newest expiration winning), waiting at
-  most ``timeout_s``. Every subkey is validated like any data from the network
-  (``PeerRecord.from_wire``): malformed records and records of another ``PROTOCOL_VERSION`` are
-  dropped with one logged warning each (counted in ``malformed_records`` and
-  ``incompatible_records``), and so are expired ones. When the DHT does not answer in time,
-  ``peers()`` logs why and returns the last records it knew that have not expired.
+* ``peers()`` reads the valid, unexpired records (``DhtEntries.read``), waiting at most ``timeout_s``;
+  bad ones are counted in ``malformed_records`` and ``incompatible_records``. When the DHT does not
+  answer in time, ``peers()`` logs why and returns the last records it knew that have not expired.
 
 The swarm's list of runs (``gossiploco.membership.runs``): besides its record, a peer announces
 one ``RunEntry`` (its run id and settings) under a key of the whole swarm, with the same subkey,
@@ -82,48 +74,31 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from gossiploco.errors import ConfigError, DirectoryError
-from gossiploco.membership.dht_node import (_TIMEOUTS, check_announce_maddrs, check_initial_peers, host_maddr,
-                                            reconnect, start_dht, visible_maddrs)
+from gossiploco.errors import ConfigError
+from gossiploco.membership.beacon import check_beacon
+from gossiploco.membership.dht_entries import DhtEntries, dht_time
+from gossiploco.membership.dht_node import (check_announce_maddrs, check_initial_peers, host_maddr, reconnect, start_dht,
+                                            visible_maddrs)
 from gossiploco.membership.directory import Directory, check_run_id, check_ttl
-from gossiploco.membership.record import IncompatibleRecord, PeerRecord
+from gossiploco.membership.record import PeerRecord
 from gossiploco.membership.runs import RunEntry, runs_key
 from gossiploco.membership.status import status_key
 from gossiploco.security.identity import peer_id_of
 
 if TYPE_CHECKING:
-    from gossiploco.security.swarm_key import SwarmKey
     from gossiploco.security.trust import Trust
 
 log = logging.getLogger(__name__)
 
-MAX_REPORTED = 4096
-"""How many distinct bad records a ``DhtDirectory`` remembers having warned about."""
 CLOSE_WITHDRAW_S = 3.0
 """Deadline of the tombstone ``close()`` stores, and of each wait for the heartbeat thread there."""
 REJOIN_HEARTBEATS = 3
 """The heartbeat re-dials initial peers missing from the routing table at most every this many heartbeats."""
 
 
-def _dht_time() -> float:
-    """hivemind's clock for expirations (wall-clock seconds; peers' clocks must roughly agree)."""
-    from hivemind.utils import get_dht_time
-
-    return get_dht_time()
-
-
 def dht_key(run_id: str) -> str:
     """The DHT key under which run ``run_id`` keeps its peer records."""
     return f"gossiploco/{check_run_id(run_id)}/peers"
-
-
-BEACON_TTL_S = 24 * 3600.0
-"""How long a swarm's beacon stays in the DHT after its bootstrap node last published it."""
-
-
-def beacon_key(swarm: SwarmKey) -> str:
-    """The DHT key of a swarm's beacon (``gossiploco.membership.bootstrap.store_beacon``)."""
-    return swarm.dht_key("*", "beacon")
 
 
 class DhtDirectory(Directory):
@@ -161,22 +136,15 @@ class DhtDirectory(Directory):
         announce_maddrs = check_announce_maddrs(announce_maddrs)
         listen = host_maddr(host, port)
 
-        self.malformed_records = 0
-        """Distinct malformed records seen in the DHT (each logged once)."""
-        self.incompatible_records = 0
-        """Distinct records of another ``PROTOCOL_VERSION`` seen in the DHT (each logged once)."""
         self._lock = threading.Lock()  # guards the fields below
-        self._dht_lock = threading.Lock()  # serializes requests on the DHT's pipe (not thread-safe)
         self._record: PeerRecord | None = None
         self._run_entry: RunEntry | None = None
         self._known_runs: dict[int, tuple[RunEntry, float]] = {}  # last run entries read
         self._last_expiration = -math.inf  # latest expiration this directory stored; only grows
         self._known: dict[int, tuple[PeerRecord, float]] = {}  # last records read: peer -> (record, expiration)
-        self._reported: set[tuple[str, float]] = set()  # bad entries already warned about
         self._publish_failing_since: float | None = None
         """When storing this peer's record began to fail (``time.monotonic``); None while it works."""
         self._publish_failure_warned = False
-        self._dht_gone_reported = False
         self._duplicates_reported: set[str] = set()  # endpoints seen announcing our peer id
         self._rejoining: Any = None  # the pending reconnect future, if any
         self._closed = False
@@ -191,6 +159,8 @@ class DhtDirectory(Directory):
         self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
                               announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator,
                               behind_nat=behind_nat, relays=list(relays) or self.initial_peers)
+        self.entries = DhtEntries(self._dht, run_id=self.run_id, timeout_s=self.timeout_s, trust=trust)
+        """This node's entries: every store and read of the DHT goes through it."""
         try:
             self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
         except BaseException:
@@ -214,64 +184,29 @@ class DhtDirectory(Directory):
         return self._dht
 
     @property
+    def malformed_records(self) -> int:
+        """Distinct malformed entries (records, run entries, statuses) seen in the DHT (each logged once)."""
+        return self.entries.malformed
+
+    @property
+    def incompatible_records(self) -> int:
+        """Distinct entries of another ``PROTOCOL_VERSION`` seen in the DHT (each logged once)."""
+        return self.entries.incompatible
+
+    @property
     def visible_maddrs(self) -> list[str]:
         """This node's multiaddrs with ``/p2p/<peer id>``; other nodes may join through any of them."""
         return list(self._visible_maddrs)
 
     def _next_expiration(self) -> float:
         """A fresh expiration, later than any this directory stored before (called with ``_lock`` held)."""
-        self._last_expiration = max(_dht_time() + self.ttl_s, self._last_expiration + 1e-3)
+        self._last_expiration = max(dht_time() + self.ttl_s, self._last_expiration + 1e-3)
         return self._last_expiration
-
-    def _dht_alive(self) -> bool:
-        """Whether the DHT process runs; logs once when it has died (requests to it would only time out)."""
-        if self._dht.is_alive():
-            return True
-        if not self._dht_gone_reported:
-            self._dht_gone_reported = True
-            log.error("run %s: the DHT process exited (exit code %s); this peer can no longer publish its record "
-                      "or see changes, restart it", self.run_id, self._dht.exitcode)
-        return False
-
-    def _subkey(self, peer: int) -> int:
-        if self.trust is None:
-            return peer
-        from gossiploco.membership.record_validator import entry_subkey
-
-        return entry_subkey(self.trust.swarm, peer)
 
     def _store(self, peer: int, value: dict | None, expiration: float, timeout_s: float | None = None) -> bool:
         """Store one subkey of the run's key within ``timeout_s`` (default: the directory's); True when at
         least one DHT node accepted it. Logs, never raises."""
-        return self._store_each([(self.key, peer, value)], expiration, timeout_s)[0]
-
-    def _store_each(self, items: list[tuple[str, int, dict | None]], expiration: float,
-                    timeout_s: float | None = None) -> list[bool]:
-        """Store peer ``peer``'s subkey of ``key`` with ``value`` for each ``(key, peer, value)``, all at once,
-        within ``timeout_s`` (default: the directory's) in all; whether each was accepted by at least one
-        DHT node. Logs, never raises."""
-        if not self._dht_alive():
-            return [False] * len(items)
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        accepted = []
-        try:
-            with self._dht_lock:
-                futures = [self._dht.store(key, value, expiration_time=expiration, subkey=self._subkey(peer),
-                                           return_future=True) for key, peer, value in items]
-        except Exception as exc:  # a dead DHT process breaks its pipe; hivemind raises various types
-            log.debug("run %s: storing %d entries failed: %r", self.run_id, len(items), exc)
-            return [False] * len(items)
-        for (key, peer, _), future in zip(items, futures):
-            try:
-                accepted.append(bool(future.result(timeout=max(0.0, deadline - time.monotonic()))))
-                continue
-            except _TIMEOUTS:
-                log.debug("run %s: storing peer %d's entry of %s timed out after %g s", self.run_id, peer, key, timeout_s)
-            except Exception as exc:
-                log.debug("run %s: storing peer %d's entry of %s failed: %r", self.run_id, peer, key, exc)
-            accepted.append(False)
-        return accepted
+        return self.entries.store_each([(self.key, peer, value)], expiration, timeout_s)[0]
 
     def _publish(self) -> None:
         """Store the current record and run entry with a fresh expiration (if one is announced)."""
@@ -284,7 +219,7 @@ class DhtDirectory(Directory):
         if record is not None:
             items += self._status_items(record.peer)
             items.append((self.key, record.peer, record.to_wire()))
-        accepted = self._store_each(items, expiration)
+        accepted = self.entries.store_each(items, expiration)
         if record is None:
             return
         self._publish_outcome(record.peer, accepted[-1], time.monotonic())
@@ -339,13 +274,11 @@ class DhtDirectory(Directory):
         from functools import partial
 
         previous = self._rejoining
-        if (previous is not None and not previous.done()) or not self._dht_alive():
+        if (previous is not None and not previous.done()) or not self.entries.alive():
             return
         if previous is not None and previous.exception() is None and previous.result():
             log.info("run %s: reconnected to %d initial peer(s)", self.run_id, previous.result())
-        with self._dht_lock:
-            self._rejoining = self._dht.run_coroutine(
-                partial(reconnect, addresses=self.initial_peers, timeout_s=self.timeout_s), return_future=True)
+        self._rejoining = self.entries.start(partial(reconnect, addresses=self.initial_peers, timeout_s=self.timeout_s))
 
     def announce(self, record: PeerRecord) -> None:
         with self._lock:
@@ -372,70 +305,7 @@ class DhtDirectory(Directory):
     def run_in_node(self, fn: Callable[[Any, Any], Any]) -> Any:
         """Run ``fn(dht, node)`` (a picklable coroutine function) in the DHT process; its result.
         Raises ``DirectoryError`` when it fails or takes longer than the deadline."""
-        try:
-            with self._dht_lock:
-                future = self._dht.run_coroutine(fn, return_future=True)
-            return future.result(timeout=self.timeout_s)
-        except Exception as exc:
-            raise DirectoryError(f"the DHT process could not run {getattr(fn, 'func', fn).__name__}: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-
-    def _get_latest(self, key: str, what: str) -> dict | None:
-        """The entries of dictionary ``key`` (subkey -> hivemind's ``ValueWithExpiration``; {} if none), or
-        None when the DHT did not answer (``what``: how the warning names them)."""
-        if not self._dht_alive():
-            return None
-        try:
-            with self._dht_lock:
-                future = self._dht.get(key, latest=True, return_future=True)
-            found = future.result(timeout=self.timeout_s)
-        except _TIMEOUTS:
-            log.warning("run %s: the DHT did not answer within %g s; using the last known %s",
-                        self.run_id, self.timeout_s, what)
-            return None
-        except Exception as exc:
-            log.warning("run %s: reading %s from the DHT failed (%r); using the last known ones", self.run_id, what, exc)
-            return None
-        if found is None:
-            return {}
-        if not isinstance(found.value, dict):
-            self._report((f"<{key}>", found.expiration_time), "malformed",
-                         f"key {key!r} holds a {type(found.value).__name__}, not a dictionary of records")
-            return {}
-        return found.value
-
-    def read_entries(self, key: str, what: str, parse: Callable[[Any], Any],
-                     check: Callable[[Any], str | None] = lambda entry: None) -> dict[int, tuple[Any, float]] | None:
-        """The valid, unexpired entries of dictionary ``key`` by peer id, with their expirations, or None when the
-        DHT did not answer. ``parse`` reads one value (``from_wire``: ``IncompatibleRecord``, ``ValueError`` or
-        ``TypeError`` for a bad one; the result has a ``peer``); an entry stored under another peer's subkey, or one
-        ``check`` finds fault with (its reason), is dropped. Each drop is counted and logged once (``_report``);
-        ``what`` names the entries in the messages."""
-        found = self._get_latest(key, f"{what}s")
-        if found is None:
-            return None
-        now = _dht_time()
-        entries: dict[int, tuple[Any, float]] = {}
-        for subkey, item in found.items():
-            value, expiration = getattr(item, "value", None), getattr(item, "expiration_time", None)
-            if not isinstance(expiration, (int, float)) or expiration <= now or value is None:
-                continue  # expired, or a withdrawn entry's tombstone
-            tag = (f"{what}/{repr(subkey)[:64]}", float(expiration))
-            try:
-                entry = parse(value)
-            except IncompatibleRecord as exc:
-                self._report(tag, "incompatible", f"ignoring the {what} under subkey {tag[0]}: {exc} "
-                                                  "(peers of different gossiploco releases cannot train together)")
-                continue
-            except (ValueError, TypeError) as exc:
-                self._report(tag, "malformed", f"ignoring a malformed {what} under subkey {tag[0]}: {exc}")
-                continue
-            fault = f"stored under subkey {tag[0]}" if subkey != self._subkey(entry.peer) else check(entry)
-            if fault:
-                self._report(tag, "malformed", f"ignoring the {what} of peer {entry.peer}: {fault}")
-                continue
-            entries[entry.peer] = (entry, float(expiration))
-        return entries
+        return self.entries.run(fn)
 
     def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
         """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""
@@ -444,13 +314,13 @@ class DhtDirectory(Directory):
                 return "its key is not that peer's"
             return None
 
-        return self.read_entries(self.key, "peer record", PeerRecord.from_wire, key_of_its_peer)
+        return self.entries.read(self.key, "peer record", PeerRecord.from_wire, key_of_its_peer)
 
     def runs(self) -> dict[int, RunEntry]:
         with self._lock:
             self._check_open()
-        entries = self.read_entries(self.runs_key, "run entry", RunEntry.from_wire)
-        now = _dht_time()
+        entries = self.entries.read(self.runs_key, "run entry", RunEntry.from_wire)
+        now = dht_time()
         if entries is not None:
             with self._lock:
                 self._known_runs = entries
@@ -466,39 +336,13 @@ class DhtDirectory(Directory):
         Nothing to check in an open run or without ``trust``."""
         if self.trust is None or self.trust.swarm is None:
             return
-        try:
-            with self._dht_lock:
-                future = self._dht.get(beacon_key(self.trust.swarm), latest=True, return_future=True)
-            found = future.result(timeout=self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - reported as the error below
-            found, cause = None, f" ({type(exc).__name__})"
-        else:
-            cause = ""
-        if found is None or not isinstance(found.value, dict) or not found.value:
-            raise DirectoryError(
-                f"the DHT at {', '.join(self.initial_peers) or '(none)'} does not know this peer's swarm key "
-                f"{self.trust.swarm.fingerprint}{cause}: the --swarm-key differs from the one its bootstrap node "
-                "was started with (`gossiploco dht` printed the right one), or the bootstrap node is not running")
-
-    def _report(self, tag: tuple[str, float], kind: str, message: str) -> None:
-        """Count and log a bad entry once."""
-        with self._lock:
-            if tag in self._reported:
-                return
-            if len(self._reported) >= MAX_REPORTED:
-                self._reported.clear()
-            self._reported.add(tag)
-            if kind == "incompatible":
-                self.incompatible_records += 1
-            else:
-                self.malformed_records += 1
-        log.warning("run %s: %s", self.run_id, message)
+        check_beacon(self.entries, self.trust.swarm, self.initial_peers)
 
     def peers(self) -> dict[int, PeerRecord]:
         with self._lock:
             self._check_open()
         fetched = self._fetch()
-        now = _dht_time()
+        now = dht_time()
         with self._lock:
             if fetched is not None:
                 self._known = fetched
@@ -531,7 +375,7 @@ class DhtDirectory(Directory):
         if record is not None:
             items += [(self.status_key, record.peer, None)] if self._status_source is not None else []
             items.append((self.key, record.peer, None))
-        if not self._store_each(items, expiration, timeout_s)[-1] and record is not None:
+        if not self.entries.store_each(items, expiration, timeout_s)[-1] and record is not None:
             log.warning("run %s: could not withdraw peer %d's record; it expires within %g s",
                         self.run_id, record.peer, self.ttl_s)
 
@@ -548,8 +392,7 @@ class DhtDirectory(Directory):
         finally:
             self._stop.set()
             self._heartbeat.join(timeout=CLOSE_WITHDRAW_S)
-            with self._dht_lock:
-                self._dht.shutdown()
+            self.entries.shutdown()
             self._heartbeat.join(timeout=CLOSE_WITHDRAW_S)
             if self._heartbeat.is_alive():
                 log.error("run %s: directory heartbeat thread did not stop", self.run_id)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # the same class from Python 3.11 on
+TIMEOUTS = (TimeoutError, concurrent.futures.TimeoutError)  # the same class from Python 3.11 on
 
 
 def host_maddr(host: str, port: int) -> str:
@@ -122,7 +122,7 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):
             raise
-        cause = "timed out" if isinstance(exc, _TIMEOUTS) else f"{type(exc).__name__}: {exc}"
+        cause = "timed out" if isinstance(exc, TIMEOUTS) else f"{type(exc).__name__}: {exc}"
         if initial_peers:
             raise DirectoryError(
                 f"could not join the DHT through {', '.join(initial_peers)} within {timeout_s:g} s ({cause}). "
@@ -144,7 +144,7 @@ def visible_maddrs(dht: hivemind.DHT, timeout_s: float) -> list[str]:
     future = dht.run_coroutine(_visible_maddrs, return_future=True)
     try:
         return [str(address) for address in future.result(timeout=timeout_s)]
-    except _TIMEOUTS:
+    except TIMEOUTS:
         raise DirectoryError(f"the DHT node did not report its addresses within {timeout_s:g} s") from None
 
 

@@ -194,5 +194,5 @@ def read_statuses(directory: DhtDirectory) -> dict[int, StatusEntry] | None:
     """The swarm's live status entries by peer id, read through ``directory``'s DHT node (blocks at most
     its deadline); None when the DHT did not answer. Bad entries are dropped, counted and logged once
     (the directory's ``malformed_records``/``incompatible_records``)."""
-    entries = directory.read_entries(directory.status_key, "status entry", StatusEntry.from_wire)
+    entries = directory.entries.read(directory.status_key, "status entry", StatusEntry.from_wire)
     return None if entries is None else {peer: entry for peer, (entry, _) in sorted(entries.items())}

@@ -110,7 +110,6 @@ class PeerNode:
         self._refused: Records[tuple[str, int], bool] = Records()
         self._expected: dict[str, list[set[int]]] = {}  # key -> expected senders of each running call
         self.bytes_received = 0
-        self.malformed_messages = 0
         self.refused_chunks = 0
         self.unknown_members = 0
         """Decisions that named a member this peer does not know yet (``agreement.Follow``): failed groups."""

@@ -6,7 +6,7 @@ its process (``admission``), and fed to the node; a message that fails is droppe
 first few of each reason, then at powers of two) and counted by reason. Monitor events (ZMTP
 handshake, disconnect: a dead process at once, a frozen one after the heartbeat timeout) become
 ``connected``/``disconnected`` events; a refused handshake is retried with backoff
-(``ZmqSockets.refused_by``), as libzmq gives up on such a connection. It also dials the reverse
+(``ZmqSockets.refused_by``, the policy in ``transport.retry``), as libzmq gives up on such a connection. It also dials the reverse
 connections the driver asks for (``dial``), since only the ROUTER's thread may touch it.
 
 The driver is reached through ``feed(event)`` only: ``event(node, now)`` runs under the driver's
@@ -83,7 +83,7 @@ class Receiver:
                 raise ExchangeError("the ZAP (authentication) thread died: no peer could connect any more")
             while not self._dials.empty():
                 self._dial_with_router(*self._dials.get())
-            if self.sockets.retry_at:
+            if self.sockets.handshakes.pending:
                 self.sockets.retry_refused(time.monotonic(), self.endpoints())
             for sock, _ in poller.poll(POLL_MS):
                 if sock is router:
@@ -159,13 +159,13 @@ class Receiver:
             except zmq.Again:
                 break
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.sockets.refusals.pop(peer, None)
+                self.sockets.handshakes.succeeded(peer)
                 self.feed(lambda node, now: node.connected(peer, now))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.feed(lambda node, now: node.disconnected(peer, now))
             else:  # a failed handshake: libzmq gives up on the connection, so we retry ourselves
                 delay = self.sockets.refused_by(peer, time.monotonic())
-                refusals = self.sockets.refusals[peer]
+                refusals = self.sockets.handshakes.refusals(peer)
                 if refusals in (4, 16, 64):  # the first few are expected while a peer joins
                     self.feed(lambda node, now: node.note(
                         f"peer {peer} refused the handshake ({refusals} time(s); it may not have read this peer's "

@@ -17,7 +17,8 @@ the benchmarks that measure what encryption costs.
 Thread rules (zmq sockets are not thread-safe): the ROUTER and the monitors belong to the one
 thread that receives; each DEALER has a lock, and any thread may send on it while holding it.
 Sends never block for long: ``NOBLOCK`` with a poll/retry loop bounded by the caller's deadline,
-so a dead peer whose queue is full cannot hold a sender forever.
+so a dead peer whose queue is full cannot hold a sender forever. When to try again, how long to wait
+and when to give up (a full queue, a refused handshake) is ``gossiploco.transport.retry``.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ from zmq.utils.monitor import recv_monitor_message
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import Trust, routing_id
 from gossiploco.protocol import codec
+from gossiploco.transport.retry import HandshakeBackoff, send_wait_s
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 
-SEND_RETRY_S = 0.05
-"""Longest wait between two tries of a send whose queue is full."""
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
@@ -48,8 +48,6 @@ RELAYED_HEARTBEAT_FACTOR = 4
 longer than the default 5 s, and every relayed Mix2 then lost its connection."""
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
-"""After a refused handshake: the first new try, and the longest wait between tries."""
 OPEN_FILES_WANTED = 65536
 HANDSHAKE_MS = 5000
 """A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""
@@ -149,10 +147,8 @@ class ZmqSockets:
         self.dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
-        self.refusals: dict[int, int] = {}
-        """How many handshakes each peer refused (reset when one succeeds)."""
-        self.retry_at: dict[int, float] = {}
-        """When to connect again to a peer that refused our handshake."""
+        self.handshakes = HandshakeBackoff()
+        """The peers that refused our handshake, and when to connect to each again (the receiving thread's)."""
         self.listening: dict[int, tuple[str, str]] = {}
         """Reverse connections: peer -> the (data, control) endpoints its DEALERs listen on for it to dial."""
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
@@ -235,18 +231,13 @@ class ZmqSockets:
                 sockets[peer][1].release()
 
     def refused_by(self, peer: int, now: float) -> float:
-        """``peer`` refused our handshake (libzmq then never retries): schedule new connections,
-        sooner at first (it may not have read our record yet), then backing off. Returns the delay."""
-        count = self.refusals.get(peer, 0) + 1
-        self.refusals[peer] = count
-        delay = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (count - 1))
-        self.retry_at[peer] = now + delay
-        return delay
+        """``peer`` refused our handshake (libzmq then never retries): schedule a new connection
+        (``HandshakeBackoff``; by the receiving thread). Returns the delay."""
+        return self.handshakes.refused(peer, now)
 
     def retry_refused(self, now: float, endpoints: dict[int, str]) -> None:
         """Connect again to the peers whose retry time has come (by the receiving thread)."""
-        for peer in [p for p, at in self.retry_at.items() if at <= now]:
-            del self.retry_at[peer]
+        for peer in self.handshakes.due(now):
             if peer in endpoints and peer in self.dealers and peer not in self.listening:  # a listener: it re-dials
                 self.reattach(peer, endpoints[peer], endpoints[peer], None)
 
@@ -270,10 +261,10 @@ class ZmqSockets:
                     pass
                 except zmq.ZMQError as exc:
                     raise PeerFailed(f"{what}: sending to {peer} failed: {exc}") from exc
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                wait_s = send_wait_s(deadline, time.monotonic())
+                if wait_s is None:
                     raise ExchangeTimeout(f"{what}: peer {peer} did not take data by the deadline")
-                dealer.poll(max(1, int(1000 * min(remaining, SEND_RETRY_S))), zmq.POLLOUT)
+                dealer.poll(max(1, int(1000 * wait_s)), zmq.POLLOUT)
         finally:
             lock.release()
 
@@ -337,7 +328,7 @@ class ZmqSockets:
         must be closed first, by its thread (``router.close``)."""
         monitors = {peer: monitor for monitor, peer in self.monitors.items()}
         for peer, (dealer, lock) in self.dealers.items():
-            with lock:  # senders notice the close within SEND_RETRY_S and release it
+            with lock:  # senders notice the close within retry.SEND_RETRY_S and release it
                 # Stop the monitor while its reader is still open: libzmq's "monitor stopped"
                 # event is a blocking send that would hang on a closed reader.
                 try:

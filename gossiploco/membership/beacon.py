@@ -1,0 +1,62 @@
+"""A private swarm's beacon: how a peer tells that the DHT it joined is its swarm's.
+
+A bootstrap node started with a swarm key publishes the beacon (``store_beacon``, refreshed by
+``bootstrap.serve_bootstrap``): an entry under a key derived from the swarm key, sealed with it like every
+record of the swarm (``record_validator``), so only holders of the key can write or read it. A peer that
+joined checks it is there (``check_beacon``, called by ``DhtDirectory.confirm_swarm``); a peer given another
+swarm key than its bootstrap node's finds none and stops with an error that says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Sequence
+
+from gossiploco.errors import DirectoryError
+
+if TYPE_CHECKING:
+    from gossiploco.membership.dht_entries import DhtEntries
+    from gossiploco.security.swarm_key import SwarmKey
+
+log = logging.getLogger(__name__)
+
+BEACON_TTL_S = 24 * 3600.0
+"""How long a swarm's beacon stays in the DHT after its bootstrap node last published it."""
+
+
+def beacon_key(swarm: SwarmKey) -> str:
+    """The DHT key of a swarm's beacon."""
+    return swarm.dht_key("*", "beacon")
+
+
+def store_beacon(dht: Any, swarm: SwarmKey, signer_id: int, timeout_s: float) -> bool:
+    """Publish the swarm's beacon through hivemind ``DHT`` ``dht``, signed by ``signer_id``, valid for
+    ``BEACON_TTL_S``. Blocks at most ``timeout_s``; logs, never raises; True if a node stored it."""
+    from hivemind.utils import get_dht_time
+
+    from gossiploco.membership.record_validator import entry_subkey
+
+    try:
+        future = dht.store(beacon_key(swarm), {"fingerprint": swarm.fingerprint}, subkey=entry_subkey(swarm, signer_id),
+                           expiration_time=get_dht_time() + BEACON_TTL_S, return_future=True)
+        return bool(future.result(timeout=timeout_s))
+    except Exception as exc:  # noqa: BLE001 - a missing beacon is reported by the peers that look for it
+        log.warning("could not publish the swarm's beacon: %r", exc)
+        return False
+
+
+def check_beacon(entries: DhtEntries, swarm: SwarmKey, initial_peers: Sequence[str]) -> None:
+    """Check that the DHT behind ``entries`` (joined through ``initial_peers``) holds ``swarm``'s beacon; blocks
+    at most the entries' deadline. ``DirectoryError`` saying so if it does not (a wrong key, or no bootstrap
+    node running)."""
+    try:
+        found = entries.get(beacon_key(swarm))
+    except Exception as exc:  # noqa: BLE001 - reported as the error below
+        found, cause = None, f" ({type(exc).__name__})"
+    else:
+        cause = ""
+    if found is None or not isinstance(found.value, dict) or not found.value:
+        raise DirectoryError(
+            f"the DHT at {', '.join(initial_peers) or '(none)'} does not know this peer's swarm key "
+            f"{swarm.fingerprint}{cause}: the --swarm-key differs from the one its bootstrap node "
+            "was started with (`gossiploco dht` printed the right one), or the bootstrap node is not running")

@@ -1,0 +1,79 @@
+"""When the ZeroMQ driver tries again, how long it waits, and when it gives up: pure, no sockets, no clock.
+
+Two things are retried (times are ``time.monotonic`` seconds, passed in by the caller):
+
+* A send whose queue is full (the peer is not taking data as fast as it comes): the sender waits for
+  room, at most ``SEND_RETRY_S`` at a time so that it notices a close soon, and gives up at the caller's
+  deadline (``send_wait_s``). Any other send error is not retried: the peer is taken to have failed.
+* A connection whose handshake the peer refused: libzmq never retries it, so the driver connects again
+  itself (``HandshakeBackoff``), soon at first (the peer may not have read this peer's record yet: a
+  refusal is expected while a peer joins), then backing off: ``RETRY_FIRST_S`` doubled per refusal in a
+  row, at most ``RETRY_MAX_S``. A handshake that succeeds starts the count again. It never gives up: a
+  refusing peer is tried every ``RETRY_MAX_S`` for as long as it is a member.
+"""
+
+from __future__ import annotations
+
+SEND_RETRY_S = 0.05
+"""Longest wait between two tries of a send whose queue is full."""
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
+"""After a refused handshake: the first new try, and the longest wait between tries."""
+
+
+def send_wait_s(deadline: float, now: float, step_s: float = SEND_RETRY_S) -> float | None:
+    """How long to wait for room in a full send queue before the next try, at ``now``: at most ``step_s``
+    and never past ``deadline``; None when the deadline has come (give up)."""
+    remaining = deadline - now
+    if remaining <= 0:
+        return None
+    return min(remaining, step_s)
+
+
+def refused_delay_s(refusals: int, first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S) -> float:
+    """Seconds until the next connection after ``refusals`` (>= 1) refused handshakes in a row:
+    ``first_s``, doubling per refusal, at most ``max_s``."""
+    if refusals < 1:
+        raise ValueError(f"refusals must be at least 1, got {refusals}")
+    return min(max_s, first_s * 2 ** (refusals - 1))
+
+
+class HandshakeBackoff:
+    """The peers whose handshake was refused: how many times in a row, and when to connect to each again.
+
+    Not thread-safe: one thread (the ZeroMQ driver's receiving thread, which sees the handshakes) owns it.
+    Nothing blocks.
+    """
+
+    def __init__(self, first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S):
+        self.first_s, self.max_s = first_s, max_s
+        self._refusals: dict[int, int] = {}  # refusals in a row, per peer (until a handshake succeeds)
+        self._retry_at: dict[int, float] = {}  # when to connect again, per peer waiting to
+
+    def refused(self, peer: int, now: float) -> float:
+        """``peer`` refused a handshake at ``now``: schedule the next connection; the delay until it."""
+        count = self._refusals.get(peer, 0) + 1
+        self._refusals[peer] = count
+        delay = refused_delay_s(count, self.first_s, self.max_s)
+        self._retry_at[peer] = now + delay
+        return delay
+
+    def succeeded(self, peer: int) -> None:
+        """A handshake with ``peer`` succeeded: its next refusal counts as the first again."""
+        self._refusals.pop(peer, None)
+
+    def refusals(self, peer: int) -> int:
+        """Handshakes ``peer`` refused in a row (0 after one succeeded)."""
+        return self._refusals.get(peer, 0)
+
+    @property
+    def pending(self) -> bool:
+        """Whether a connection is scheduled."""
+        return bool(self._retry_at)
+
+    def due(self, now: float) -> list[int]:
+        """The peers whose time to connect again has come by ``now``, in the order they were scheduled; each
+        is returned once (until it refuses again)."""
+        peers = [peer for peer, at in self._retry_at.items() if at <= now]
+        for peer in peers:
+            del self._retry_at[peer]
+        return peers

@@ -1,0 +1,52 @@
+"""The ZeroMQ driver's retry policy (``transport.retry``): a full send queue, a refused handshake. Pure, no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from gossiploco.transport.retry import (RETRY_FIRST_S, RETRY_MAX_S, SEND_RETRY_S, HandshakeBackoff, refused_delay_s,
+                                        send_wait_s)
+
+
+def test_a_full_send_queue_is_polled_in_short_steps_and_given_up_at_the_deadline():
+    assert send_wait_s(deadline=10.0, now=0.0) == SEND_RETRY_S  # far from the deadline: one step
+    assert send_wait_s(deadline=10.0, now=9.99) == pytest.approx(0.01)  # never past the deadline
+    assert send_wait_s(deadline=10.0, now=10.0) is None  # the deadline has come: give up
+    assert send_wait_s(deadline=10.0, now=11.0) is None
+    assert send_wait_s(deadline=10.0, now=0.0, step_s=0.2) == 0.2
+
+
+def test_a_refused_handshake_is_retried_soon_then_backing_off_to_a_ceiling():
+    delays = [refused_delay_s(n) for n in range(1, 9)]
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
+    assert delays[0] == RETRY_FIRST_S and max(delays) == RETRY_MAX_S
+    assert refused_delay_s(3, first_s=0.1, max_s=0.3) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="at least 1"):
+        refused_delay_s(0)
+
+
+def test_handshake_backoff_schedules_each_peer_once_and_a_success_starts_the_count_again():
+    backoff = HandshakeBackoff()
+    assert not backoff.pending and backoff.due(100.0) == [] and backoff.refusals(3) == 0
+    assert backoff.refused(3, now=10.0) == 0.5
+    assert backoff.refused(7, now=10.2) == 0.5
+    assert backoff.pending and backoff.refusals(3) == 1
+    assert backoff.due(10.4) == []  # not yet
+    assert backoff.due(10.5) == [3]  # its time has come; 7's not yet
+    assert backoff.due(10.6) == []  # each is returned once
+    assert backoff.due(11.0) == [7] and not backoff.pending
+    assert backoff.refused(3, now=11.0) == 1.0  # a second refusal in a row waits twice as long
+    assert backoff.due(11.9) == [] and backoff.due(12.0) == [3]
+    for now in range(20, 26):
+        backoff.refused(3, now=float(now))
+    assert backoff.refusals(3) == 8 and backoff.due(25.0 + RETRY_MAX_S) == [3]  # capped
+    backoff.succeeded(3)
+    assert backoff.refusals(3) == 0 and backoff.refused(3, now=40.0) == RETRY_FIRST_S
+    backoff.succeeded(99)  # a peer that never refused: nothing to forget
+
+
+def test_due_peers_come_in_the_order_they_were_scheduled():
+    backoff = HandshakeBackoff(first_s=1.0, max_s=1.0)
+    for peer in (5, 2, 9):
+        backoff.refused(peer, now=0.0)
+    assert backoff.due(1.0) == [5, 2, 9]

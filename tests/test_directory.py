@@ -532,6 +532,7 @@ def test_identity_file_is_created_private_and_reused(tmp_path):
     assert load_or_create_identity(path) == peer_id
     assert load_or_create_identity(tmp_path / "other.key") != peer_id
     (tmp_path / "bad.key").write_bytes(b"not a key")
+    (tmp_path / "bad.key").chmod(0o600)  # private, as a key file must be (a readable one is refused first)
     with pytest.raises(DirectoryError, match="does not hold a libp2p private key"):
         load_or_create_identity(tmp_path / "bad.key")
     with pytest.raises(ConfigError, match="does not exist"):

@@ -120,6 +120,20 @@ def descendants(table: dict[int, ProcInfo], root: int) -> list[ProcInfo]:
     return out
 
 
+def process_tree(root: int) -> dict[int, int]:
+    """``root`` and its living descendants now: pid -> start time (to tell a reused pid apart later)."""
+    table = process_table()
+    live = [info for info in [table.get(root), *descendants(table, root)] if info is not None and info.state != "Z"]
+    return {info.pid: info.start for info in live}
+
+
+def still_running(tree: dict[int, int]) -> list[int]:
+    """The processes of a ``process_tree`` snapshot that still run (same pid and start time, not a zombie)."""
+    table = process_table()
+    return [pid for pid, start in tree.items()
+            if (info := table.get(pid)) is not None and info.state != "Z" and info.start == start]
+
+
 def cmdline(pid: int, limit: int = 160) -> str:
     """Process ``pid``'s command line, cut to ``limit`` characters ("" when it is gone)."""
     try:

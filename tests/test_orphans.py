@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_peer_args, wait_until
+from testbed.processes import process_tree, still_running
 
 pytestmark = [
     pytest.mark.slow,
@@ -47,25 +48,9 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def process_tree(root: int) -> dict[int, int]:
-    """``root`` and all its living descendants: pid -> start time (to tell a reused pid apart)."""
-    parent_of, started = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(int(entry))) is not None and stat[0] != "Z":
-            parent_of[int(entry)], started[int(entry)] = stat[1], stat[2]
-    tree, frontier = {}, [root]
-    while frontier:
-        pid = frontier.pop()
-        if pid in started:
-            tree[pid] = started[pid]
-            frontier += [child for child, parent in parent_of.items() if parent == pid]
-    return tree
-
-
 def alive(tree: dict[int, int]) -> list[str]:
     """The processes of a ``process_tree`` snapshot that still run, as 'PID command' lines."""
-    return [f"{pid} {_cmdline(pid)[:160]}" for pid, start in tree.items()
-            if (stat := _stat(pid)) is not None and stat[0] != "Z" and stat[2] == start]
+    return [f"{pid} {_cmdline(pid)[:160]}" for pid in still_running(tree)]
 
 
 def dht_processes(root: int) -> tuple[int, int] | None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHROMIUM, browser_or_skip, free_port, tiny_peer_args, wait_until
+from testbed.processes import process_tree, still_running
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,35 +42,6 @@ SIGNALS = [  # (signal, sent to)
     (signal.SIGINT, "process"),  # kill -INT PID
     (signal.SIGTERM, "process"),  # kill PID, a service manager's stop
 ]
-
-
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, parent pid, start time) of ``pid``, or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            fields = file.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return fields[0], int(fields[1]), int(fields[19])
-
-
-def process_tree(root: int) -> dict[int, int]:
-    """``root`` and its living descendants: pid -> start time (to tell a reused pid apart)."""
-    parent_of, started = {}, {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (stat := _stat(int(entry))) is not None and stat[0] != "Z":
-            parent_of[int(entry)], started[int(entry)] = stat[1], stat[2]
-    tree, frontier = {}, [root]
-    while frontier:
-        pid = frontier.pop()
-        if pid in started:
-            tree[pid] = started[pid]
-            frontier += [child for child, parent in parent_of.items() if parent == pid]
-    return tree
-
-
-def still_running(tree: dict[int, int]) -> list[int]:
-    return [pid for pid, start in tree.items() if (stat := _stat(pid)) is not None and stat[0] != "Z" and stat[2] == start]
 
 
 def assert_stopped_cleanly(out: str, command: str, signum: int) -> None:

@@ -56,10 +56,9 @@ class Script:
     def run(self, program):
         value, error = None, None
         while True:
-            try:
-                effect = program.throw(error) if error is not None else program.send(value)
-            except StopIteration as stop:
-                return stop.value
+            done, effect = lifecycle.advance(program, value, error)
+            if done:
+                return effect
             error = None
             if isinstance(effect, lifecycle.Act):
                 self.sent.extend(effect.actions)

@@ -315,7 +315,16 @@ def download(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Program:
     return None
 
 
-# -- a blocking driver -------------------------------------------------------------------------------
+# -- drivers -----------------------------------------------------------------------------------------
+
+def advance(program: Program, value: Any, error: ExchangeError | None) -> tuple[bool, Any]:
+    """Resume ``program`` with ``value`` (or throw ``error`` into it): ``(False, its next effect)``, or
+    ``(True, its result)`` once it returned. The one step every driver repeats."""
+    try:
+        return False, program.throw(error) if error is not None else program.send(value)
+    except StopIteration as stop:
+        return True, stop.value
+
 
 def drive(program: Program, *, locked: Callable, act: Callable[[list[Action]], None],
           wait: Callable[[float], None], sleep: Callable[[float], None], clock: Callable[[], float],
@@ -331,10 +340,9 @@ def drive(program: Program, *, locked: Callable, act: Callable[[list[Action]], N
     while True:
         with locked():
             while True:
-                try:
-                    effect = program.throw(error) if error is not None else program.send(value)
-                except StopIteration as stop:
-                    return stop.value
+                done, effect = advance(program, value, error)
+                if done:
+                    return effect
                 error = None
                 if isinstance(effect, Run):
                     break

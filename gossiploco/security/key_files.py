@@ -77,42 +77,42 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def tracked_by_git(path: Path) -> Path | None:
-    """The work tree of the git repository that tracks ``path`` (resolved through symlinks), or None: not in a
-    repository, not tracked, or git absent. A check that fails to run (timeout) is logged and counts as None."""
-    path = Path(path).resolve()
+def _git(path: Path, *args: str) -> subprocess.CompletedProcess | None:
+    """``git -C <path's folder> ARGS``, its output captured, without the caller's GIT_* overrides; None where git
+    is absent or the folder does not exist. Raises ``subprocess.TimeoutExpired``/``OSError`` for the caller to log."""
     git = shutil.which("git")
     if git is None or not path.parent.is_dir():
         return None
     env = {k: v for k, v in os.environ.items() if k not in _GIT_ENV_OVERRIDES}
+    return subprocess.run([git, "-C", str(path.parent), *args], capture_output=True, text=True, env=env,
+                          timeout=GIT_TIMEOUT_S)
+
+
+def tracked_by_git(path: Path) -> Path | None:
+    """The work tree of the git repository that tracks ``path`` (resolved through symlinks), or None: not in a
+    repository, not tracked, or git absent. A check that fails to run (timeout) is logged and counts as None."""
+    path = Path(path).resolve()
     try:
-        listed = subprocess.run([git, "--literal-pathspecs", "-C", str(path.parent), "ls-files", "--error-unmatch",
-                                 "--", path.name], capture_output=True, text=True, env=env, timeout=GIT_TIMEOUT_S)
-        if listed.returncode != 0:  # 1: not tracked; 128: not a repository (or git refuses it)
+        listed = _git(path, "--literal-pathspecs", "ls-files", "--error-unmatch", "--", path.name)
+        if listed is None or listed.returncode != 0:  # 1: not tracked; 128: not a repository (or git refuses it)
             return None
-        top = subprocess.run([git, "-C", str(path.parent), "rev-parse", "--show-toplevel"], capture_output=True,
-                             text=True, env=env, timeout=GIT_TIMEOUT_S)
+        top = _git(path, "rev-parse", "--show-toplevel")
     except (subprocess.TimeoutExpired, OSError) as exc:
         log.warning("could not check whether %s is tracked by git (%s); going on as if it were not", path, exc)
         return None
-    return Path(top.stdout.strip()) if top.returncode == 0 and top.stdout.strip() else path.parent
+    return Path(top.stdout.strip()) if top is not None and top.returncode == 0 and top.stdout.strip() else path.parent
 
 
 def ignored_by_git(path: Path) -> bool | None:
     """Whether git ignores ``path`` (True), would let it be committed (False), or ``path`` is not in a git work
     tree / git is absent (None)."""
     path = Path(path).resolve()
-    git = shutil.which("git")
-    if git is None or not path.parent.is_dir():
-        return None
-    env = {k: v for k, v in os.environ.items() if k not in _GIT_ENV_OVERRIDES}
     try:
-        checked = subprocess.run([git, "-C", str(path.parent), "check-ignore", "-q", "--", path.name],
-                                 capture_output=True, env=env, timeout=GIT_TIMEOUT_S)
+        checked = _git(path, "check-ignore", "-q", "--", path.name)
     except (subprocess.TimeoutExpired, OSError) as exc:
         log.warning("could not check whether git ignores %s (%s)", path, exc)
         return None
-    return {0: True, 1: False}.get(checked.returncode)
+    return None if checked is None else {0: True, 1: False}.get(checked.returncode)
 
 
 def commit_warning(path: Path) -> str | None:

@@ -142,10 +142,9 @@ class SimPeer:
         value: Any = None
         error: ExchangeError | None = None
         while True:
-            try:
-                effect = program.throw(error) if error is not None else program.send(value)
-            except StopIteration as stop:
-                return stop.value
+            done, effect = lifecycle.advance(program, value, error)
+            if done:
+                return effect
             error = None
             if isinstance(effect, lifecycle.Run):
                 try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from gossiploco.config import TINY_OVERRIDES, load_config
+from gossiploco.runtime.launch import free_ports
 from testbed.overrides import peer_args
 from testbed.processes import wait_until  # noqa: F401 - every test that waits for something uses this one
 
@@ -86,7 +86,6 @@ def browser_or_skip() -> None:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's ephemeral range
+    (``gossiploco.runtime.launch.free_ports``)."""
+    return free_ports(1)[0]

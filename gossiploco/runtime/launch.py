@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shlex
 import signal
 import socket
@@ -31,14 +32,55 @@ from pathlib import Path
 from typing import Any, Protocol
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that were free a moment ago (all held open together while probing)."""
-    held = []
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PICKED_PORT = 10000
+
+
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out for ``bind(0)`` and outgoing connections (Linux's default elsewhere)."""
     try:
-        for _ in range(count):
+        low, high = (int(v) for v in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports on ``host`` that were free a moment ago, all held open together while probing.
+
+    They are picked at random outside the kernel's ephemeral range: a port the kernel hands out itself
+    (to a ``bind(0)`` or an outgoing connection, such as a p2pd daemon's listener or a tunnel started
+    between this call and the caller's bind) is never one of them. Seen before this rule: a tunnel's
+    listener took a port picked here, and the exchange that was to bind it failed.
+    """
+    ephemeral = ephemeral_ports()
+    below, above = range(LOWEST_PICKED_PORT, max(LOWEST_PICKED_PORT, ephemeral.start)), range(ephemeral.stop, 65536)
+    outside = len(below) + len(above)
+    rng = random.Random()
+
+    def pick() -> int:  # uniformly outside the ephemeral range (anywhere, where that range leaves too little room)
+        if outside < 16 * count:
+            return rng.randrange(LOWEST_PICKED_PORT, 65536)
+        i = rng.randrange(outside)
+        return below[i] if i < len(below) else above[i - len(below)]
+
+    held: list[socket.socket] = []
+    try:
+        for _ in range(64 * count):
+            if len(held) == count:
+                break
+            port = pick()
+            if any(s.getsockname()[1] == port for s in held):
+                continue
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
             held.append(s)
+        if len(held) < count:
+            raise OSError(f"found only {len(held)} of {count} free ports on {host}")
         return [s.getsockname()[1] for s in held]
     finally:
         for s in held:

@@ -123,6 +123,7 @@ def peer(
         from gossiploco.runtime.dht_peer import joined_peer
         from gossiploco.runtime.peer import NetworkPeer, run_id_for
         from gossiploco.security.options import peer_trust, swarm_key_option
+        from gossiploco.adversary import adversary_from_env
         from gossiploco.transport.fault_injection import hook_from_env
 
         if bool(join) == bool(peers):
@@ -139,6 +140,7 @@ def peer(
                 raise ConfigError("--rank", f"must be in 0..{workers - 1} (an index in --peers), got {rank}")
         swarm = swarm_key_option(swarm_key, open_run)
         fault_hook = hook_from_env()  # GOSSIPLOCO_FAULT (tests): read here, where the process is built
+        adversary = adversary_from_env()  # GOSSIPLOCO_ATTACK (the attack bench), likewise
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, sets=set_))
         if join:
@@ -149,6 +151,8 @@ def peer(
         else:
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id, fault=fault_hook,
                                trust=peer_trust(swarm, static_rank=rank, static_count=len(endpoints)))
+        if adversary is not None:
+            node.set_adversary(adversary)
     except GossiplocoError as exc:
         fail(exc)
     except KeyboardInterrupt:  # during start-up (loading data, starting the DHT node): nothing to keep

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gossiploco.adversary import Adversary
 from gossiploco.blocks import select_parameters, split_fragments
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
@@ -119,6 +120,10 @@ class FactoredDiLoCo:
         """Inner steps run in the current round so far."""
         self.last_round_tokens: int | None = None
         """Tokens of the previous round (Mix1's weight); None before the first one ends."""
+        self.adversary: Adversary | None = None
+        """A dishonest worker's behaviour (the attack bench; ``gossiploco.adversary``), None for an honest one."""
+        self.honest_deltas: list[TensorDict] | None = None
+        """This round's honest pseudo-gradients, where the caller knows them (an omniscient ``alie`` attacker)."""
 
     def set_state(self, z: TensorDict, momentum: TensorDict) -> None:
         """Adopt outer state from elsewhere (a catching-up peer's download) and load z into the model."""
@@ -186,21 +191,28 @@ class FactoredDiLoCo:
         if self._round is not None:
             self._launch_mix1()
 
-    def end_round(self, r: int) -> RoundReport:
-        """Lines 10-13: pseudo-gradient, blocking Mix2, wait for Mix1, outer step at the mixed point."""
-        start = time.perf_counter()
+    def pseudo_gradient(self) -> TensorDict:
+        """Line 10: Delta_{m,r} = y_{m,r,H} - y_{m,r,0}, on the state device."""
         on_model = self.state_device == self.trainer.device
         y = self.trainer.params() if on_model else self.trainer.params_cpu()
         names = list(y)
-        # line 10: Delta_{m,r} = y_{m,r,H} - y_{m,r,0}
-        delta = dict(zip(names, torch._foreach_sub([y[n] for n in names], [self.z[n] for n in names])))
+        return dict(zip(names, torch._foreach_sub([y[n] for n in names], [self.z[n] for n in names])))
+
+    def end_round(self, r: int) -> RoundReport:
+        """Lines 10-13: pseudo-gradient, blocking Mix2, wait for Mix1, outer step at the mixed point."""
+        start = time.perf_counter()
+        delta = self.pseudo_gradient()  # line 10
         delta_s = time.perf_counter() - start
 
         start = time.perf_counter()
         steps, tokens = self.round_steps, self.round_steps * self.tokens_per_step
+        claimed = tokens
+        if self.adversary is not None:  # the attack bench's dishonest worker (gossiploco.adversary)
+            delta = self.adversary.pseudo_gradient(delta, r, self.honest_deltas)
+            claimed = self.adversary.claimed_tokens(tokens)
         # line 11: blocking (weighted by this round's tokens: what Delta_{m,r} was computed from)
-        mix2 = self.mix2.mix([delta], r, self.exchange, weight=self._weight(tokens))
-        self.last_round_tokens = tokens
+        mix2 = self.mix2.mix([delta], r, self.exchange, weight=self._weight(claimed))
+        self.last_round_tokens = claimed  # Mix1 of the next round weights z by it
         delta_hat = to_device(mix2.values[0], self.state_device)
         mix2_s = time.perf_counter() - start
 

@@ -63,6 +63,7 @@ from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError
 from gossiploco.membership.directory import Directory
+from gossiploco.adversary import Adversary
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.reach.paths import Reach
@@ -204,6 +205,8 @@ class NetworkPeer:
             self.algo = SyncDP(self.trainer, cfg, self.exchange)
         else:
             self.algo = FactoredDiLoCo(self.trainer, cfg, self.exchange)
+        self.adversary: Adversary | None = None
+        """Set only by the attack bench (``set_adversary``)."""
         self.exchange.serve_state(partial(provide_state, self))
         self.sink = MetricsSink(None)
         self.on_record: Callable[[dict], None] | None = None
@@ -305,6 +308,13 @@ class NetworkPeer:
         its round, or downloads a newer state if the swarm went on."""
         restore_peer(self, checkpoint)
         self.start_round = checkpoint.round
+
+    def set_adversary(self, adversary: Adversary) -> None:
+        """Make this peer dishonest (the attack bench; ``gossiploco.adversary``)."""
+        log.warning("rank %s: DISHONEST PEER for the attack bench: %s", self.rank, adversary)
+        if isinstance(self.algo, FactoredDiLoCo):
+            self.algo.adversary = adversary
+        self.adversary = adversary
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the exchange first (wakes a Mix1 still waiting), then the algorithm's thread. Idempotent.

@@ -25,6 +25,7 @@ import torch
 
 from gossiploco import consensus
 from gossiploco.adaptive import AdaptiveMix2
+from gossiploco.adversary import Adversary
 from gossiploco.checkpoint import Checkpoint, CheckpointWriter, Snapshot
 from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
@@ -52,7 +53,8 @@ class SwarmResult:
 class VirtualSwarm:
     """M workers in one process. Build, then ``run()``."""
 
-    def __init__(self, cfg: RunConfig, corpus: Corpus | None = None, device: str | None = None):
+    def __init__(self, cfg: RunConfig, corpus: Corpus | None = None, device: str | None = None,
+                 adversaries: dict[int, Adversary] | None = None):
         self.cfg = cfg
         self.device = resolve_device(device or cfg.device)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
@@ -60,6 +62,13 @@ class VirtualSwarm:
         self.trainers = [build_trainer(cfg, self.corpus, self.device, m) for m in range(cfg.workers)]
         algo = SyncDP if cfg.mode == "sync-dp" else FactoredDiLoCo
         self.algos = [algo(t, cfg, self.hub.exchange(m)) for m, t in enumerate(self.trainers)]
+        self.adversaries = dict(adversaries or {})
+        """Dishonest workers (the attack bench, ``gossiploco.adversary``): measured and averaged without them."""
+        for m, adversary in self.adversaries.items():
+            if cfg.mode != "factored":
+                raise ValueError("adversaries attack Algorithm 1's mixes: mode must be factored")
+            self.algos[m].adversary = adversary
+        self.honest = [m for m in range(cfg.workers) if m not in self.adversaries]
         # A scratch model that holds averaged parameters for the JS monitor and validation.
         self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
         self.groups = group_by_block(self.trainers[0].names)
@@ -93,12 +102,12 @@ class VirtualSwarm:
         their average or, at h = 0 of a round whose Mix1 is global (``monitor_reuses_mix1``), against Mix1's
         result over the workers whose Mix1 succeeded, as network peers measure."""
         params = [t.params_cpu() for t in self.trainers]
-        avg, measured = consensus.average(params), list(range(len(params)))
+        avg, measured = consensus.average([params[m] for m in self.honest]), list(self.honest)
         if h == 0 and r < self.cfg.rounds and self.reuse_mix1:
             for algo in self.algos:  # every worker's fragments first: each waits for the others' in the hub
                 algo.start_all_mix1()
             mixes = [algo.mix1_result() for algo in self.algos]
-            ok = [m for m, mix in enumerate(mixes) if mix.ok]
+            ok = [m for m, mix in enumerate(mixes) if mix.ok and m in self.honest]
             if ok:
                 avg, measured = {n: v.cpu() for n, v in mixes[ok[0]].values[0].items()}, ok
         record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
@@ -212,6 +221,10 @@ class VirtualSwarm:
                 algo.set_mix2_blocks(decision.blocks)
             merge_stats(self._pending, {"mix2_decision": decision.to_dict()})
         self._round_js = []
+        if any(a.kind == "alie" for a in self.adversaries.values()):  # an omniscient attacker sees the honest updates
+            honest = [self.algos[m].pseudo_gradient() for m in self.honest]
+            for m in self.adversaries:
+                self.algos[m].honest_deltas = honest
         reports = list(self.pool.map(lambda a: a.end_round(r), self.algos))
         for m, rep in enumerate(reports):
             self.worker_steps[m] += rep.steps
@@ -251,8 +264,8 @@ class VirtualSwarm:
         return losses
 
     def final_params(self) -> TensorDict:
-        """Algorithm 1, line 15: the average of the workers' z (their current parameters)."""
-        return consensus.average([t.params_cpu() for t in self.trainers])
+        """Algorithm 1, line 15: the average of the (honest) workers' z (their current parameters)."""
+        return consensus.average([self.trainers[m].params_cpu() for m in self.honest])
 
 
 def round_stats(reports: list[RoundReport]) -> dict:

@@ -255,6 +255,43 @@ class AdaptiveConfig:
 
 
 @dataclass
+class RobustConfig:
+    mode: str = "auto"
+    """Robust mixing (gossiploco.mixing.robust): on, off, or auto (on in an --open run, where anyone may lie; off in a
+    private one, whose members hold the swarm key). On: group means are aggregated by two owners per segment with
+    CenteredClip, gossip clips the partner's difference, contributions are screened and repeat offenders excluded."""
+    iterations: int = 3
+    """CenteredClip steps per aggregate."""
+    radius_factor: float = 2.0
+    """The clipping radius, in units of the members' median distance from their coordinate-wise median."""
+    outlier_factor: float = 4.0
+    """A contribution farther than this many median distances from the median fails the screen."""
+    min_cosine: float = -0.2
+    """A contribution pointing against the median update (cosine below this) fails the screen."""
+    weight_cap: float = 2.0
+    """A member's weight counts at most this many times the median claimed weight."""
+    strikes: int = 3
+    """A member that failed the screen in this many of the last ``window`` rounds is excluded."""
+    window: int = 5
+
+    def check(self, p: str) -> None:
+        _choice(f"{p}.mode", self.mode, ("auto", "on", "off"))
+        _positive(f"{p}.iterations", self.iterations)
+        for name in ("radius_factor", "outlier_factor", "weight_cap"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{p}.{name}", f"must be > 0, got {getattr(self, name)}")
+        if not -1 <= self.min_cosine <= 1:
+            raise ConfigError(f"{p}.min_cosine", f"must be in [-1, 1], got {self.min_cosine}")
+        _positive(f"{p}.strikes", self.strikes)
+        if self.window < self.strikes:
+            raise ConfigError(f"{p}.window", f"must be at least strikes = {self.strikes}, got {self.window}")
+
+    def active(self, open_run: bool) -> bool:
+        """Whether robust mixing runs: ``mode``, with auto decided by whether the run is open."""
+        return self.mode == "on" or (self.mode == "auto" and open_run)
+
+
+@dataclass
 class MonitorConfig:
     every: int = 10
     """Measure consensus every this many inner steps (always also at h = 0 of each round); 0: only at h = 0."""

@@ -36,6 +36,9 @@ from gossiploco.adversary import Adversary
 from gossiploco.blocks import select_parameters, split_fragments
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
+from gossiploco.mixing.robust import RobustSettings
+from gossiploco.mixing.robust_mean import Robust
+from gossiploco.mixing.screen import Ledger
 from gossiploco.mixing.weighted import MAX_WEIGHT
 from gossiploco.optim import outer_step_on_delta
 from gossiploco.outer_state import SideStream, state_device, to_device
@@ -83,10 +86,15 @@ def merge_fragments(results: list[MixResult], names: list[list[str]]) -> MixResu
 class FactoredDiLoCo:
     """Algorithm 1 for one worker. Not thread-safe: one caller drives begin/inner/end in order."""
 
-    def __init__(self, trainer: LocalTrainer, cfg: RunConfig, exchange: Exchange):
+    def __init__(self, trainer: LocalTrainer, cfg: RunConfig, exchange: Exchange, *, open_run: bool = False):
         self.trainer = trainer
         self.cfg = cfg
         self.exchange = exchange
+        robust = cfg.robust
+        self.robust = Robust(RobustSettings(robust.iterations, robust.radius_factor, robust.outlier_factor,
+                                            robust.min_cosine, robust.weight_cap),
+                             Ledger(robust.strikes, robust.window)) if robust.active(open_run) else None
+        """Robust mixing (``[robust]``; an open run's default), shared by Mix1 and Mix2, or None."""
         names = trainer.names
         params = trainer.params()
         mix1_names = select_parameters(names, cfg.mix1.blocks, "mix1.blocks")
@@ -95,6 +103,9 @@ class FactoredDiLoCo:
         # payload in flight at a time is 1/F of it); no error feedback: a global Mix1 compresses against a reference
         self.mix1 = [build_mixer(cfg.mix1.kind, "mix1", part, cfg.seed, cfg.mix1.codec(),
                                  key_suffix=f"/f{j}" if len(parts) > 1 else "") for j, part in enumerate(parts)]
+        if self.robust is not None:
+            for mixer in self.mix1:
+                mixer.make_robust(self.robust)
         self._mix1_starts = [j * cfg.inner_steps // len(parts) for j in range(len(parts))]
         self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
         self.state_device = state_device(cfg.compute.outer_state, trainer.device, 4 * sum(p.numel() for p in params.values()))
@@ -142,7 +153,10 @@ class FactoredDiLoCo:
     def _mix2(self, names: list[str]):
         """Mix2 over ``names``: the pseudo-gradient, compressed as configured, with error feedback."""
         mix2 = self.cfg.mix2
-        return build_mixer(mix2.kind, "mix2", names, self.cfg.seed, mix2.codec(), mix2.error_feedback, mix2.feedback_decay)
+        mixer = build_mixer(mix2.kind, "mix2", names, self.cfg.seed, mix2.codec(), mix2.error_feedback, mix2.feedback_decay)
+        if self.robust is not None:
+            mixer.make_robust(self.robust)
+        return mixer
 
     def begin_round(self, r: int) -> None:
         """Line 3: launch Mix1 on z_{m,r} (and the outer momentum for GlobalM1S) in the background (with

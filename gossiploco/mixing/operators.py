@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections import deque
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from gossiploco.errors import ExchangeClosed, ExchangeError, PeerFailed
 from gossiploco.mixing.compressed import group_mean, pair_mean
 from gossiploco.mixing.compression import Codec, Float32Codec
 from gossiploco.mixing.exchange import Exchange
+from gossiploco.mixing.robust_mean import Robust, robust_group_mean
 from gossiploco.mixing.weighted import group_scale, pair_scale, push_sum_swap, weighted_all_reduce
 from gossiploco.tensor_checks import all_finite
 
@@ -143,6 +145,13 @@ class Mixer(ABC):
         """The residual is added times this (SparseLoCo's accumulator decay; 1: nothing is forgotten)."""
         self.residual: TensorDict = {}
         """Error feedback, per parameter: what the last successful compressed mix of it lost (CPU fp32)."""
+        self.robust: Robust | None = None
+        """Robust mixing (``make_robust``; open runs), or None: plain means."""
+
+    def make_robust(self, robust: Robust) -> None:
+        """Mix robustly from now on (``gossiploco.mixing.robust``): the group's or the pair's values screened and
+        clipped, and the members ``robust.ledger`` excluded left out."""
+        self.robust = robust
 
     def mix(self, dicts: Sequence[TensorDict], round_index: int, exchange: Exchange,
             weight: float | None = None) -> MixResult:
@@ -155,7 +164,10 @@ class Mixer(ABC):
         residual = None
         new_weight = weight
         try:
-            if self.codec is not None:
+            if self.robust is not None:
+                mixed, partner, residual, nbytes, new_weight = self._combine_robust(flat, dicts, round_index, exchange,
+                                                                                    weight)
+            elif self.codec is not None:
                 mixed, partner, residual, nbytes, new_weight = self._combine_compressed(flat, dicts, round_index,
                                                                                         exchange, weight)
             elif weight is not None:
@@ -230,6 +242,11 @@ class Mixer(ABC):
         peer's weight after the mix. Adds the residual to ``flat`` itself (``_prepare_compressed``)."""
         raise NotImplementedError(f"{self.kind} mixing sends nothing to compress")
 
+    def _combine_robust(self, flat: torch.Tensor, dicts: list[TensorDict], round_index: int, exchange: Exchange,
+                        weight: float | None) -> tuple[torch.Tensor, int | None, torch.Tensor | None, int, float | None]:
+        """``_combine_compressed``'s contract, robustly (``self.robust``). Default: identity."""
+        return flat, None, None, 0, weight
+
 
 class IdentityMix(Mixer):
     kind = "identity"
@@ -268,6 +285,8 @@ class GlobalMix(Mixer):
         self.reference: torch.Tensor | None = None
         """The last successful mean (packed), or None: the next mix sends fp32."""
         self.reference_tag = 0
+        self.previous: torch.Tensor | None = None
+        """Robust Mix1: its last result, where the screen measures the members' moves from."""
 
     def _failed(self) -> None:
         self.reference, self.reference_tag = None, 0
@@ -323,8 +342,49 @@ class GlobalMix(Mixer):
         return mean, None, None, sent + payload, new_weight
 
 
+    def _combine_robust(self, flat, dicts, round_index, exchange, weight):
+        key = self.key(round_index)
+        members = exchange.group(key, round_index)  # an excluded member still takes part, with weight 0
+        if len(members) <= 1:
+            return flat, None, None, 0, weight
+        codec = self.codec or Float32Codec()
+        if self.error_feedback:
+            self._prepare_compressed(flat, dicts, 1.0)
+        ref = self.reference if self.referenced and self.reference is not None \
+            and self.reference.numel() == flat.numel() else None
+        tag = self.reference_tag if ref is not None else 0
+        if self.referenced:
+            self._failed()  # until this mix succeeds
+            if ref is None:
+                codec = Float32Codec()
+        anchor = self.previous if self.previous is not None and self.previous.numel() == flat.numel() else None
+        sent_v = flat if ref is None else flat - ref
+        if ref is not None and anchor is not None:
+            anchor = anchor - ref
+        mean, new_weight, sent = robust_group_mean(key, sent_v, members, exchange, codec, self.robust.settings,
+                                                   self.robust.ledger, round_index, weight=weight, tag=tag, anchor=anchor)
+        if ref is not None:
+            mean.add_(ref)
+        residual = None
+        if self.error_feedback:  # what encoding lost of what this member sent (not the owners' re-encoding)
+            residual = flat - codec.roundtrip(flat)[1]
+        if self.referenced:
+            self.reference, self.reference_tag = mean.clone(), reference_tag(round_index, members)
+        if self.label == "mix1":
+            self.previous = mean.clone()
+        return mean, None, residual, sent, new_weight
+
+
 class GossipMix(Mixer):
     kind = "gossip"
+
+    def __init__(self, label: str, names: Sequence[str], seed: int, codec: Codec | None = None,
+                 error_feedback: bool = False, feedback_decay: float = 1.0, key_suffix: str = ""):
+        super().__init__(label, names, seed, codec, error_feedback, feedback_decay, key_suffix)
+        self.distances: deque[float] = deque(maxlen=16)
+        """Robust gossip: the distances of this peer's last accepted partners (ClippedGossip's radius follows them)."""
+        self.previous: torch.Tensor | None = None
+        """Robust Mix1: its last result, where this peer's own move is measured from."""
 
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)
@@ -358,6 +418,57 @@ class GossipMix(Mixer):
         self._prepare_compressed(flat, dicts, scale)
         mean, residual, payload = pair_mean(key, flat, partner, exchange, self.codec, self.error_feedback)
         return mean, partner, residual, sent + payload, new_weight
+
+
+    def _combine_robust(self, flat, dicts, round_index, exchange, weight):
+        """ClippedGossip (He, Karimireddy and Jaggi 2022): ``x + clip(x_partner - x, tau) / 2``, with ``tau`` following
+        the honest spread: ``radius_factor`` times the median of this peer's last accepted partners' distances (until
+        it has three: times its own move this round, from its last Mix1 result for parameters, from zero for a
+        pseudo-gradient). A partner that sent non-finite values or whose move points against this peer's own (cosine
+        below ``min_cosine``) fails the screen and is not mixed; one farther than ``outlier_factor`` such medians
+        away fails it and is clipped. An excluded partner is swapped with (it is waiting) but not mixed. The token
+        weight is left as it is (robust gossip takes the plain pair mean before clipping)."""
+        key = self.key(round_index)
+        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        if partner is None:
+            return flat, None, None, 0, weight
+        codec = self.codec or Float32Codec()
+        if self.error_feedback:
+            self._prepare_compressed(flat, dicts, 1.0)
+        payload, mine = codec.roundtrip(flat)
+        got = exchange.swap(key, partner, payload)
+        residual = flat - mine if self.error_feedback else None
+        ledger, settings = self.robust.ledger, self.robust.settings
+        if ledger.is_excluded(partner):
+            return flat, partner, None, payload.numel(), weight
+        try:
+            theirs = codec.decode(got, flat.numel())
+        except PeerFailed as exc:
+            ledger.strike(round_index, partner, f"sent an unreadable payload ({exc})")
+            return flat, partner, None, payload.numel(), weight
+        diff = theirs.sub_(mine)
+        distance = float(diff.norm())
+        if distance != distance or distance == float("inf"):
+            ledger.strike(round_index, partner, "non-finite values")
+            return flat, partner, None, payload.numel(), weight
+        typical = sorted(self.distances)[len(self.distances) // 2] if len(self.distances) >= 3 else None
+        anchor = self.previous if self.previous is not None and self.previous.numel() == flat.numel() else None
+        own = mine if anchor is None else mine - anchor
+        theirs_move = own + diff  # the partner's move from the same anchor
+        cosine = float(own @ theirs_move) / max(float(own.norm()) * float(theirs_move.norm()), 1e-30)
+        if cosine < settings.min_cosine:
+            ledger.strike(round_index, partner, f"points against this peer's own update (cosine {cosine:.2f})")
+            return flat, partner, None, payload.numel(), weight
+        tau = settings.radius_factor * (typical if typical is not None else float(own.norm()))
+        if typical is not None and distance > settings.outlier_factor * typical:
+            ledger.strike(round_index, partner, f"{distance / typical:.1f}x the typical partner distance")
+        else:
+            self.distances.append(distance)
+        scale = 1.0 if distance <= tau or tau == 0.0 else tau / distance
+        mixed = mine + diff.mul_(scale / 2)
+        if self.label == "mix1":
+            self.previous = mixed.clone()
+        return mixed, partner, residual, payload.numel(), weight
 
 
 MIXERS: dict[str, type[Mixer]] = {"identity": IdentityMix, "global": GlobalMix, "gossip": GossipMix}

@@ -104,3 +104,12 @@ def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float | No
         "grad_failures": sum(r.get("grad_failures", 0) for r in records),
         "wall_s": wall_s,
     }
+
+
+def robust_summary(algo: object) -> dict:
+    """The summary's ``security`` entries of robust mixing (``gossiploco.mixing.screen``): whether it ran, the
+    members' screen failures and whom this worker excluded, and why."""
+    robust = getattr(algo, "robust", None)
+    if robust is None:
+        return {"robust": False}
+    return {"robust": True, **robust.ledger.summary()}

@@ -69,7 +69,7 @@ from gossiploco.metrics import MetricsSink
 from gossiploco.reach.paths import Reach
 from gossiploco.reach.tunnel import tunnel_stats
 from gossiploco.round_budget import RoundBudget
-from gossiploco.runtime.common import build_trainer, make_summary, measure_due, round_reached
+from gossiploco.runtime.common import build_trainer, make_summary, measure_due, robust_summary, round_reached
 from gossiploco.runtime.path_planner import PathPlanner
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
@@ -204,7 +204,7 @@ class NetworkPeer:
         if cfg.mode == "sync-dp":
             self.algo = SyncDP(self.trainer, cfg, self.exchange)
         else:
-            self.algo = FactoredDiLoCo(self.trainer, cfg, self.exchange)
+            self.algo = FactoredDiLoCo(self.trainer, cfg, self.exchange, open_run=trust is not None and trust.open)
         self.adversary: Adversary | None = None
         """Set only by the attack bench (``set_adversary``)."""
         self.exchange.serve_state(partial(provide_state, self))
@@ -474,7 +474,8 @@ class NetworkPeer:
             "bytes_received": self.exchange.bytes_received,
             "malformed_messages": self.exchange.malformed_messages,
             "security": {"private": self.trust is not None and not self.trust.open,
-                         "encrypted": self.trust is not None, **self.exchange.security_counts()},
+                         "encrypted": self.trust is not None, **self.exchange.security_counts(),
+                         **robust_summary(self.algo)},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self.monitor.final_params is not None else "own",
             "resumed_from": self.start_round or None,

@@ -34,7 +34,7 @@ from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
 from gossiploco.round_budget import RoundBudget
-from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1,
+from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1, robust_summary,
                                        round_reached)
 from gossiploco.runtime.worker_state import Copier, capture, restore
 from gossiploco.trainer import resolve_device
@@ -156,6 +156,9 @@ class VirtualSwarm:
         summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
         summary.update(resumed_from=self.start_round or None, checkpoint_s=self.checkpoint_s)
         summary.update(worker_steps=self.worker_steps, worker_tokens=self.worker_tokens)
+        if any(getattr(a, "robust", None) is not None for a in self.algos) or self.adversaries:
+            summary["security"] = {"adversaries": sorted(self.adversaries),
+                                   "workers": {m: robust_summary(self.algos[m]) for m in self.honest}}
         return SwarmResult(final_params=self.final_params(), summary=summary, records=self.sink.records)
 
     def summary_so_far(self) -> dict:

@@ -17,6 +17,7 @@ import torch
 import zmq
 
 from conftest import wait_until
+from gossiploco.mixing import GlobalMix
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
 from gossiploco.protocol import codec
 from gossiploco.protocol.messages import op_and_round as _op_and_round
@@ -547,3 +548,17 @@ def test_a_large_payload_all_reduce_over_four_peers_never_stalls(groups):
         print(f"round {round_index}: 256 MB per peer all-reduced in {took:.2f}s ({256 / took:.0f} MB/s per peer)")
         assert took < 60, f"a 256 MB all-reduce took {took:.1f}s: stalled"
     assert max(ex.protocol_state()["mailbox_bytes"] for ex in g.exchanges) == 0
+
+
+def test_a_peer_that_knows_others_but_reaches_none_fails_its_mixes_as_isolated():
+    """A group of one is a mix only for a swarm of one: a peer cut off from the peers it knows (its relays
+    refused, say) fails every exchange with the cause, counted, instead of "mixing" alone."""
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]  # peer 1 never starts
+    alone = ZmqExchange(0, endpoints, "run-isolated", timeout_s=0.5, grace_s=0.5)
+    try:
+        mixer = GlobalMix("mix1", ["w"], 0)
+        result = mixer.mix([{"w": torch.ones(4)}], 0, alone)
+        assert not result.ok and "isolated: 1 known peer(s) unreachable (1)" in result.cause
+        assert alone.isolated_mixes == 1
+    finally:
+        alone.close()

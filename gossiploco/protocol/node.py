@@ -104,6 +104,8 @@ class PeerNode:
         self.grouped: Records[str, frozenset[int]] = Records()
         self.finished: Records[str, frozenset[int]] = Records()
         self.left_out: Records[str, int] = Records(limit=16)
+        self.isolated_mixes = 0
+        """Exchanges this peer had to run alone while it knew peers it could not reach (``isolated``)."""
         """key -> round of the exchanges this peer was left out of as a straggler (cleared when it (re)joins)."""
         self.caught_up_into = -1
         """The last round this peer caught up into (being left out of its exchanges is expected)."""
@@ -256,6 +258,16 @@ class PeerNode:
         if view[0] == self.rank:
             return agreement.Lead(key, view, now, self.grace_s)
         return agreement.Follow(key, view[0], round_index, view, now, self.grace_s)
+
+    def isolated(self, group: list[int]) -> str | None:
+        """Why a group of this peer alone is not a mix (it knows peers it cannot reach), counted; None when it is
+        not alone or knows nobody else (a swarm of one mixes with nobody, rightly)."""
+        cut_off = self.peers.unreachable() if group == [self.rank] else []
+        if not cut_off:
+            return None
+        self.isolated_mixes += 1
+        shown = ", ".join(map(str, cut_off[:8])) + (", ..." if len(cut_off) > 8 else "")
+        return f"isolated: {len(cut_off)} known peer(s) unreachable ({shown}); mixing alone is no mix"
 
     # -- used by calls ------------------------------------------------------------------------------
 

@@ -38,6 +38,8 @@ class PeerTable:
         """peer -> the round it reported in its last hello."""
         self.leader_rounds: dict[int, int] = {}
         """peer -> its round when it last answered this peer's ``Ready`` as a leader."""
+        self.left: set[int] = set()
+        """Peers that said they leave (and have not come back)."""
 
     def members(self, round_index: int | None = None) -> list[int]:
         last = math.inf if round_index is None else round_index
@@ -59,6 +61,7 @@ class PeerTable:
         """Its connection is up. True when it is pending (the caller probes it for its join round)."""
         self.connected.add(peer)
         self.failed.pop(peer, None)
+        self.left.discard(peer)
         return peer not in self.joined
 
     def on_disconnected(self, peer: int, now: float) -> bool:
@@ -74,6 +77,12 @@ class PeerTable:
         """It left gracefully: gone now, as if its connection dropped."""
         self.joined.pop(peer, None)
         self.failed[peer] = self.lost_at[peer] = now
+        self.left.add(peer)
+
+    def unreachable(self) -> list[int]:
+        """Peers this one knows (discovery found them, or a static list names them) that did not say they leave,
+        with no connection up: with none of them in a group, this peer mixes alone because it cannot reach them."""
+        return sorted(p for p in self.known if p != self.rank and p not in self.connected and p not in self.left)
 
     def on_join(self, peer: int, join_round: int) -> None:
         self.joined[peer] = join_round

@@ -473,6 +473,7 @@ class NetworkPeer:
             "wire_bytes_sent": self.exchange.wire_bytes_sent,
             "bytes_received": self.exchange.bytes_received,
             "malformed_messages": self.exchange.malformed_messages,
+            "isolated_mixes": self.exchange.isolated_mixes,
             "security": {"private": self.trust is not None and not self.trust.open,
                          "encrypted": self.trust is not None, **self.exchange.security_counts(),
                          **robust_summary(self.algo)},

@@ -70,6 +70,12 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
 
     # -- the Exchange interface ------------------------------------------------------------------
 
+    @property
+    def isolated_mixes(self) -> int:
+        """Exchanges this peer ran alone while it knew peers it could not reach (``PeerNode.isolated``)."""
+        with self._cond:
+            return self._node.isolated_mixes
+
     def members(self, round_index: int | None = None) -> list[int]:
         with self._cond:
             return self._node.members(round_index)
@@ -81,7 +87,12 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             call = self._node.group_call(key, round_index, time.monotonic())
         if call is None:
             return [self.rank]  # not taking part in this round yet
-        return self._run(call)
+        group = self._run(call)
+        with self._cond:
+            why = self._node.isolated(group)
+        if why is not None:
+            raise ExchangeError(why)
+        return group
 
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         if partner == self.rank:

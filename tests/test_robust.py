@@ -227,3 +227,28 @@ def test_clipped_gossip_refuses_a_reversed_partner_and_clips_a_scaled_one():
 def test_robust_mode_auto_follows_whether_the_run_is_open():
     assert RobustConfig().active(open_run=True) and not RobustConfig().active(open_run=False)
     assert RobustConfig(mode="on").active(False) and not RobustConfig(mode="off").active(True)
+
+
+def test_over_zeromq_a_scaled_member_moves_the_honest_members_no_further_than_the_honest_spread():
+    from test_exchange import ZmqGroup
+
+    group = ZmqGroup(4, 10.0)
+    try:
+        values = list(honest_rows(4, 2000, seed=11))
+        honest_mean = torch.stack(values[:3]).mean(0)
+        values[3] = values[3] * 1000
+        ledgers = [Ledger() for _ in range(4)]
+
+        def one(r):
+            mixer = GlobalMix("mix1", ["w"], 0)
+            mixer.make_robust(Robust(SETTINGS, ledgers[r]))
+            return mixer.mix([{"w": values[r]}], 0, group.exchanges[r])
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            results = list(pool.map(one, range(4)))
+        spread = float((torch.stack(values[:3]) - honest_mean).norm(dim=1).max())
+        for r in range(3):
+            assert results[r].ok and float((results[r].values[0]["w"] - honest_mean).norm()) <= 2 * spread
+            assert "3" in ledgers[r].summary()["screen_failures"]
+    finally:
+        group.close()

@@ -79,6 +79,7 @@ from gossiploco.runtime.peer_monitor import PeerMonitor
 from gossiploco.runtime.peer_progress import TrainingProgress
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
+from gossiploco.runtime.state_flood import StateFlood
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -315,6 +316,8 @@ class NetworkPeer:
         if isinstance(self.algo, FactoredDiLoCo):
             self.algo.adversary = adversary
         self.adversary = adversary
+        if adversary.state_requests_per_round():
+            StateFlood(self.exchange, self.rank, adversary.state_requests_per_round()).start()
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the exchange first (wakes a Mix1 still waiting), then the algorithm's thread. Idempotent.

@@ -263,3 +263,31 @@ def poison(dht, key: str, value, expiration: float, subkey=None) -> bool:
     from functools import partial
 
     return dht.run_coroutine(partial(_poison, key=key, subkey=subkey, value=value, expiration=expiration))
+
+
+# -- a stranger with a signing identity (an open run admits anyone) ------------------------------------
+
+
+def stranger_dht(initial_peer: str, identity):
+    """A hivemind DHT node whose records are signed by ``identity`` (``gossiploco.security.identity.Identity``)
+    as an open run's member's are (``SwarmRecordValidator`` without a swarm key): a throwaway identity."""
+    import hivemind
+
+    from gossiploco.membership.record_validator import SwarmRecordValidator
+
+    return hivemind.DHT(initial_peers=[initial_peer], host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True,
+                        record_validators=[SwarmRecordValidator(identity, None)])
+
+
+async def _store_signed(_dht, node, keys: list[str], subkey: int, value, expiration: float) -> int:
+    stored = await node.store_many(keys, [value] * len(keys), [expiration] * len(keys), subkeys=[subkey] * len(keys),
+                                   exclude_self=True)
+    return sum(bool(ok) for ok in stored.values())
+
+
+def store_signed(dht, keys: list[str], subkey: int, value, expiration: float) -> int:
+    """Store ``value`` under each of ``keys`` (subkey ``subkey``: the identity's peer id) on the other nodes;
+    how many keys some other node accepted."""
+    from functools import partial
+
+    return dht.run_coroutine(partial(_store_signed, keys=list(keys), subkey=subkey, value=value, expiration=expiration))

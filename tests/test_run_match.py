@@ -208,6 +208,37 @@ def test_peers_of_this_run_id_with_other_settings_are_refused_even_with_new_run(
         watch.check_start({1: entry(1)})
 
 
+def test_a_strangers_conflicting_entry_is_a_warning_not_a_lock_out():
+    """Issue 25: a throwaway identity (peer 66, no member record) copies the run's entry with one field changed.
+    A newcomer with the run's exact settings joins (a live member's entry matches) and is warned, naming 66."""
+    forged = entry(66, workers=3)
+    newcomer = RunWatch("run-a", entry().config, 9)
+    assert newcomer.check_start({1: entry(1), 2: entry(2), 66: forged}, members={1, 2}) == []
+    [warning] = newcomer.twin_warnings
+    assert "run run-a (peer 66)" in warning and "no live member record" in warning and "workers" in warning
+    assert newcomer.conflicting_entries == 1
+    # the first peer of a run: only the stranger's entry, no member backs it: joins, warned
+    first = RunWatch("run-a", entry().config, 1)
+    assert first.check_start({66: forged}, members=set()) == [] and first.conflicting_entries == 1
+    # warned once; a new signer group is warned about again, also while running
+    assert newcomer.warnings({1: entry(1), 66: forged}, members={1}) == []
+    [later] = newcomer.warnings({1: entry(1), 66: forged, 67: entry(67, workers=5)}, members={1})
+    assert "peer 67" in later and newcomer.conflicting_entries == 2
+
+
+def test_a_peer_whose_settings_match_no_backed_entry_is_still_refused():
+    """The running swarm (members 1, 2) really has other settings: refused with the differences named,
+    even when a stranger (77) published an entry with this peer's settings."""
+    newcomer = RunWatch("run-a", {**entry().config, "workers": 3}, 9)
+    with pytest.raises(RunMismatch, match=r"run run-a \(peers 1, 2\) announces other settings .* workers: this peer 3, "
+                                          r"those peers 2"):
+        newcomer.check_start({1: entry(1), 2: entry(2), 77: entry(77, workers=3)}, members={1, 2})
+    # members disagree among themselves and one group matches this peer: it joins, warned about the other
+    split = RunWatch("run-a", entry().config, 9)
+    assert split.check_start({1: entry(1), 2: entry(2, workers=3)}, members={1, 2}) == []
+    assert "backed by live member 2" in split.twin_warnings[0]
+
+
 def test_runs_found_later_are_warned_about_once_each_naming_the_differences():
     watch = RunWatch("run-a", entry().config, 1)
     assert watch.check_start({}) == []

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-BEACON_TTL_S = 24 * 3600.0
+BEACON_TTL_S = 540.0  # = dht_storage.MAX_TTL_S: no DHT node keeps a record that expires more than 600 s ahead
 """How long a swarm's beacon stays in the DHT after its bootstrap node last published it."""
 
 

@@ -121,6 +121,10 @@ class DhtDirectory(Directory):
                  timeout_s: float = 10.0, trust: Trust | None = None, behind_nat: bool = False,
                  relays: Sequence[str] = ()):
         check_ttl(ttl_s, heartbeat_s)
+        from gossiploco.membership.dht_storage import MAX_TTL_S
+
+        if ttl_s > MAX_TTL_S:  # every DHT node refuses a record that expires that far ahead (``dht_storage``)
+            raise ConfigError("ttl_s", f"must be at most {MAX_TTL_S:g} s (DHT nodes keep no record longer), got {ttl_s}")
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError("timeout_s", f"must be a positive number of seconds, got {timeout_s!r}")
         self.run_id = check_run_id(run_id)

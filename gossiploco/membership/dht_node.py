@@ -85,7 +85,8 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
     The process and its p2pd die with this process, even when it is SIGKILLed
-    (``gossiploco.membership.lifeline``). ``record_validator``: the node's record validator
+    (``gossiploco.membership.lifeline``). Its storage is bounded per writer, in lifetime and in total
+    (``gossiploco.membership.dht_storage``). ``record_validator``: the node's record validator
     (``gossiploco.membership.record_validator.SwarmRecordValidator``; None: every record is accepted). Every
     node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client that
     stays connected to ``relays`` (multiaddrs with ``/p2p/``), through which others reach it
@@ -114,8 +115,10 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         dht.wait_until_ready(timeout=timeout_s)
         from functools import partial
 
+        from gossiploco.membership.dht_storage import install_storage_bounds
         from gossiploco.reach.relay import serve_reach
 
+        dht.run_coroutine(install_storage_bounds, return_future=True).result(timeout=timeout_s)
         dht.run_coroutine(partial(serve_reach, behind_nat=behind_nat, relays=list(relays), relay_limits=relay_limits),
                           return_future=True).result(timeout=timeout_s)
     except BaseException as exc:

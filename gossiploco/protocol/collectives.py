@@ -18,6 +18,7 @@ from gossiploco.errors import PeerFailed
 from gossiploco.protocol.call import DataCall
 from gossiploco.protocol.messages import Data, Send, StateRequest, digest
 from gossiploco.protocol.ring import chunks_per_segment, ring_steps, segment_bounds
+from gossiploco.protocol.state_limit import NO_STATE, REFUSED
 
 
 def chunk_hash(chunk: torch.Tensor) -> int:
@@ -229,6 +230,9 @@ class FetchState(DataCall):
 
     def feed(self, message: Data) -> list[Send]:
         if self.total is None:
+            if message.tag == REFUSED:
+                raise PeerFailed(f"{self.what}: peer {self.peer} refused the request (this peer asked it for its "
+                                 "state too often: protocol.state_limit)")
             if message.tag < 0:
                 raise PeerFailed(f"{self.what}: peer {self.peer} has no state to give yet")
             if message.total < 0:
@@ -252,7 +256,7 @@ def state_chunks(nonce: str, state: tuple[int, torch.Tensor] | None, chunk_elems
     """The answer to a ``StateRequest``: the state in hash-carrying chunks, or one "none yet" chunk."""
     key = f"state/rep/{nonce}"
     if state is None:
-        return [Data(key, 0, (0, -1), torch.empty(0, dtype=torch.float32))]
+        return [Data(key, 0, (0, NO_STATE), torch.empty(0, dtype=torch.float32))]
     round_index, flat = state
     flat = flat.detach().reshape(-1).to(torch.float32)
     total = flat.numel()

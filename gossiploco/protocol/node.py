@@ -34,6 +34,7 @@ from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Message, Ready,
                                           Send, ServeState, StateRequest, op_and_round)
 from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
+from gossiploco.protocol.state_limit import StateRequestLimit, refusal
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ class PeerNode:
         """Log lines the owner should write, each with whether it is routine (a peer joining or leaving: an info
         line) or a sign of trouble (a warning). The node does not log itself, so a simulator can stay quiet."""
         self._left: set[int] = set()  # peers that said goodbye: their connection dropping is no news
+        self.state_limit = StateRequestLimit()
+        """How often each requester may have this peer's state (``state_limit``)."""
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -164,8 +167,18 @@ class PeerNode:
             self.aborted.put(message.key, self.aborted.get(message.key, set()) | {sender})
             return []
         if isinstance(message, StateRequest):
-            return [ServeState(sender, message.nonce)]
+            return self._state_request(sender, message)
         raise MalformedMessage(f"unknown message {type(message).__name__}")
+
+    def _state_request(self, sender: int, message: StateRequest) -> list[Action]:
+        """Serve the state, or refuse it cheaply past the requester's limit (``state_limit``)."""
+        if self.state_limit.allow(sender, self.current_round):
+            return [ServeState(sender, message.nonce)]
+        mine = self.state_limit.refused[sender]
+        if mine & (mine - 1) == 0:  # logged at powers of two: a flood is one line a doubling
+            self.note(f"refused a state request from peer {sender}: over its limit of {self.state_limit.burst} "
+                      f"plus one per {self.state_limit.refill_rounds} rounds ({mine} refused from it so far)")
+        return [Send(sender, refusal(message.nonce))]
 
     def _data(self, sender: int, message: Data, now: float) -> list[Action]:
         key = message.key

@@ -77,7 +77,8 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
         # Before the model is built (minutes, compiled): a wrong swarm key, or other settings than the run
         # going in the swarm, stop the peer at once (``NetworkPeer`` checks again before it announces itself)
         directory.confirm_swarm()
-        RunWatch.for_config(cfg, run_id, trust.peer_id, new_run=new_run).check_start(directory.runs())
+        RunWatch.for_config(cfg, run_id, trust.peer_id, new_run=new_run).check_start(directory.runs(),
+                                                                                    members=set(directory.peers()))
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
                       p2p=directory.p2p_id, verified=found.checker is not None)
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,

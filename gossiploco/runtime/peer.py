@@ -79,6 +79,7 @@ from gossiploco.runtime.peer_monitor import PeerMonitor
 from gossiploco.runtime.peer_progress import TrainingProgress
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
+from gossiploco.runtime.state_flood import StateFlood
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -315,6 +316,8 @@ class NetworkPeer:
         if isinstance(self.algo, FactoredDiLoCo):
             self.algo.adversary = adversary
         self.adversary = adversary
+        if adversary.state_requests_per_round():
+            StateFlood(self.exchange, self.rank, adversary.state_requests_per_round()).start()
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the exchange first (wakes a Mix1 still waiting), then the algorithm's thread. Idempotent.
@@ -476,7 +479,7 @@ class NetworkPeer:
             "isolated_mixes": self.exchange.isolated_mixes,
             "security": {"private": self.trust is not None and not self.trust.open,
                          "encrypted": self.trust is not None, **self.exchange.security_counts(),
-                         **robust_summary(self.algo)},
+                         "conflicting_run_entries": self.runs.conflicting_entries, **robust_summary(self.algo)},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self.monitor.final_params is not None else "own",
             "resumed_from": self.start_round or None,

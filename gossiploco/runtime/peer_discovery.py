@@ -59,7 +59,10 @@ class Discovery:
         deadline (``time.monotonic``)."""
         ex, t, directory, endpoint = self.exchange, self.cfg.timeouts, self.directory, self.endpoint
         directory.confirm_swarm()  # a wrong swarm key stops here, with the reason
-        others = self.runs.check_start(directory.runs())  # other settings than the run going here stop here, named
+        # other settings than the run going here stop here, named; a twin entry no member backs is only warned about
+        others = self.runs.check_start(directory.runs(), members=set(directory.peers()))
+        for warning in self.runs.twin_warnings:
+            log.warning("rank %d: %s", self.rank, warning)
         if others:
             log.info("rank %d: starting run %s beside the other runs of this swarm (--new-run): %s", self.rank,
                      self.run_id, "; ".join(run.label() for run in others))
@@ -117,7 +120,7 @@ class Discovery:
 
     def watch_runs(self) -> None:
         """Warn once about each run with other settings that started beside this one (``run_match``)."""
-        for warning in self.runs.warnings(self.directory.runs()):
+        for warning in self.runs.warnings(self.directory.runs(), members=set(self.directory.peers())):
             log.warning("rank %d: %s", self.rank, warning)
 
     def sync_peers(self) -> dict[int, PeerRecord]:

@@ -7,9 +7,22 @@ settings; ``RunWatch`` decides from it:
 
 * at start (``check_start``): when another run is going and this peer's run is not, the peer stops
   with ``RunMismatch`` naming every field that differs, both values, and the flags that fix it,
-  unless it was started with ``--new-run`` (a separate run in the same swarm, on purpose). Peers
-  that announce this peer's run id with other settings (an explicit ``--run-id``) are refused
-  always: they would mix models that do not fit together.
+  unless it was started with ``--new-run`` (a separate run in the same swarm, on purpose).
+* entries that announce this peer's run id with other settings ("twins": an explicit ``--run-id``
+  with other flags, or a stranger's forged copy; in an open run anyone may write an entry) follow
+  the *backing rule*. An entry is backed when its signer has a live member record of the run
+  (``members``: the run's peer records, which the starting peer reads first). This peer stops
+  with ``RunMismatch`` naming the differences only when its settings match no backed entry of its
+  run id and some backed entry announces other settings: the running swarm really has other
+  settings, and joining would mix models that do not fit together. Otherwise it joins, and each
+  twin is a warning naming who signed it and whether it is backed, counted in
+  ``conflicting_entries``: one stranger's copy with one field changed cannot lock newcomers out of
+  an open run (issue 25), and a newcomer with the run's exact settings joins when one backed
+  entry matches, even beside a backed twin (two groups of members disagree: warned, not fatal).
+  Limit: a stranger that also writes member records of the run (an open run admits anyone) backs
+  its own twin; it can then refuse only the run's first peer (no backed entry of the real settings
+  exists yet), never a newcomer to a running swarm. With ``members`` unknown (None), every entry
+  counts as backed.
 * later (``warnings``): two peers that started at the same moment with different settings both
   saw no other run; each finds the other afterwards, and it cannot be stopped safely mid-run, so
   it is told once per run, with the differences.
@@ -23,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +52,8 @@ MAX_SHOWN_CHARS = 48
 MAX_SHOWN_FIELDS = 12
 MAX_SHOWN_RUNS = 3
 MAX_SHOWN_PEERS = 6
+MAX_REPORTED_TWINS = 1024
+"""Twins remembered as already warned about (then the memory starts again: at worst a repeated warning)."""
 _PLAIN = re.compile(r"[A-Za-z_][\w.\-/]*")
 """A text ``--set`` takes as it is (not TOML, so taken as a string) and a shell leaves alone."""
 
@@ -140,6 +155,13 @@ def active_runs(entries: Mapping[int, RunEntry], own_peer: int) -> list[ActiveRu
     return sorted(runs, key=lambda run: (-len(run.peers), run.run_id, run.peers))
 
 
+def _backers(run: ActiveRun, members: Collection[int] | None, own_peer: int) -> tuple[int, ...]:
+    """The signers of ``run``'s entries that have a live member record (all of them when ``members`` is None)."""
+    if members is None:
+        return run.peers
+    return tuple(p for p in run.peers if p in members and p != own_peer)
+
+
 class RunWatch:
     """What one peer knows about the other runs of its swarm (module docstring). Not thread-safe: one
     caller at a time (the peer's start, then its discovery thread)."""
@@ -150,6 +172,11 @@ class RunWatch:
         self.new_run = new_run
         self.ttl_s = ttl_s
         self._warned: set[str] = set()
+        self._twins_reported: set[tuple[str, tuple[int, ...], bool]] = set()
+        self.conflicting_entries = 0
+        """Entries of this peer's run id with other settings seen and warned about (each signer group once)."""
+        self.twin_warnings: list[str] = []
+        """The warnings about twins of the latest ``check_start`` (the caller logs them)."""
 
     @classmethod
     def for_config(cls, cfg: RunConfig, run_id: str, peer: int, *, new_run: bool = False) -> RunWatch:
@@ -157,19 +184,25 @@ class RunWatch:
         return cls(run_id, announced_config(shared_config(cfg.to_dict())), peer, new_run=new_run,
                    ttl_s=cfg.timeouts.announce_ttl_s)
 
-    def check_start(self, entries: Mapping[int, RunEntry]) -> list[ActiveRun]:
+    def check_start(self, entries: Mapping[int, RunEntry], members: Collection[int] | None = None) -> list[ActiveRun]:
         """Before this peer announces itself: raise ``RunMismatch`` when it must not start (module
-        docstring); else the other runs going (their differences are not warned about again)."""
+        docstring); else the other runs going (their differences are not warned about again).
+        ``members``: peers with a live member record of this peer's run (None: unknown, every entry
+        counts as backed). Twins that do not stop it are in ``twin_warnings`` (for the caller to log)."""
         mine = self.entry
         runs = active_runs(entries, mine.peer)
         twins = [run for run in runs if run.run_id == mine.run_id and run.config != mine.config]
-        if twins:
+        backed = [run for run in twins if _backers(run, members, mine.peer)]
+        matched = any(_backers(run, members, mine.peer) for run in runs
+                      if run.run_id == mine.run_id and run.config == mine.config)
+        if backed and not matched:
             raise RunMismatch(
                 " ".join(f"{run.label()} announces other settings than this peer's under the same run id: they differ in "
                          f"{describe_differences(config_differences(mine.config, run.config), 'those peers')}."
-                         for run in twins[:MAX_SHOWN_RUNS])
+                         for run in backed[:MAX_SHOWN_RUNS])
                 + " Start every peer of a run with the same --config, --workers and --set values, or give this peer "
                   "another --run-id.")
+        self.twin_warnings = self._twin_warnings(twins, members)
         others = [run for run in runs if run.run_id != mine.run_id]
         self._warned.update(run.run_id for run in others)
         if not others or self.new_run or len(others) < len(runs):
@@ -189,12 +222,36 @@ class RunWatch:
             + f", or pass --new-run to start a separate run in this swarm on purpose. (Entries of peers that stopped "
               f"just now expire within {self.ttl_s:g} s.)")
 
-    def warnings(self, entries: Mapping[int, RunEntry]) -> list[str]:
-        """For a running peer: one warning for each run with other settings it had not seen before (none
-        with ``--new-run``, where other runs are expected, nor about runs started with it)."""
-        mine = self.entry
+    def _twin_warnings(self, twins: list[ActiveRun], members: Collection[int] | None) -> list[str]:
+        """One warning for each twin (a group of signers announcing this run id with other settings) not
+        warned about before; counted in ``conflicting_entries``."""
         out = []
-        for run in active_runs(entries, mine.peer):
+        for run in twins:
+            backers = _backers(run, members, self.entry.peer)
+            seen = (json.dumps(run.config, sort_keys=True, default=str), run.peers, bool(backers))
+            if seen in self._twins_reported:
+                continue
+            if len(self._twins_reported) >= MAX_REPORTED_TWINS:
+                self._twins_reported.clear()
+            self._twins_reported.add(seen)
+            self.conflicting_entries += 1
+            who = (f"backed by live member{'s' if len(backers) > 1 else ''} {', '.join(map(str, backers[:MAX_SHOWN_PEERS]))}"
+                   if backers else "signed by peers with no live member record of this run (strangers, or peers gone)")
+            out.append(f"ignoring a conflicting entry: {run.label()} announces other settings under this run's id, "
+                       f"{who}; it differs in "
+                       f"{describe_differences(config_differences(self.entry.config, run.config), 'that entry')}. "
+                       "This peer keeps its own settings (they match the run's members, or no member backs the other ones).")
+        return out
+
+    def warnings(self, entries: Mapping[int, RunEntry], members: Collection[int] | None = None) -> list[str]:
+        """For a running peer: one warning for each run with other settings it had not seen before (none
+        with ``--new-run``, where other runs are expected, nor about runs started with it), and for each
+        twin of its own run id (``_twin_warnings``; ``members`` as in ``check_start``)."""
+        mine = self.entry
+        runs = active_runs(entries, mine.peer)
+        out = self._twin_warnings([run for run in runs if run.run_id == mine.run_id and run.config != mine.config],
+                                  members)
+        for run in runs:
             if run.run_id == mine.run_id or run.run_id in self._warned:
                 continue
             self._warned.add(run.run_id)

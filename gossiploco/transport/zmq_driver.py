@@ -181,10 +181,13 @@ class ZmqDriver:
             return self._node.pending_state()
 
     def security_counts(self) -> dict[str, dict[str, int]]:
-        """Connections the ZAP handler refused and messages the receiver rejected, by reason."""
+        """Connections the ZAP handler refused and messages the receiver rejected, by reason; state requests
+        refused by the requester's limit (``protocol.state_limit``), by requester."""
         with self._cond:
             rejected = dict(self.admission.rejected)
-        return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected}
+            state = {str(p): n for p, n in self._node.state_limit.refused.items()}
+        return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected,
+                "refused_state_requests": state}
 
     def grow_mailbox(self, total_bytes: int, per_sender_bytes: int) -> None:
         """Let the mailbox of early chunks hold at least ``total_bytes``, ``per_sender_bytes`` from one

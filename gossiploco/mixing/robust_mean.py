@@ -47,8 +47,10 @@ class Robust:
 
 
 DISAGREEMENT = 1e-3
-"""Owners' results further apart than this times how far the mix moves this member's value (plus as much of
-the result's own size, for fp32 rounding) disagree."""
+"""Owners' results further apart than this times how far the mix moves this member's value (plus ``ROUNDING``
+times the result's own size) disagree. Honest owners on one machine type compute the same bits; the slack
+covers another CPU's vector units rounding the same sums differently."""
+ROUNDING = 1e-5
 
 
 def owned(j: int, n: int) -> list[int]:
@@ -171,7 +173,7 @@ def robust_group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchang
         if first in excluded or second in excluded:  # the trusted owner's result
             seg(out, k).copy_(b if first in excluded else a)
             continue
-        if float((a - b).norm()) > DISAGREEMENT * (float((a - own).norm()) + float(a.norm())):
+        if float((a - b).norm()) > DISAGREEMENT * float((a - own).norm()) + ROUNDING * float(a.norm()):
             ledger.disagreement(round_index, tuple(members[i] for i in owners(k, n)), f"{key} segment {k}")
             for i in owners(k, n):
                 disputed[i] = disputed.get(i, 0) + 1

@@ -155,7 +155,7 @@ class LyingOwner:
         return self.exchange.all_to_all(key, parts, members, sizes, tag)
 
 
-def test_a_lying_owner_moves_no_segment_past_each_members_own_value_and_is_struck():
+def test_a_lying_owner_moves_no_segment_past_each_members_own_value_and_is_counted():
     values = list(honest_rows(4, 400, seed=5))
     honest = torch.stack(values).mean(0)
     results, ledgers = run_group(values, liars={2: lambda ex: LyingOwner(ex, 5.0)})
@@ -164,7 +164,7 @@ def test_a_lying_owner_moves_no_segment_past_each_members_own_value_and_is_struc
         low, high = torch.minimum(values[r], honest) - 1e-5, torch.maximum(values[r], honest) + 1e-5
         assert bool(((out >= low) & (out <= high)).all())  # between its own value and the honest mean
         summary = ledgers[r].summary()
-        assert summary["owner_disagreements"] == 2 and summary["screen_failures"] == {"2": 1}
+        assert summary["owner_disagreements"] == 2 and summary["screen_failures"] == {}
 
 
 def test_robust_weighted_mean_bounds_a_weight_lie():

@@ -14,9 +14,11 @@ With ``M >= 3`` members in the agreed order and the vector cut into ``M`` segmen
 4. every member takes, per segment, the coordinate-wise **median of the two owners' results and its own
    value**. Honest owners send the same result, which the median returns; a lying owner can move the
    segment no further than to this member's own value (as if that segment were not mixed this round).
-   Results that differ by more than rounding are a disagreement, counted; an owner that disagrees with its
-   co-owners on both of its segments in one round is struck (a lie on one segment only cannot be told
-   from a lying sender that sent the two owners different values; the median bounds it either way).
+   Results that differ by more than rounding are a disagreement: counted and logged, not struck. Honest
+   owners disagree too while their exclusions differ (each peer excludes a liar when its own screen says so,
+   not all in the same round), and a lying sender that sends the two owners different values makes honest
+   owners disagree: a disagreement convicts nobody. The median bounds the damage either way: a lying owner
+   can at most keep its two segments unmixed, and its own contributions are screened as everyone's.
 
 Each member sends and receives twice what the plain reduce-scatter moves: the price of checking every owner.
 With ``M = 2`` both members own both segments (a swap, then each takes the median of the two results and
@@ -162,7 +164,6 @@ def robust_group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchang
                     candidates[k][m] = seg(v, k).clone()
             offset += size
     out = torch.empty_like(v)
-    disputed: dict[int, int] = {}
     for k in range(n):
         first, second = (members[i] for i in owners(k, n))
         a, b = candidates[k][first], candidates[k][second]
@@ -174,13 +175,7 @@ def robust_group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchang
             seg(out, k).copy_(b if first in excluded else a)
             continue
         if float((a - b).norm()) > DISAGREEMENT * float((a - own).norm()) + ROUNDING * float(a.norm()):
-            ledger.disagreement(round_index, tuple(members[i] for i in owners(k, n)), f"{key} segment {k}")
-            for i in owners(k, n):
-                disputed[i] = disputed.get(i, 0) + 1
+            ledger.disagreement(round_index, (first, second), f"{key} segment {k}")
         seg(out, k).copy_(torch.stack([a, b, own]).median(dim=0).values)
-    if n >= 3:
-        for i, count in disputed.items():
-            if count >= 2 and members[i] != exchange.rank:
-                ledger.strike(round_index, members[i], "its results disagreed with its co-owners' on both its segments")
     mean_weight = None if weight is None else sum(weights) / max(1, sum(w > 0 for w in weights))
     return out, mean_weight, sent

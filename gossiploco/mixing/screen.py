@@ -61,8 +61,8 @@ class Ledger:
         log.warning("excluding peer %s from mixing: %s", member, why)
 
     def disagreement(self, round_index: int, owners: tuple[int, int], what: str) -> None:
-        """The two owners of a segment sent different results (one of them, or a sender, lied): counted;
-        a strike for each owner in the same round as every other failure it is party to."""
+        """The two owners of a segment sent different results (one of them lied, a sender sent them different
+        values, or their exclusions differ): counted and logged, nobody struck (``robust_mean``)."""
         with self._lock:
             self._disagreements += 1
         log.warning("round %d: the owners %s of %s disagree; that segment takes the median of their results "

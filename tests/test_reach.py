@@ -6,6 +6,7 @@ node's relay between two NAT'd peers. The real NAT testbed is tests/test_nat.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import threading
 import time
@@ -185,6 +186,12 @@ def test_without_a_verdict_a_peer_acts_as_behind_nat_unless_it_announces_an_addr
     assert "acting as behind NAT" in told and "--reachability public --announce" in told
     acts, told = reachable_as(unknown, "203.0.113.9:7000")
     assert acts is True and "acting as reachable at --announce 203.0.113.9:7000, unverified" in told
+    from gossiploco.runtime.dht_peer import verified_by_join
+
+    join = ["/ip4/198.51.100.1/tcp/4000/p2p/QmA"]
+    reached = Reachability(True, "tcp://203.0.113.9:7000", "203.0.113.9", "dialed", "QmA", 0.1, 0.01)
+    assert verified_by_join(reached, join) and not verified_by_join(unknown, join)
+    assert not verified_by_join(dataclasses.replace(reached, checker="QmStranger"), join)  # checks itself first
     dialled = Reachability(False, None, "203.0.113.9", "no answer", "QmA", 0.1, 0.01)
     assert reachable_as(dialled, "203.0.113.9:7000") == (False, "behind NAT: using reverse connections and "
                                                                 "relays (no answer)")  # a verdict is followed

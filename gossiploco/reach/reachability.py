@@ -6,8 +6,10 @@ other nodes its libp2p daemon is connected to, until one gives a verdict. Only a
 counts: a busy, refusing, unreachable or failing one means "ask another", and when none gives a verdict
 the answer is ``reachable=None`` (unknown), never "behind NAT" (what a peer then does:
 ``runtime.dht_peer.find_reachability``). A ``REACHED`` claim counts only if the listener was indeed
-connected to while that checker was asked (a lying node cannot make an unreachable peer announce itself
-reachable); a lying ``UNREACHED`` can only do what no verdict does (the peer acts as behind NAT).
+connected to while that checker was asked (a lying node that never connects cannot make an unreachable
+peer announce itself reachable; one that connects itself could still name a wrong address, so a verdict
+of a node other than the ``--join`` ones is not taken as verified: ``runtime.dht_peer.verified_by_join``);
+a lying ``UNREACHED`` can only do what no verdict does (the peer acts as behind NAT).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from gossiploco.config import RunConfig
 from gossiploco.errors import ConfigError
 from gossiploco.membership.dht_node import check_initial_peers
 from gossiploco.membership.dht_directory import DhtDirectory
-from gossiploco.reach.reachability import Reachability, check_reachability, describe
+from gossiploco.reach.reachability import Reachability, check_reachability, describe, peer_ids_of
 from gossiploco.reach.paths import Reach
 from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import NetworkPeer
@@ -47,6 +47,14 @@ def reachable_as(found: Reachability, announce: str | None) -> tuple[bool, str]:
                       "(--reachability public skips the check)")
     return False, (f"reachability unknown: {why}; acting as behind NAT, using reverse connections and relays. If "
                    "this machine is reachable, --reachability public --announce HOST[:PORT] skips the check")
+
+
+def verified_by_join(found: Reachability, join: list[str]) -> bool:
+    """Whether a ``--join`` node found this peer reachable. A verdict of another node (one the check found
+    connected, when the ``--join`` nodes gave none) may come from a stranger, who can name a wrong
+    address: it is followed, but the peer then checks its advertised endpoint answers before announcing
+    it (``runtime.peer_discovery``), as for a declared one."""
+    return found.reachable is True and found.checker is not None and found.checker in peer_ids_of(join)
 
 
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
@@ -99,7 +107,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
         directory.confirm_swarm()
         RunWatch.for_config(cfg, run_id, trust.peer_id, new_run=new_run).check_start(directory.runs())
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
-                      p2p=directory.p2p_id, verified=found.reachable is True and found.checker is not None)
+                      p2p=directory.p2p_id, verified=verified_by_join(found, join))
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
                            run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run, fault=fault)
     except BaseException:

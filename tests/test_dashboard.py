@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -141,7 +142,7 @@ def test_the_state_merges_history_and_marks_departed_peers():
 
 
 def test_the_app_serves_the_page_its_assets_and_the_json_state():
-    with TestClient(create_app(fed_state())) as client:
+    with TestClient(create_app(fed_state(), port=8080), base_url="http://127.0.0.1:8080") as client:
         page = client.get("/")
         assert page.status_code == 200 and "/static/dashboard.js" in page.text and "http" not in page.text.lower()
         script = client.get("/static/dashboard.js")
@@ -152,7 +153,7 @@ def test_the_app_serves_the_page_its_assets_and_the_json_state():
 
 
 def test_the_metrics_endpoint_speaks_prometheus_with_a_sample_per_live_peer():
-    with TestClient(create_app(fed_state())) as client:
+    with TestClient(create_app(fed_state(), port=8080), base_url="http://127.0.0.1:8080") as client:
         response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
@@ -163,6 +164,94 @@ def test_the_metrics_endpoint_speaks_prometheus_with_a_sample_per_live_peer():
     failures = families["gossiploco_failures"].samples
     assert [(s.labels["kind"], s.value) for s in failures] == [("mix1", 1.0)]
     assert families["gossiploco_peers"].samples[0].value == 1.0
+
+
+# -- who may read it: real HTTP requests to a real server ------------------------------------------------
+
+
+def http_get(port: int, path: str, host: str | None, headers: dict | None = None) -> tuple[int, dict, str]:
+    """One real HTTP/1.1 request to 127.0.0.1:``port`` with the ``Host`` header ``host`` (None: none at all)."""
+    lines = [f"GET {path} HTTP/1.1", *([f"Host: {host}"] if host is not None else []), "Connection: close",
+             *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        raw = b""
+        while chunk := conn.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    found = {}
+    for line in header_lines:
+        name, _, value = line.partition(":")
+        found.setdefault(name.strip().lower(), []).append(value.strip())
+    return int(status_line.split()[1]), found, body.decode("utf-8", "replace")
+
+
+@pytest.fixture
+def served():
+    """A ``DashboardServer`` over ``fed_state()`` on 127.0.0.1 (``served(require_token=...)``), closed after."""
+    from gossiploco.dashboard.app import DashboardServer
+
+    servers = []
+
+    def start(**kwargs):
+        servers.append(DashboardServer(fed_state(), "127.0.0.1", free_port(), **kwargs).start())
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_the_dashboard_answers_only_requests_for_its_own_host_on_every_route(served):
+    """DNS rebinding: a page at attacker.example, re-resolved to 127.0.0.1, sends ``Host: attacker.example``."""
+    server = served()
+    port = server.port
+    for path in ("/", "/api/state", "/metrics", "/events", "/static/dashboard.js"):
+        for host in (f"attacker.example:{port}", "attacker.example", f"127.0.0.1:{port + 1}", f"127.0.0.1.nip.io:{port}"):
+            status_code, _, body = http_get(port, path, host)
+            assert status_code == 421 and "run-a" not in body and "gossiploco_loss" not in body, (path, host, body)
+        assert http_get(port, path, None)[0] == 400  # no Host at all: uvicorn refuses it first
+    assert server.app.state.refused.counts() == {"host": 20}
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}", f"[::1]:{port}"):
+        status_code, _, body = http_get(port, "/api/state", host)
+        assert status_code == 200 and json.loads(body)["runs"] == {"run-a": {"workers": 2, "mix2": {"blocks": ["*"]}}}
+    status_code, _, body = http_get(port, "/metrics", f"127.0.0.1:{port}")
+    assert status_code == 200 and "gossiploco_loss" in body
+    assert server.token is None and server.url == f"http://127.0.0.1:{port}/"  # loopback: no token asked
+
+
+def test_served_beyond_loopback_the_dashboard_asks_for_its_token(served):
+    from gossiploco.dashboard.access import allowed_hosts
+    from gossiploco.dashboard.app import DashboardServer
+
+    assert DashboardServer(fed_state(), "0.0.0.0", 8080).token is not None  # every interface: a token
+    assert DashboardServer(fed_state(), "192.0.2.7", 8080).token is not None
+    assert DashboardServer(fed_state(), "::1", 8080).token is None
+    assert {"192.0.2.7:8080", "127.0.0.1:8080", "[::1]:8080"} <= allowed_hosts("192.0.2.7", 8080)
+    assert f"{socket.gethostname().lower()}:8080" in allowed_hosts("0.0.0.0", 8080)
+    server = served(require_token=True)  # what --host beyond loopback gets; loopback here, to stay on it
+    port, token, host = server.port, server.token, f"127.0.0.1:{server.port}"
+    assert server.url == f"http://127.0.0.1:{port}/?token={token}" and len(token) >= 40
+    for path in ("/", "/api/state", "/metrics", "/events", "/static/dashboard.js"):
+        status_code, headers, body = http_get(port, path, host)
+        assert status_code == 401 and headers["www-authenticate"] == ['Bearer realm="gossiploco dashboard"'], path
+        assert "run-a" not in body
+    for wrong in ({"Authorization": "Bearer " + token[:-1] + "x"}, {"Cookie": f"gossiploco_dashboard_{port}=nope"},
+                  {"Authorization": token}):
+        assert http_get(port, "/api/state", host, wrong)[0] == 401
+    assert http_get(port, f"/api/state?token={token}x", host)[0] == 401
+    assert server.app.state.refused.counts() == {"token": 9}
+    # the printed URL: the token becomes a cookie, and the address bar loses it
+    status_code, headers, _ = http_get(port, f"/?token={token}", host)
+    assert status_code == 303 and headers["location"] == ["/"]
+    cookie = headers["set-cookie"][0]
+    assert cookie.startswith(f"gossiploco_dashboard_{port}={token};") and "HttpOnly" in cookie
+    assert "SameSite=Strict" in cookie
+    assert http_get(port, "/api/state", host, {"Cookie": cookie.split(";")[0]})[0] == 200
+    assert http_get(port, "/metrics", host, {"Authorization": f"Bearer {token}"})[0] == 200  # Prometheus' way
+    assert http_get(port, f"/metrics?token={token}", host)[0] == 200
+    assert http_get(port, "/api/state", f"attacker.example:{port}", {"Authorization": f"Bearer {token}"})[0] == 421
 
 
 # -- real DHT nodes -----------------------------------------------------------------------------------
@@ -252,6 +341,33 @@ def test_a_swarm_dashboard_shows_every_peer_live_in_a_real_browser(tmp_path):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         log.close()
+
+
+@pytest.mark.slow
+def test_in_a_real_browser_the_token_url_opens_the_page_and_a_rebound_name_reads_nothing(served):
+    """Chromium resolves attacker.example to 127.0.0.1 (what DNS rebinding achieves): the dashboard refuses
+    it. The bare URL is refused without the token; the printed one sets the cookie and the page goes live."""
+    browser_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    server = served(require_token=True)
+    port = server.port
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--host-resolver-rules=MAP attacker.example 127.0.0.1"])
+        try:
+            page = browser.new_page()
+            rebound = page.goto(f"http://attacker.example:{port}/api/state?token={server.token}", timeout=10_000)
+            assert rebound.status == 421 and "run-a" not in page.content()
+            assert page.goto(f"http://127.0.0.1:{port}/", timeout=10_000).status == 401
+            opened = page.goto(server.url, timeout=10_000)
+            assert opened.status == 200 and page.url == f"http://127.0.0.1:{port}/"  # the token left the address
+            page.wait_for_function("document.getElementById('summary').dataset.peers === '1'", timeout=20_000)
+            assert page.evaluate("fetch('/api/state').then(r => r.status)") == 200  # the cookie goes along
+        finally:
+            browser.close()
+    refused = server.app.state.refused.counts()  # the browser asks for a favicon too, now and then
+    assert set(refused) == {"host", "token"} and min(refused.values()) >= 1, refused
 
 
 def _answers(url: str) -> bool:

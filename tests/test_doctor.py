@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gossiploco.cli import app
-from gossiploco.reach.dialback import Reachability
+from gossiploco.reach.reachability import Reachability
 from gossiploco.runtime import doctor
 from gossiploco.runtime.doctor import Check
 from gossiploco.runtime.launch import free_ports
@@ -33,8 +33,9 @@ def reach(reachable=True, skew=0.1, detail="dialed back"):
 
     def check(join, port, *, timeout_s):
         calls.append((list(join), port, timeout_s))
-        return Reachability(reachable, "tcp://198.51.100.7:4000" if reachable else None, "198.51.100.7", detail,
-                            "12D3KooWchecker", skew, 0.01)
+        return Reachability(reachable, "tcp://198.51.100.7:4000" if reachable else None,
+                            "198.51.100.7" if reachable is not None else None, detail, "12D3KooWchecker", skew, 0.01,
+                            no_verdict=2 if reachable is None else 0)
 
     check.calls = calls
     return check
@@ -145,11 +146,13 @@ def test_compile_cases():
 @pytest.mark.parametrize("reachable, status, words", [
     (True, "ok", "reachable at tcp://198.51.100.7:4000"),
     (False, "ok", "behind NAT"),  # information, not a failure
-    (None, "warn", "nobody could check"),
+    (None, "warn", "unknown (2 checkers busy/unreachable): dialed back"),  # no verdict is not "behind NAT"
 ])
 def test_reachability_outcomes(reachable, status, words):
     check = by_name(doctor.check_reachability(["/ip4/x"], 4000, 1.0, reach(reachable)))["reachability"]
     assert check.status == status and words in check.detail
+    if reachable is None:
+        assert "behind NAT" not in check.detail and "--reachability public" in check.fix
 
 
 @pytest.mark.parametrize("skew, status", [(0.4, "ok"), (-0.4, "ok"), (5.0, "warn"), (-5.0, "warn"), (30.0, "FAIL")])

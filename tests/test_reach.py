@@ -5,17 +5,21 @@ node's relay between two NAT'd peers. The real NAT testbed is tests/test_nat.py.
 
 from __future__ import annotations
 
-
+import asyncio
+import dataclasses
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
+import msgpack
 import pytest
 import torch
 
 from conftest import tiny_peer_args
 from gossiploco.membership.bootstrap import start_bootstrap
-from gossiploco.reach.dialback import check_reachability, describe, parse_request
+from gossiploco.reach.dialback import REFUSED, UNREACHED, DialbackService, SourceLimits, parse_request, source_address
+from gossiploco.reach.reachability import check_reachability, describe, read_answer
 from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, MemoryPaths, Reach, pair_path, path_between, path_class
 from gossiploco.protocol.agreement import ring_order
 from gossiploco.runtime.launch import LocalPeers, free_ports
@@ -64,6 +68,100 @@ def test_a_malformed_dialback_request_is_refused(raw):
         parse_request(raw)
 
 
+def test_source_limits_bound_requests_per_peer_per_address_and_in_all():
+    limits = SourceLimits(per_source=2, total=3)
+    a1, a2 = ("peer A", "address 10.0.0.1"), ("peer B", "address 10.0.0.1")
+    assert limits.admit(a1) is None and limits.admit(a1) is None
+    assert "too many requests from peer A" in limits.admit(a1)
+    assert "too many requests from address 10.0.0.1" in limits.admit(a2)  # another id, the same machine
+    assert limits.admit(("peer C", "address 10.0.0.2")) is None
+    assert "checker busy" in limits.admit(("peer D", "address 10.0.0.3"))  # 3 in all
+    limits.release(a1)
+    assert limits.admit(a2) is None and limits.count == 3
+    assert source_address("2001:db8::1") == source_address("2001:db8::ffff") == "2001:db8::/64"
+    assert source_address("::ffff:10.0.0.1") == "10.0.0.1" and source_address("10.0.0.1") == "10.0.0.1"
+
+
+def _stream(data: bytes = b"", eof: bool = False) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+def _request(port: int, nonce: bytes = b"n" * 16) -> bytes:
+    raw = msgpack.packb({"port": port, "nonce": nonce})
+    return len(raw).to_bytes(8, "big") + raw
+
+
+def test_the_checker_refuses_a_huge_length_prefix_before_reading_the_body():
+    async def scenario():
+        service = DialbackService()
+        body = b"\x00" * 4096
+        reader = _stream((1 << 40).to_bytes(8, "big") + body)  # a 1 TiB request announced
+        answer = await service.answer(SimpleNamespace(peer_id="p", addr="/ip4/10.0.0.1/tcp/4"), reader)
+        return answer, len(await reader.read(1 << 20)), service
+
+    answer, left, service = asyncio.run(scenario())
+    assert answer["outcome"] == REFUSED and "1099511627776 bytes announced" in answer["detail"]
+    assert left == 4096  # nothing of the body was read
+    assert service.stats.refused == {"malformed": 1} and service.limits.count == 0
+
+
+def test_the_checker_answers_a_stranger_beyond_its_share_at_once_and_dials_back_for_others():
+    """Two requests in flight from one source (here never finishing) hold its share; a third from the same
+    peer id, or from another id at the same address, is refused at once; another source is dialled back."""
+    closed = free_ports(1)[0]
+
+    async def scenario():
+        service = DialbackService(per_source=2, dial_s=2.0)
+        stranger = SimpleNamespace(peer_id="stranger", addr="/ip4/127.0.0.1/tcp/4001")
+        held = [asyncio.ensure_future(service.answer(stranger, _stream())) for _ in range(2)]
+        await asyncio.sleep(0)  # both admitted, now waiting for their requests
+        again = await service.answer(stranger, _stream(_request(closed)))
+        same_host = await service.answer(SimpleNamespace(peer_id="other", addr="/ip4/127.0.0.1/tcp/4002"),
+                                         _stream(_request(closed)))
+        relayed = await service.answer(SimpleNamespace(peer_id="x", addr="/p2p/Qm/p2p-circuit"), _stream())
+        honest = await service.answer(SimpleNamespace(peer_id="honest", addr="/ip4/127.0.0.2/tcp/4003"),
+                                      _stream(_request(closed)))
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        return again, same_host, relayed, honest, service
+
+    again, same_host, relayed, honest, service = asyncio.run(scenario())
+    assert again["outcome"] == REFUSED and "too many requests from peer stranger" in again["detail"]
+    assert same_host["outcome"] == REFUSED and "address 127.0.0.1" in same_host["detail"]
+    assert relayed["outcome"] == REFUSED and "not a direct connection" in relayed["detail"]
+    assert honest["outcome"] == UNREACHED and honest["ip"] == "127.0.0.2"  # dialled: nothing listens there
+    assert service.stats.as_dict() == {"requests": 6, "reached": 0, "unreached": 1,
+                                       "refused": {"per source": 2, "relayed": 1}, "gone": 0}
+    assert service.limits.count == 0 and not service.limits.in_flight  # the held slots came back
+
+
+@pytest.mark.parametrize("answer, expected", [
+    ({"outcome": "reached", "reachable": True, "ip": "203.0.113.5", "detail": "dialed", "time": 1.0},
+     ("reached", "203.0.113.5", "dialed", 1.0)),
+    ({"outcome": "unreached", "reachable": False, "ip": "203.0.113.5", "detail": "no answer", "time": 2},
+     ("unreached", "203.0.113.5", "no answer", 2.0)),
+    ({"outcome": "refused", "reachable": False, "ip": "", "detail": "checker busy", "time": 1.0},
+     ("refused", None, "checker busy", 1.0)),
+    # the first version said "not reachable" when it was busy too: its "no" is no verdict
+    ({"reachable": False, "ip": "203.0.113.5", "detail": "checker busy", "time": 1.0},
+     ("refused", "203.0.113.5", "checker busy", 1.0)),
+    ({"reachable": True, "ip": "203.0.113.5", "detail": "dialed", "time": True}, ("reached", "203.0.113.5", "dialed", None)),
+    ({"outcome": "unreached", "reachable": False, "ip": "", "detail": "", "time": 1.0}, ValueError),
+    ({"outcome": "maybe", "reachable": False}, ValueError), ({"reachable": "yes"}, ValueError), ([1], ValueError),
+])
+def test_an_answer_is_a_verdict_only_when_the_checker_dialled(answer, expected):
+    if expected is ValueError:
+        with pytest.raises(ValueError):
+            read_answer(msgpack.packb(answer))
+    else:
+        assert read_answer(msgpack.packb(answer)) == expected
+
+
 def test_the_dialback_check_reaches_a_listening_port_and_reports_a_dead_checker():
     dht, addresses = start_bootstrap("127.0.0.1")
     try:
@@ -76,6 +174,100 @@ def test_the_dialback_check_reaches_a_listening_port_and_reports_a_dead_checker(
         dht.shutdown()
     gone = check_reachability(addresses, free_ports(1)[0], timeout_s=3, host="127.0.0.1")
     assert gone.reachable is None and gone.detail and "behind NAT" in describe(gone)
+
+
+def test_without_a_verdict_a_peer_acts_as_behind_nat_unless_it_announces_an_address_and_says_why():
+    from gossiploco.reach.reachability import Reachability
+    from gossiploco.runtime.dht_peer import reachable_as
+
+    unknown = Reachability(None, None, None, "a1: checker busy; b2: TimeoutError", "QmA", 0.1, 0.01, no_verdict=2)
+    acts, told = reachable_as(unknown, None)
+    assert acts is False and "no checker gave a verdict (2 busy or unreachable" in told
+    assert "acting as behind NAT" in told and "--reachability public --announce" in told
+    acts, told = reachable_as(unknown, "203.0.113.9:7000")
+    assert acts is True and "acting as reachable at --announce 203.0.113.9:7000, unverified" in told
+    from gossiploco.runtime.dht_peer import verified_by_join
+
+    join = ["/ip4/198.51.100.1/tcp/4000/p2p/QmA"]
+    reached = Reachability(True, "tcp://203.0.113.9:7000", "203.0.113.9", "dialed", "QmA", 0.1, 0.01)
+    assert verified_by_join(reached, join) and not verified_by_join(unknown, join)
+    assert not verified_by_join(dataclasses.replace(reached, checker="QmStranger"), join)  # checks itself first
+    dialled = Reachability(False, None, "203.0.113.9", "no answer", "QmA", 0.1, 0.01)
+    assert reachable_as(dialled, "203.0.113.9:7000") == (False, "behind NAT: using reverse connections and "
+                                                                "relays (no answer)")  # a verdict is followed
+
+
+class JammedChecker:
+    """Real libp2p daemons, from an event loop on its own thread: a dial-back checker that waits ``dial_s``
+    for a request, a stranger's daemon holding ``streams`` silent requests open to it, and another
+    checker nobody jams (``other_address``)."""
+
+    def __init__(self, streams: int, dial_s: float = 30.0):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.service = DialbackService(dial_s=dial_s)
+        self.address, self.answered = self.run(self._start(streams))
+
+    def run(self, coro, timeout_s: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    async def _start(self, streams: int):
+        from hivemind.p2p import P2P
+
+        from gossiploco.reach.dialback import DIALBACK_PROTOCOL
+
+        self.checker, self.other = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(2)]
+        await self.checker.add_binary_stream_handler(DIALBACK_PROTOCOL, self.service.handle)
+        await self.other.add_binary_stream_handler(DIALBACK_PROTOCOL, DialbackService().handle)
+        address = f"{(await self.checker.get_visible_maddrs())[0]}/p2p/{self.checker.peer_id}"
+        self.other_address = f"{(await self.other.get_visible_maddrs())[0]}/p2p/{self.other.peer_id}"
+        self.stranger = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address])
+        opened = [await self.stranger.call_binary_stream_handler(self.checker.peer_id, DIALBACK_PROTOCOL)
+                  for _ in range(streams)]
+        self.writers = [writer for _, _, writer in opened]
+        answered = 0  # the streams refused at once (those admitted wait for a request that never comes)
+        for _, reader, _ in opened:
+            try:
+                await asyncio.wait_for(reader.read(1), 0.5)
+                answered += 1
+            except asyncio.TimeoutError:
+                pass
+        return address, answered
+
+    async def _stop(self):
+        for writer in self.writers:
+            writer.close()
+        for daemon in (self.stranger, self.checker, self.other):
+            await daemon.shutdown()
+
+    def close(self) -> None:
+        self.run(self._stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.mark.slow
+def test_a_stranger_jamming_a_checker_gets_its_share_and_an_honest_peer_asks_another_never_behind_nat():
+    """24 dial-back requests held open by one stranger: the checker admits 2 (its share per source) and
+    refuses the rest at once. An honest peer at the stranger's address (loopback: the same one) is refused
+    there too, asks the next checker and is reachable; with only the jammed checker it is "unknown", and
+    ``doctor`` says so (not "behind NAT")."""
+    from gossiploco.runtime import doctor
+
+    jam = JammedChecker(24)
+    try:
+        assert jam.answered == 22 and jam.service.stats.refused == {"per source": 22}
+        port = free_ports(1)[0]
+        found = check_reachability([jam.address, jam.other_address], port, timeout_s=5, host="127.0.0.1")
+        assert found.reachable is True and found.address == f"tcp://127.0.0.1:{port}", found
+        assert found.checker == jam.other_address.rsplit("/p2p/", 1)[1] and found.no_verdict == 1
+        assert jam.service.stats.refused == {"per source": 23} and jam.service.limits.count == 2
+        check = {c.name: c for c in doctor.check_reachability([jam.address], port, 5.0)}["reachability"]
+        assert check.status == "warn" and check.detail.startswith("unknown (") and "too many requests" in check.detail
+        assert "busy/unreachable)" in check.detail and "behind NAT" not in check.detail, check
+    finally:
+        jam.close()
 
 
 @pytest.mark.slow

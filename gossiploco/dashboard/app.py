@@ -6,6 +6,9 @@ package (nothing is fetched from elsewhere); ``/api/state`` the ``SwarmState`` s
 (a comment every ``KEEPALIVE_S`` otherwise); ``/metrics`` the peers' latest figures in Prometheus'
 text format, gauges labelled by ``peer`` and ``run`` (point Grafana's Prometheus at it).
 
+Every route sits behind ``access.AccessGuard``: a request whose ``Host`` is not the dashboard's own is
+answered 421 (DNS rebinding), and a dashboard served beyond loopback asks for its token (401 without).
+
 ``DashboardServer`` runs the app with uvicorn on a daemon thread, bounded start and stop. Stopping ends the
 event streams first (``SwarmState.release``): a browser's stream never ends by itself, and uvicorn's graceful
 shutdown would wait for it, then cancel it with an ERROR and a ``CancelledError`` traceback.
@@ -18,17 +21,20 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from gossiploco.dashboard.access import TOKEN_PARAM, AccessGuard, Refusals, allowed_hosts, is_loopback, new_token
 from gossiploco.dashboard.observer import SwarmState
 from gossiploco.errors import ConfigError
 
@@ -97,10 +103,13 @@ class OpenStreams:
             return self._open
 
 
-def create_app(state: SwarmState) -> Starlette:
-    """The dashboard app over ``state`` (a ``SwarmState``, fed by a ``SwarmObserver`` or a test). Its event
-    streams end once ``state`` is released (``SwarmState.release``)."""
-    streams = OpenStreams()
+def create_app(state: SwarmState, *, port: int, host: str = "127.0.0.1", token: str | None = None,
+               allow_hosts: Sequence[str] = ()) -> Starlette:
+    """The dashboard app over ``state`` (a ``SwarmState``, fed by a ``SwarmObserver`` or a test), for
+    requests to ``host:port`` (``access.allowed_hosts``, plus ``allow_hosts``) carrying ``token`` if one is
+    given. Its event streams end once ``state`` is released (``SwarmState.release``); ``app.state.refused``
+    counts the requests refused (``access.Refusals``)."""
+    streams, refused = OpenStreams(), Refusals()
     registry = CollectorRegistry(auto_describe=True)
     registry.register(StateCollector(state))
 
@@ -136,34 +145,48 @@ def create_app(state: SwarmState) -> Starlette:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+    guard = Middleware(AccessGuard, hosts=allowed_hosts(host, port, allow_hosts), token=token,
+                       cookie=f"gossiploco_dashboard_{port}", refused=refused)
     app = Starlette(routes=[
         Route("/", index), Route("/api/state", api_state), Route("/metrics", metrics), Route("/events", events),
         Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
-    ])
-    app.state.streams = streams
+    ], middleware=[guard])
+    app.state.streams, app.state.refused = streams, refused
     return app
 
 
 class DashboardServer:
     """uvicorn serving ``create_app(state)`` on ``host:port`` from a daemon thread. ``start`` returns once it
     listens (``ConfigError`` if it cannot within ``timeout_s``); ``close`` ends the event streams (releasing
-    ``state``), then stops it (bounded)."""
+    ``state``), then stops it (bounded). ``require_token``: ask for a token (``token``, made here); None
+    (default): only when served beyond loopback. ``url`` carries the token."""
 
-    def __init__(self, state: SwarmState, host: str = "127.0.0.1", port: int = 8080):
+    def __init__(self, state: SwarmState, host: str = "127.0.0.1", port: int = 8080, *,
+                 require_token: bool | None = None, allow_hosts: Sequence[str] = ()):
         import uvicorn
 
+        if not 1 <= port <= 65535:
+            raise ConfigError("--port", f"the dashboard needs a port of its own (1-65535), got {port}")
         self.host, self.port = host, port
         self.state = state
-        self.app = create_app(state)
+        self.token = new_token() if (not is_loopback(host) if require_token is None else require_token) else None
+        self.app = create_app(state, port=port, host=host, token=self.token, allow_hosts=allow_hosts)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", lifespan="off",
                                 timeout_graceful_shutdown=STREAMS_END_S)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="dashboard-server", daemon=True)
 
     @property
-    def url(self) -> str:
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+    def base_url(self) -> str:
+        """``http://HOST:PORT/`` (served on every interface: 127.0.0.1)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else "[::1]" if self.host == "::" else self.host
+        host = f"[{host}]" if ":" in host and not host.startswith("[") else host
         return f"http://{host}:{self.port}/"
+
+    @property
+    def url(self) -> str:
+        """The page's address, with ``?token=...`` when it asks for one (print this for the user)."""
+        return self.base_url + (f"?{TOKEN_PARAM}={self.token}" if self.token else "")
 
     def start(self, timeout_s: float = 10.0) -> DashboardServer:
         self._thread.start()

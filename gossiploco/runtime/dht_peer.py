@@ -10,7 +10,7 @@ from gossiploco.config import RunConfig
 from gossiploco.errors import ConfigError
 from gossiploco.membership.dht_node import check_initial_peers
 from gossiploco.membership.dht_directory import DhtDirectory
-from gossiploco.reach.dialback import Reachability, check_reachability, describe
+from gossiploco.reach.reachability import Reachability, check_reachability, describe, peer_ids_of
 from gossiploco.reach.paths import Reach
 from gossiploco.runtime.launch import free_ports
 from gossiploco.runtime.peer import NetworkPeer
@@ -24,12 +24,37 @@ REACHABILITY_CHOICES = ("auto", "public", "nat")
 
 
 def find_reachability(mode: str, join: list[str], host: str, port: int, timeout_s: float) -> Reachability:
-    """``auto``: the dial-back check (``reach.dialback``); ``public``/``nat``: as the user says."""
+    """``auto``: the dial-back check (``reach.reachability``); ``public``/``nat``: as the user says."""
     if mode not in REACHABILITY_CHOICES:
         raise ConfigError("--reachability", f"must be one of {', '.join(REACHABILITY_CHOICES)}, got {mode!r}")
     if mode != "auto":
         return Reachability(mode == "public", None, None, f"--reachability {mode}", None, None, None)
     return check_reachability(join, port, timeout_s=timeout_s, host=host)
+
+
+def reachable_as(found: Reachability, announce: str | None) -> tuple[bool, str]:
+    """Whether to act as reachable, and the line that tells the user so. A verdict is followed. Without one
+    (``found.reachable is None``: every checker busy, refusing or unreachable) the peer takes the safe path:
+    behind NAT (reverse connections and relays work from anywhere; a wrong "reachable" would leave the
+    others dialling an address that does not answer), unless ``--announce`` names the address to be
+    reached at, which the user then vouches for (the peer still checks it answers a handshake before it
+    announces itself, ``runtime.peer_discovery``). Either way the user is told why, and how to skip the check."""
+    if found.reachable is not None:
+        return found.reachable, describe(found) + (f" ({found.detail})" if found.detail else "")
+    why = f"no checker gave a verdict ({found.no_verdict} busy or unreachable: {found.detail})"
+    if announce:
+        return True, (f"reachability unknown: {why}; acting as reachable at --announce {announce}, unverified "
+                      "(--reachability public skips the check)")
+    return False, (f"reachability unknown: {why}; acting as behind NAT, using reverse connections and relays. If "
+                   "this machine is reachable, --reachability public --announce HOST[:PORT] skips the check")
+
+
+def verified_by_join(found: Reachability, join: list[str]) -> bool:
+    """Whether a ``--join`` node found this peer reachable. A verdict of another node (one the check found
+    connected, when the ``--join`` nodes gave none) may come from a stranger, who can name a wrong
+    address: it is followed, but the peer then checks its advertised endpoint answers before announcing
+    it (``runtime.peer_discovery``), as for a declared one."""
+    return found.reachable is True and found.checker is not None and found.checker in peer_ids_of(join)
 
 
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
@@ -40,7 +65,8 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     fixes its DHT node's port. ``stream``: its data stream (default: its peer id).
 
     First it finds out whether others can dial its data port (``reachability``: see
-    ``find_reachability``), prints it, and publishes it: a reachable peer without ``--announce``
+    ``find_reachability``; what it does when no checker gave a verdict: ``reachable_as``), prints it, and
+    publishes it: a reachable peer without ``--announce``
     advertises the address the checker reached; a peer behind NAT runs its DHT node as a client
     connected to its ``relays`` (default: the ``join`` nodes) and is reached by reverse
     connections and relayed streams (``gossiploco.reach.paths``). ``new_run``: start this run even where
@@ -51,10 +77,12 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
     port = port or free_ports(1, check_host)[0]  # the check needs the port the data plane will use
     found = find_reachability(reachability, join, check_host, port, t.hello_s)
-    behind_nat = found.reachable is not True
-    # Behind NAT is worth a warning (it costs relays and reverse connections); reachable is just news
-    log.log(logging.WARNING if behind_nat else logging.INFO, "peer %d: %s%s", trust.peer_id, describe(found),
-            f" ({found.detail})" if found.detail else "")
+    reachable, told = reachable_as(found, announce)
+    behind_nat = not reachable
+    # Behind NAT is worth a warning (it costs relays and reverse connections), and so is not knowing;
+    # a verified reachable is just news
+    log.log(logging.WARNING if behind_nat or found.reachable is None else logging.INFO, "peer %d: %s",
+            trust.peer_id, told)
     if announce:
         advertise = f"tcp://{announce}" if ":" in announce else f"tcp://{announce}:{port}"
     elif found.reachable and found.address:
@@ -80,7 +108,7 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
         RunWatch.for_config(cfg, run_id, trust.peer_id, new_run=new_run).check_start(directory.runs(),
                                                                                     members=set(directory.peers()))
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
-                      p2p=directory.p2p_id, verified=found.checker is not None)
+                      p2p=directory.p2p_id, verified=verified_by_join(found, join))
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
                            run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run, fault=fault)
     except BaseException:

@@ -7,7 +7,7 @@ p2pd, ports),
 then, with ``join``, the network ones: the bootstrap DHT node answers (a TCP probe of each
 address, then a real DHT node joining through those that answered), the swarm key is the one
 its bootstrap node holds (the beacon, ``DhtDirectory.confirm_swarm``), and this peer's own
-reachability and clock skew as another node sees them (``gossiploco.reach.dialback``). Every
+reachability and clock skew as another node sees them (``gossiploco.reach.reachability``). Every
 network wait is bounded by ``timeout_s``.
 """
 
@@ -308,12 +308,15 @@ def _bounded(call: Callable[[], Any], timeout_s: float) -> Any:
 
 def check_reachability(join: Sequence[str], port: int, timeout_s: float,
                        reachability: Callable[..., Any] | None = None) -> list[Check]:
-    """This peer's reachability and clock skew as a node of the swarm sees them."""
+    """This peer's reachability and clock skew as a node of the swarm sees them. Only a checker that
+    dialled gives a verdict; when none did (busy, refusing, unreachable) it is "unknown", a warning."""
+    from gossiploco.reach.reachability import check_bound_s
+
     if reachability is None:
-        from gossiploco.reach.dialback import check_reachability as reachability
+        from gossiploco.reach.reachability import check_reachability as reachability
     try:
-        # dialback's own bound is about 2 * timeout_s + its 3 s dial; this one only guards against a hang
-        r = _bounded(lambda: reachability(split_join(join), port, timeout_s=timeout_s), 2 * timeout_s + 15)
+        # the check returns within check_bound_s on its own; this only guards against a hang
+        r = _bounded(lambda: reachability(split_join(join), port, timeout_s=timeout_s), check_bound_s(timeout_s) + 15)
     except Exception as exc:  # noqa: BLE001 - a broken check is a warning, not a verdict
         return [Check("reachability", "warn", f"check failed: {type(exc).__name__}: {exc}",
                       "try again; if it persists, peers still use reverse connections and relays"),
@@ -325,9 +328,13 @@ def check_reachability(join: Sequence[str], port: int, timeout_s: float,
         reach = Check("reachability", "ok", f"behind NAT{seen}: peers will use reverse connections and relays; "
                                             f"nothing to do ({r.detail})")
     else:
-        reach = Check("reachability", "warn", f"nobody could check: {r.detail}",
-                      "nothing required (peers fall back to reverse connections and relays); to be reachable, "
-                      "forward a TCP port N to this machine and pass --port N --announce PUBLIC_IP")
+        count = r.no_verdict
+        reach = Check("reachability", "warn",
+                      f"unknown ({count} checker{'s' if count != 1 else ''} busy/unreachable): {r.detail}",
+                      "try again later (a checker may be busy or under attack); meanwhile a peer acts as behind "
+                      "NAT (reverse connections and relays). If this machine is reachable, --reachability public "
+                      "--announce HOST[:PORT] skips the check; to become reachable, forward a TCP port N to this "
+                      "machine and pass --port N --announce PUBLIC_IP")
     skew = r.clock_skew_s
     if skew is None:
         clock = Check("clock", "skip", "not checked: no node reported its clock")
@@ -344,7 +351,7 @@ def run_doctor(*, join: Sequence[str] | None = None, host: str = "0.0.0.0", port
                swarm_key: str | None = None, timeout_s: float | None = None,
                reachability: Callable[..., Any] | None = None) -> list[Check]:
     """Every check, in order. ``timeout_s`` (default: a peer's own deadline for joining the DHT, hello_s + 5)
-    bounds each network wait. ``reachability``: ``gossiploco.reach.dialback.check_reachability`` or a fake."""
+    bounds each network wait. ``reachability``: ``gossiploco.reach.reachability.check_reachability`` or a fake."""
     if timeout_s is None:
         from gossiploco.config import TimeoutConfig
 

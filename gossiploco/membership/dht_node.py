@@ -81,7 +81,7 @@ def check_announce_maddrs(announce_maddrs: Sequence[str] | None) -> list[str] | 
 def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
               timeout_s: float, identity_path: str | None = None, node_id: Any = None,
               record_validator: Any = None, behind_nat: bool = False, relays: Sequence[str] = (),
-              relay_limits: tuple[float, float] | None = None) -> hivemind.DHT:
+              relay_limits: tuple[float, float] | None = None, run: str | None = None) -> hivemind.DHT:
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
     The process and its p2pd die with this process, even when it is SIGKILLed
@@ -90,7 +90,10 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client that
     stays connected to ``relays`` (multiaddrs with ``/p2p/``), through which others reach it
     (``gossiploco.reach.relay``); any other node relays for members behind NAT, each relayed
-    connection within ``relay_limits`` (bytes per direction, seconds; default ``relay.Limits``).
+    connection within ``relay_limits`` (bytes per direction, seconds; default ``relay.Limits``), for the
+    members of the swarm's runs only (``membership.relay_admission.RunMembers``, built from
+    ``record_validator``; a node without one relays for nobody). ``run``: this node's run, whose
+    membership its own relay requests prove.
 
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
@@ -114,10 +117,13 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         dht.wait_until_ready(timeout=timeout_s)
         from functools import partial
 
+        from gossiploco.membership.record_validator import SwarmRecordValidator
+        from gossiploco.membership.relay_admission import RunMembers
         from gossiploco.reach.relay import serve_reach
 
-        dht.run_coroutine(partial(serve_reach, behind_nat=behind_nat, relays=list(relays), relay_limits=relay_limits),
-                          return_future=True).result(timeout=timeout_s)
+        admission = RunMembers(record_validator.swarm) if isinstance(record_validator, SwarmRecordValidator) else None
+        dht.run_coroutine(partial(serve_reach, behind_nat=behind_nat, relays=list(relays), relay_limits=relay_limits,
+                                  admission=admission, run=run), return_future=True).result(timeout=timeout_s)
     except BaseException as exc:
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):

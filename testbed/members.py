@@ -49,6 +49,11 @@ class MemberNode:
         if publish:
             self.publish()
 
+    @property
+    def dht_address(self) -> str:
+        """This node's own multiaddr (with ``/p2p/``), as a stranger on the same network could dial it."""
+        return visible_maddrs(self.dht, 10)[0]
+
     def publish(self) -> None:
         key = self.swarm.dht_key(self.run) if self.swarm is not None else dht_key(self.run)
         stored = self.entries.store_each([(key, self.record.peer, self.record.to_wire())], dht_time() + RECORD_TTL_S)

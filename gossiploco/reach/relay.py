@@ -51,13 +51,14 @@ TUNNEL_PROTOCOL = "/gossiploco/tunnel/1"
 RELAY_OK = "ok"
 MAX_RELAYED = 256
 """Relayed connections one relay carries at once."""
-MAX_PER_ASKER = 8
-"""Relayed connections one asker (libp2p peer id) may hold at once on one relay: a member's tunnels need
-two per peer it relays to at a time (data and control)."""
+MAX_PER_ASKER = 32
+"""Relayed connections one asker (libp2p peer id) may hold at once on one relay. A member's tunnels take two
+per peer behind NAT it exchanges with (its data and control connections): 32 serve 16 such peers per relay,
+and one asker holds at most an eighth of ``MAX_RELAYED``."""
 MAX_PENDING = 512
 """Requests a relay reads and checks at once (an asker that opens a stream and says nothing holds one
 for ``REQUEST_S``); more are refused at once."""
-MAX_PENDING_PER_ASKER = 4
+MAX_PENDING_PER_ASKER = 16
 MAX_REQUEST_BYTES = 1024
 MAX_ANSWER_BYTES = 512
 REQUEST_S = 5.0
@@ -209,8 +210,7 @@ class RelayService:
             return
         finally:
             self._release(self.pending, asker)
-        r, w = opened
-        self.active[asker] += 1
+        r, w = opened  # its slot is taken (``_admit``)
         STATS.relayed += 1
         try:
             await send_frame(msgpack.packb({"status": RELAY_OK, "data_bytes": self.limits.data_bytes,
@@ -225,7 +225,7 @@ class RelayService:
             self._release(self.active, asker)
 
     async def _admit(self, asker: str, reader: asyncio.StreamReader) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """Read and check one request; the stream to its target, or ``Refused``."""
+        """Read and check one request; the stream to its target, with the asker's slot taken, or ``Refused``."""
         from hivemind.p2p import PeerID
 
         try:
@@ -244,12 +244,18 @@ class RelayService:
         reason = await self.admission.refuse(self.node, asker=asker, target=target, run=run, proof=proof)
         if reason is not None:
             raise Refused(reason)
-        if self.active[asker] >= self.limits.per_asker or self.total_active >= self.limits.total:
-            raise Refused("relay busy: the slots filled while the request was checked")
+        if self.active[asker] >= self.limits.per_asker:  # checked again, and taken, with no await in between
+            raise Refused(f"asker limit: {self.limits.per_asker} relayed connections per asker at once")
+        if self.total_active >= self.limits.total:
+            raise Refused(f"relay busy: {self.limits.total} relayed connections at once")
+        self.active[asker] += 1
         try:
             peer = PeerID.from_base58(target)
             _, r, w = await asyncio.wait_for(self.node.p2p.call_binary_stream_handler(peer, TUNNEL_PROTOCOL), CONNECT_S)
-        except Exception as exc:  # noqa: BLE001 - the asking peer is told why, and tries another relay
+        except BaseException as exc:
+            self._release(self.active, asker)
+            if not isinstance(exc, Exception):
+                raise
             raise Refused(f"target unreachable: {type(exc).__name__}: {exc}"[:200]) from None
         return r, w
 
@@ -284,7 +290,7 @@ async def serve_relay(_dht: Any, node: Any, *, limits: Limits = Limits(), admiss
 
 
 async def serve_reach(dht: Any, node: Any, *, behind_nat: bool, relays: list[str],
-                      relay_limits: tuple[float, float] | None = None, admission: RelayAdmission | None = None,
+                      relay_limits: tuple[float, ...] | None = None, admission: RelayAdmission | None = None,
                       run: str | None = None) -> None:
     """Run in a DHT node's process (``membership.dht_node.start_dht``): what every node offers for
     reaching peers behind NAT. Every node answers dial-back checks; a node behind NAT stays connected

@@ -102,3 +102,24 @@ async def announce_huge_frame(_dht: Any, node: Any, *, address: str, protocol: s
         except Exception:  # noqa: BLE001 - not the relay's answer
             status = None
     return {"sent": sent, "cut_off": closed, "answer": status or said[:64].hex()}
+
+
+RECEIVED = [0]
+"""Bytes ``serve_sink``'s handler received in this process."""
+
+
+async def serve_sink(_dht: Any, node: Any, *, protocol: str) -> None:
+    """Serve ``protocol`` on this node: read every stream to its end, counting the bytes (``sink_bytes``)."""
+    async def handle(_info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while chunk := await reader.read(1 << 16):
+                RECEIVED[0] += len(chunk)
+        except (OSError, ConnectionError):
+            pass
+        writer.close()
+
+    await node.p2p.add_binary_stream_handler(protocol, handle)
+
+
+async def sink_bytes(_dht: Any, _node: Any) -> int:
+    return RECEIVED[0]

@@ -42,15 +42,18 @@ async def ask_relay(_dht: Any, node: Any, *, relay: str, target: str, run: str =
     return "ok"
 
 
-async def hold_splices(_dht: Any, node: Any, *, relay: str, target: str, count: int) -> list[str]:
-    """Ask ``relay`` for ``count`` streams to ``target`` at once with this process's credentials and keep the
-    granted ones open (each says a tunnel hello, so the target holds its end too): their statuses."""
-    from gossiploco.reach.relay import through
+async def hold_splices(_dht: Any, node: Any, *, relay: str, target: str, count: int, run: str | None = None
+                       ) -> list[str]:
+    """Ask ``relay`` for ``count`` streams to ``target`` at once with this process's credentials (``run``: naming
+    that run with no proof, as an outsider who knows the run id would) and keep the granted ones open (each says
+    a tunnel hello, so the target holds its end too): their statuses."""
+    from gossiploco.reach.relay import Credentials, through
     from gossiploco.reach.tunnel import HELLO, SESSION_BYTES
 
     async def one() -> str:
         try:
-            reader, writer, _ = await asyncio.wait_for(through(node.p2p, relay, target), 15)
+            creds = None if run is None else Credentials(run, b"")
+            reader, writer, _ = await asyncio.wait_for(through(node.p2p, relay, target, creds), 15)
         except Exception as exc:  # noqa: BLE001 - a refusal, or the daemon's error: reported as such
             return str(exc).removeprefix("the relay refused: ") or type(exc).__name__
         writer.write(HELLO + secrets.token_bytes(SESSION_BYTES))

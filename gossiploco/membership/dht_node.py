@@ -2,11 +2,12 @@
 and the calls that run inside its process (its visible addresses, re-dialing known peers).
 
 Length prefixes on the node's streams: hivemind's DHT RPCs (``DHTProtocol.rpc_ping``/``rpc_store``/
-``rpc_find``) are *unary* handlers, which p2pd itself reads (varint-delimited, at most its
-``persistentConnMaxMsgSize``, hivemind's ``DEFAULT_MAX_MSG_SIZE`` = 4 MiB; a DHT message is far smaller:
-a record envelope is at most ``record_validator.MAX_ENVELOPE_BYTES``) before handing them to this process
-over its control socket; ``P2P.receive_raw_data`` is never on their path. A stream announcing a 1 TiB
-request is reset by p2pd at once (``bench/attacks_relay.py``: neither process grows). The node's own
+``rpc_find``) are *unary* handlers: p2pd itself reads each request (varint-delimited; its control
+connection to this process carries at most ``persistentConnMaxMsgSize``, hivemind's ``DEFAULT_MAX_MSG_SIZE``
+= 4 MiB, far above a DHT message: a record envelope is at most ``record_validator.MAX_ENVELOPE_BYTES``)
+before handing it to this process; ``P2P.receive_raw_data`` is never on their path. Measured
+(``bench/attacks_relay.py``): a stream announcing a 1 TiB request is reset by p2pd after at most 512 KiB,
+and neither p2pd nor this process grows. The node's own
 stream handlers (``reach.relay``, ``reach.tunnel``, ``reach.dialback``) check every prefix themselves.
 
 ``membership.dht_directory`` keeps a run's records in such a node; ``membership.bootstrap`` runs one

@@ -16,7 +16,9 @@ run takes the swarm key). ``RunMembers`` admits a request when:
 
 What the relay knows of a run's members is kept per run until each record's own expiration; it reads
 the run's records again only when someone needed is missing, at most every ``MIN_READ_S`` per run and
-``MAX_READS`` at once (more are refused as busy, never queued), for at most ``MAX_RUNS`` runs. In an open
+``MAX_READS`` at once (more are refused as busy, never queued), for at most ``MAX_RUNS`` runs with members
+(a read that finds nobody is not kept, so a stranger's made-up run ids cost at most ``MAX_READS`` reads in
+flight and never push a real run's members out). In an open
 run anyone may sign a record, so there this admits any node that announced itself in the run: what
 bounds it there are the relay's per-asker limits.
 """
@@ -47,8 +49,11 @@ MAX_READS = 4
 """DHT reads of runs' records at once; a request that needs one more is refused as busy."""
 READ_S = 5.0
 """Deadline of one read of a run's records."""
-MAX_RUNS = 16
-"""Runs whose members one relay remembers (the least recently read is forgotten first)."""
+MAX_RUNS = 64
+"""Runs with members that one relay remembers (the least recently read is forgotten first); a run whose read
+found nobody is not kept, so made-up run ids cannot push a real run out."""
+MAX_READ_TIMES = 4096
+"""Runs whose last read time one relay remembers (for ``MIN_READ_S``)."""
 
 
 def proof_of(swarm: SwarmKey, asker: str) -> bytes:
@@ -122,11 +127,14 @@ class RunMembers(RelayAdmission):
             member = self._member(subkey, getattr(item, "value", None))
             if member is not None:
                 members[member] = max(members.get(member, 0.0), float(getattr(item, "expiration_time", 0.0)))
-        self._members[run] = members
+        if members:
+            self._members[run] = members
+        else:  # a run nobody is in (a stranger's made-up run id) takes no room, only its read time
+            self._members.pop(run, None)
         while len(self._members) > MAX_RUNS:
-            oldest = min(self._members, key=lambda r: self._read_at.get(r, 0.0))
-            self._members.pop(oldest)
-            self._read_at.pop(oldest, None)
+            self._members.pop(min(self._members, key=lambda r: self._read_at.get(r, 0.0)))
+        while len(self._read_at) > MAX_READ_TIMES:
+            self._read_at.pop(min(self._read_at, key=self._read_at.__getitem__))
 
     def _member(self, subkey: Any, value: Any) -> str | None:
         """The libp2p id a valid record names, or None (a tombstone, a bad or foreign record)."""

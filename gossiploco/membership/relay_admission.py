@@ -43,8 +43,10 @@ from gossiploco.security.swarm_key import SwarmKey
 log = logging.getLogger(__name__)
 
 PROOF_BYTES = 16
-MIN_READ_S = 1.0
-"""A run's records are read again at most this often (someone missing: a member that just joined)."""
+MIN_READ_S = 0.25
+"""A run's records are read again at most this often (someone missing: a member that just joined). Shorter
+than a tunnel's first retry (``reach.tunnel.BACKOFF_FIRST_S``), so a member refused because the relay read
+the run a moment before its record arrived is admitted at its next try."""
 MAX_READS = 4
 """DHT reads of runs' records at once; a request that needs one more is refused as busy."""
 READ_S = 5.0

@@ -76,33 +76,27 @@ class ZmqGroup:
 
 
 class Libp2pCarrier:
-    """A relay DHT node and ``world`` DHT nodes that say they are behind NAT, each serving a tunnel
-    to a ROUTER port picked here, with a tunnel from every node to every other through the relay:
-    what ``gossiploco.reach.paths`` sets up between two peers behind NAT."""
+    """A relay DHT node and ``world`` members of a private run behind NAT (``testbed.members``), each
+    serving a tunnel to a ROUTER port picked here, with a tunnel from every node to every other through
+    the relay: what ``gossiploco.reach.paths`` sets up between two peers behind NAT."""
 
     def __init__(self, world: int, relay_limits: tuple[float, float] | None = None):
-        from functools import partial
+        from gossiploco.security.swarm_key import SwarmKey
+        from testbed.members import MemberNode, relay_address, relay_node
 
-        from gossiploco.membership.dht_node import start_dht, visible_maddrs
-        from gossiploco.reach.tunnel import open_tunnel, serve_tunnel
-
-        listen = ["/ip4/127.0.0.1/tcp/0"]
-        self.nodes = [start_dht(initial_peers=[], host_maddrs=listen, announce_maddrs=None, timeout_s=30,
-                                relay_limits=relay_limits)]
-        relay = visible_maddrs(self.nodes[0], 10)[0]
+        swarm, run = SwarmKey.generate(), f"carrier-{uuid.uuid4().hex[:8]}"
+        self.relay = relay_node(swarm, relay_limits=relay_limits)
+        relay = relay_address(self.relay)
         self.ports = free_ports(world)
-        for port in self.ports:
-            node = start_dht(initial_peers=[relay], host_maddrs=listen, announce_maddrs=None, timeout_s=30,
-                             behind_nat=True, relays=[relay])
-            node.run_coroutine(partial(serve_tunnel, router_host="127.0.0.1", router_port=port))
-            self.nodes.append(node)
-        ids = [node.peer_id.to_base58() for node in self.nodes[1:]]
+        self.members = [MemberNode(swarm, run, relay) for _ in range(world)]
+        self.nodes = [self.relay] + [member.dht for member in self.members]
+        for member, port in zip(self.members, self.ports):
+            member.serve_tunnel(port)
         self.views = [{r: f"tcp://127.0.0.1:{self.ports[r]}"} for r in range(world)]
-        for r, node in enumerate(self.nodes[1:]):
+        for r, member in enumerate(self.members):
             for other in range(world):
                 if other != r:
-                    port = node.run_coroutine(partial(open_tunnel, peer_id=ids[other], relays=[relay]))
-                    self.views[r][other] = f"tcp://127.0.0.1:{port}"
+                    self.views[r][other] = f"tcp://127.0.0.1:{member.open_tunnel(self.members[other], relay)}"
 
     def close(self) -> None:
         for node in self.nodes:

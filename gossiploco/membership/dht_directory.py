@@ -162,7 +162,7 @@ class DhtDirectory(Directory):
             validator = SwarmRecordValidator(trust.identity, trust.swarm)
         self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
                               announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator,
-                              behind_nat=behind_nat, relays=list(relays) or self.initial_peers)
+                              behind_nat=behind_nat, relays=list(relays) or self.initial_peers, run=self.run_id)
         self.entries = DhtEntries(self._dht, run_id=self.run_id, timeout_s=self.timeout_s, trust=trust)
         """This node's entries: every store and read of the DHT goes through it."""
         try:

@@ -1,6 +1,15 @@
 """One hivemind DHT node of a run: its addresses (validated), starting it tied to this process,
 and the calls that run inside its process (its visible addresses, re-dialing known peers).
 
+Length prefixes on the node's streams: hivemind's DHT RPCs (``DHTProtocol.rpc_ping``/``rpc_store``/
+``rpc_find``) are *unary* handlers: p2pd itself reads each request (varint-delimited; its control
+connection to this process carries at most ``persistentConnMaxMsgSize``, hivemind's ``DEFAULT_MAX_MSG_SIZE``
+= 4 MiB, far above a DHT message: a record envelope is at most ``record_validator.MAX_ENVELOPE_BYTES``)
+before handing it to this process; ``P2P.receive_raw_data`` is never on their path. Measured
+(``bench/attacks_relay.py``): a stream announcing a 1 TiB request is reset by p2pd after at most 512 KiB,
+and neither p2pd nor this process grows. The node's own
+stream handlers (``reach.relay``, ``reach.tunnel``, ``reach.dialback``) check every prefix themselves.
+
 ``membership.dht_directory`` keeps a run's records in such a node; ``membership.bootstrap`` runs one
 for others to join through.
 """
@@ -81,7 +90,7 @@ def check_announce_maddrs(announce_maddrs: Sequence[str] | None) -> list[str] | 
 def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], announce_maddrs: Sequence[str] | None,
               timeout_s: float, identity_path: str | None = None, node_id: Any = None,
               record_validator: Any = None, behind_nat: bool = False, relays: Sequence[str] = (),
-              relay_limits: tuple[float, float] | None = None) -> hivemind.DHT:
+              relay_limits: tuple[float, ...] | None = None, run: str | None = None) -> hivemind.DHT:
     """Start a hivemind DHT node in its background process and wait at most ``timeout_s`` for it.
 
     The process and its p2pd die with this process, even when it is SIGKILLed
@@ -91,7 +100,11 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     node answers dial-back checks (``gossiploco.reach.dialback``). ``behind_nat``: a DHT client that
     stays connected to ``relays`` (multiaddrs with ``/p2p/``), through which others reach it
     (``gossiploco.reach.relay``); any other node relays for members behind NAT, each relayed
-    connection within ``relay_limits`` (bytes per direction, seconds; default ``relay.Limits``).
+    connection within ``relay_limits`` (``relay.Limits``' fields in order: bytes per direction, seconds,
+    idle seconds, connections per asker, in all; the default for any left out), for the
+    members of the swarm's runs only (``membership.relay_admission.RunMembers``, built from
+    ``record_validator``; a node without one relays for nobody). ``run``: this node's run, whose
+    membership its own relay requests prove.
 
     Raises ``DirectoryError`` saying what to check when the node cannot start or cannot reach
     any of ``initial_peers``; the half-started node is shut down first.
@@ -116,11 +129,14 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
         from functools import partial
 
         from gossiploco.membership.dht_storage import install_storage_bounds
+        from gossiploco.membership.record_validator import SwarmRecordValidator
+        from gossiploco.membership.relay_admission import RunMembers
         from gossiploco.reach.relay import serve_reach
 
         dht.run_coroutine(install_storage_bounds, return_future=True).result(timeout=timeout_s)
-        dht.run_coroutine(partial(serve_reach, behind_nat=behind_nat, relays=list(relays), relay_limits=relay_limits),
-                          return_future=True).result(timeout=timeout_s)
+        admission = RunMembers(record_validator.swarm) if isinstance(record_validator, SwarmRecordValidator) else None
+        dht.run_coroutine(partial(serve_reach, behind_nat=behind_nat, relays=list(relays), relay_limits=relay_limits,
+                                  admission=admission, run=run), return_future=True).result(timeout=timeout_s)
     except BaseException as exc:
         dht.shutdown()
         if isinstance(exc, KeyboardInterrupt):

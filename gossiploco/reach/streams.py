@@ -45,11 +45,14 @@ class TunnelStats:
     renewed: int = 0
     resumed: int = 0
     limit_cuts: int = 0
+    idle_cuts: int = 0
     relayed: int = 0
     bytes: float = 0.0
     """Payload bytes moved so far (both ways; counted as they move)."""
     last_error: str = ""
     relays_used: dict[str, int] = field(default_factory=dict)
+    refusals: dict[str, int] = field(default_factory=dict)
+    """Relay requests refused, by reason (``reach.relay``: ``not a member``, ``slots``, ...)."""
 
 
 STATS = TunnelStats()
@@ -64,8 +67,9 @@ def close(writer: asyncio.StreamWriter) -> None:
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counter: list[float],
-                limit: float = math.inf) -> None:
-    """Copy until EOF, an error, or ``limit`` bytes; ``counter`` = [bytes]."""
+                limit: float = math.inf, seen: list[float] | None = None) -> None:
+    """Copy until EOF, an error, or ``limit`` bytes; ``counter`` = [bytes]; ``seen`` = [monotonic time of the
+    last bytes moved] (shared by both directions of a splice, for its idle limit)."""
     try:
         while counter[0] < limit:
             data = await reader.read(int(min(READ_BYTES, max(1, limit - counter[0]))))
@@ -75,23 +79,42 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, coun
             await writer.drain()
             counter[0] += len(data)
             STATS.bytes += len(data)
+            if seen is not None:
+                seen[0] = time.monotonic()
     except (OSError, asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
         close(writer)
 
 
-async def splice(a: Pair, b: Pair, *, data_limit: float = math.inf, time_limit: float = math.inf) -> None:
-    """A relay's raw copy both ways until one side ends or a limit (bytes per direction, seconds)
-    is reached; then both are closed."""
-    up, down = [0.0], [0.0]
-    tasks = [asyncio.ensure_future(_pipe(a[0], b[1], up, data_limit)),
-             asyncio.ensure_future(_pipe(b[0], a[1], down, data_limit))]
+async def splice(a: Pair, b: Pair, *, data_limit: float = math.inf, time_limit: float = math.inf,
+                 idle_limit: float = math.inf) -> str:
+    """A relay's raw copy both ways until one side ends or a limit is reached: ``data_limit`` bytes in
+    either direction, ``time_limit`` seconds in all, ``idle_limit`` seconds without a byte either way;
+    then both are closed. Returns why it ended: ``"ended"``, ``"data"``, ``"time"`` or ``"idle"`` (a limit
+    is counted in ``STATS.limit_cuts`` or ``STATS.idle_cuts``)."""
+    up, down, seen = [0.0], [0.0], [time.monotonic()]
+    tasks = [asyncio.ensure_future(_pipe(a[0], b[1], up, data_limit, seen)),
+             asyncio.ensure_future(_pipe(b[0], a[1], down, data_limit, seen))]
+    began = time.monotonic()
+    why = "ended"
     try:
-        timeout = None if math.isinf(time_limit) else time_limit
-        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if not done or max(up[0], down[0]) >= data_limit:
+        while True:
+            now = time.monotonic()
+            left = min(time_limit - (now - began), idle_limit - (now - seen[0]))
+            if left <= 0:
+                why = "time" if now - began >= time_limit else "idle"
+                break
+            done, _ = await asyncio.wait(tasks, timeout=None if math.isinf(left) else left,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if done:
+                why = "data" if max(up[0], down[0]) >= data_limit else "ended"
+                break
+        if why == "idle":
+            STATS.idle_cuts += 1
+        elif why != "ended":
             STATS.limit_cuts += 1
+        return why
     finally:
         for task in tasks:
             task.cancel()

@@ -16,6 +16,9 @@ the session to come back. A stream that breaks (its relay died) ends the session
 closes and ZeroMQ reconnects at once; the next session goes through the next relay that answers
 (a failed attempt holds its connection for a backoff first, so reconnects do not hammer).
 
+The receiving side serves only streams opened by its own relays (the nodes it keeps connected to,
+``reach.relay.keep_relays``); a relay splices only for members of the run (``reach.relay``).
+
 Both ends run inside a peer's DHT process (``dht.run_coroutine``), on its event loop, off the
 training process's interpreter lock.
 """
@@ -26,7 +29,7 @@ import asyncio
 import secrets
 from typing import Any
 
-from gossiploco.reach.relay import CONNECT_S, TUNNEL_PROTOCOL, through
+from gossiploco.reach.relay import CONNECT_S, TUNNEL_PROTOCOL, kept_relays, through
 from gossiploco.reach.streams import STATS, close, carry
 
 HELLO = b"GLT1"
@@ -54,6 +57,11 @@ async def serve_tunnel(_dht: Any, node: Any, *, router_host: str, router_port: i
             close(local[1])
 
     async def handle(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if info.peer_id.to_base58() not in kept_relays():  # only this node's relays splice streams to it
+            STATS.refusals["tunnel not from a relay"] = STATS.refusals.get("tunnel not from a relay", 0) + 1
+            STATS.refused += 1
+            close(writer)
+            return
         try:
             hello = await asyncio.wait_for(reader.readexactly(len(HELLO) + SESSION_BYTES), CONNECT_S)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, OSError):
@@ -151,5 +159,6 @@ async def tunnel_stats(_dht: Any, _node: Any) -> dict:
     s = STATS
     return {"opened": s.opened, "served": s.served, "resumed": s.resumed, "failed": s.failed, "refused": s.refused,
             "renewed": s.renewed, "relayed": s.relayed, "limit_cuts": s.limit_cuts, "bytes": int(s.bytes),
-            "last_error": s.last_error, "relays_used": dict(s.relays_used)}
+            "idle_cuts": s.idle_cuts, "refusals": dict(s.refusals), "last_error": s.last_error,
+            "relays_used": dict(s.relays_used)}
 

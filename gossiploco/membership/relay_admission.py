@@ -47,6 +47,10 @@ MIN_READ_S = 0.25
 """A run's records are read again at most this often (someone missing: a member that just joined). Shorter
 than a tunnel's first retry (``reach.tunnel.BACKOFF_FIRST_S``), so a member refused because the relay read
 the run a moment before its record arrived is admitted at its next try."""
+ADMIT_WAIT_S = 2.0
+"""How long a request naming someone the relay does not know yet waits for the run's records to show them (read
+again every ``MIN_READ_S``): peers that start together ask for tunnels while their records still spread. The
+request holds one of its asker's pending slots meanwhile (``reach.relay``)."""
 MAX_READS = 4
 """DHT reads of runs' records at once; a request that needs one more is refused as busy."""
 READ_S = 5.0
@@ -86,10 +90,28 @@ class RunMembers(RelayAdmission):
         except ConfigError:
             return "malformed: not a run id"
         missing = self._missing(run, (asker, target))
-        if missing and run in self._reading:  # a read of this run is under way: its outcome decides
-            await asyncio.shield(self._reading[run])
+        deadline = time.monotonic() + ADMIT_WAIT_S
+        while missing:
+            refusal = await self._read_once(node, run)
+            if refusal is not None:
+                return refusal
             missing = self._missing(run, (asker, target))
-        elif missing and time.monotonic() - self._read_at.get(run, -MIN_READ_S) >= MIN_READ_S:
+            wait = self._read_at.get(run, 0.0) + MIN_READ_S - time.monotonic()
+            if not missing or time.monotonic() + max(wait, 0.0) > deadline:
+                break
+            await asyncio.sleep(max(wait, 0.0))  # a member that just joined: its record is on its way
+        if asker in missing:
+            return f"not a member: no valid record of run {run!r} names this libp2p id"
+        if target in missing:
+            return f"unknown target: no valid record of run {run!r} names {target[:64]}"
+        return None
+
+    async def _read_once(self, node: Any, run: str) -> str | None:
+        """Read ``run``'s records if none was read in the last ``MIN_READ_S`` (joining a read under way); a refusal
+        when too many reads are in flight."""
+        if run in self._reading:  # a read of this run is under way: its outcome decides
+            await asyncio.shield(self._reading[run])
+        elif time.monotonic() - self._read_at.get(run, -MIN_READ_S) >= MIN_READ_S:
             if len(self._reading) >= MAX_READS:
                 return f"busy: {MAX_READS} reads of runs' records in flight"
             self._reading[run] = reading = asyncio.ensure_future(self._read(node, run))
@@ -98,11 +120,6 @@ class RunMembers(RelayAdmission):
             finally:
                 if reading.done():
                     self._reading.pop(run, None)
-            missing = self._missing(run, (asker, target))
-        if asker in missing:
-            return f"not a member: no valid record of run {run!r} names this libp2p id"
-        if target in missing:
-            return f"unknown target: no valid record of run {run!r} names {target[:64]}"
         return None
 
     def _missing(self, run: str, ids: tuple[str, ...]) -> set[str]:

@@ -57,7 +57,7 @@ VIRTUAL_WORKERS, VIRTUAL_ATTACKERS = 8, (3, 6)
 REAL_PEERS, REAL_ATTACKER, REAL_PRESET = 4, 3, "globalm1-localm2"
 PRESETS = ("globalm1-localm2", "diloco")
 """The issue's preset, and the one preset whose Mix2 is a global all-reduce (where robust owners aggregate)."""
-VIRTUAL_ROUNDS, REAL_ROUNDS, INNER_STEPS = 60, 30, 8
+VIRTUAL_ROUNDS, REAL_ROUNDS, INNER_STEPS = 60, 60, 8
 HARM_LIMIT = 0.05
 """An attack holds when the honest final val loss is at most this much (relative) above the attack-free run's."""
 ROBUST_COST_LIMIT = 0.01
@@ -364,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-STRENGTHS_DEFAULT: dict[str, float] = {}
+STRENGTHS_DEFAULT: dict[str, float] = {"alie": 4.0}
 """The bench's strengths where they differ from ``gossiploco.adversary.DEFAULT_STRENGTH``."""
 
 

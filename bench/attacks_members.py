@@ -294,7 +294,11 @@ def write_results(path: Path, rows: dict[tuple, Row], runs: list[dict]) -> None:
              f"A case *held* when the honest final val loss is at most {HARM_LIMIT:.0%} above the attack-free run of "
              f"the same suite, preset and variant (`state_flood`: and the honest uploads at most x{FLOOD_UPLOAD_LIMIT}); "
              f"robust mixing without attackers may cost at most {ROBUST_COST_LIMIT:.0%} against plain. "
-             "Plain rows are the \"before\" that motivates robust mixing: their failures are expected.", "",
+             "Plain rows are the \"before\" that motivates robust mixing: their failures are expected. A negative "
+             "change means the attack lowered the honest loss (with this tiny config's outer step a damped mean, as a "
+             "sign flip or noise in place of an update leaves it, trains faster): such a row says nothing about "
+             "robustness. Real runs: each honest peer's final model averages the members' models, the attacker's "
+             "included.", "",
              "Runs recorded here:", ""]
     for run in runs:
         lines.append(f"- `{run['command']}`: {run['machine']}; wall time {run['wall_s']:.0f} s; {run['date']}")

@@ -5,7 +5,9 @@ directory and log file: with a static peer list on loopback ports, or (``join``)
 bootstrap address, each peer binding a free port of its own. The run is private: a swarm key
 (``swarm_key``, default: a new one in ``out_dir/swarm.key``) goes to every peer; with ``join``
 each rank gets an identity file whose peer ids increase with the rank (``ordered_identities``),
-and ``--rank`` picks its data stream, so a local run matches the virtual swarm's order.
+and ``--rank`` picks its data stream, so a local run matches the virtual swarm's order. With
+``open_run`` (``join`` only) the peers take part in a public run instead: ``--open``, no swarm key;
+the bootstrap must be an open one (``start_bootstrap(open_run=True)``).
 
 ``stop()`` asks every process still running to leave (SIGINT, like Ctrl+C), waits a bounded time,
 then kills what is left, so no process outlives its owner; it is also what the context manager
@@ -205,10 +207,13 @@ class LocalPeers:
 
     def __init__(self, count: int, out_dir: str | Path, args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  per_rank: dict[int, Sequence[str]] | None = None, env: dict[str, str] | None = None,
-                 join: str | None = None, swarm_key: Path | None = None):
+                 join: str | None = None, swarm_key: Path | None = None, open_run: bool = False):
         """``env``: extra environment for every peer (``start`` adds per-rank extras). ``join``: a
         bootstrap multiaddr; the peers find each other through the DHT instead of a static list.
-        ``swarm_key``: the run's key file (default: created in ``out_dir``)."""
+        ``swarm_key``: the run's key file (default: created in ``out_dir``). ``open_run``: a public run
+        (``--open``, no swarm key; needs ``join``, excludes ``swarm_key``)."""
+        if open_run and (not join or swarm_key is not None):
+            raise ValueError("open_run: the peers join through a bootstrap (join) and hold no swarm key")
         self.count = count
         self.out_dir = Path(out_dir)
         self.args = list(args)
@@ -220,8 +225,10 @@ class LocalPeers:
         self.procs: dict[int, subprocess.Popen] = {}
         """The latest process of each rank started."""
         self.group = ProcessGroup(env=self.env)
-        self.swarm_key = Path(swarm_key) if swarm_key is not None else self.out_dir / "swarm.key"
-        if swarm_key is None and not self.swarm_key.exists():
+        self.open_run = open_run
+        self.swarm_key = None if open_run else Path(swarm_key) if swarm_key is not None else self.out_dir / "swarm.key"
+        """The private run's key file; None in an open run."""
+        if self.swarm_key is not None and swarm_key is None and not self.swarm_key.exists():
             from gossiploco.security.swarm_key import SwarmKey
 
             SwarmKey.generate().save(self.swarm_key)
@@ -249,7 +256,8 @@ class LocalPeers:
                      "--identity", str(self.identity_path(rank))]
         else:
             where = ["--peers", ",".join(self.endpoints)]
-        return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), *where, "--swarm-key", str(self.swarm_key),
+        trust = ["--open"] if self.swarm_key is None else ["--swarm-key", str(self.swarm_key)]
+        return [sys.executable, "-m", "gossiploco", "peer", "--rank", str(rank), *where, *trust,
                 "--out", str(self.peer_dir(rank)), *self.args, *self.per_rank.get(rank, ())]
 
     def start(self, ranks: Sequence[int] | None = None, env: dict[int, dict[str, str]] | None = None) -> LocalPeers:

@@ -35,6 +35,7 @@ class Ledger:
         self._failures: Counter[int] = Counter()
         self._reasons: dict[int, str] = {}
         self._disagreements = 0
+        self._pairs: dict[tuple[int, int], int] = {}
 
     def excluded(self) -> set[int]:
         with self._lock:
@@ -65,8 +66,10 @@ class Ledger:
         values, or their exclusions differ): counted and logged, nobody struck (``robust_mean``)."""
         with self._lock:
             self._disagreements += 1
-        log.warning("round %d: the owners %s of %s disagree; that segment takes the median of their results "
-                    "and this peer's own", round_index, owners, what)
+            pair = self._pairs[owners] = self._pairs.get(owners, 0) + 1
+        if pair & (pair - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... time for this pair: no flood of warnings
+            log.warning("round %d: the owners %s of %s disagree (%d time(s) so far); that segment takes the median "
+                        "of their results and this peer's own", round_index, owners, what, pair)
 
     def summary(self) -> dict:
         """The summary's ``security`` entries of robust mixing."""

@@ -59,11 +59,11 @@ import torch
 
 from gossiploco.adaptive import AdaptiveMix2
 from gossiploco.checkpoint import Checkpoint, CheckpointWriter, Snapshot, shared_config
+from gossiploco.adversary import Adversary
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batches
 from gossiploco.errors import ConfigError
 from gossiploco.membership.directory import Directory
-from gossiploco.adversary import Adversary
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.reach.paths import Reach
@@ -219,7 +219,8 @@ class NetworkPeer:
         self._closed = False
         self.adaptive = AdaptiveMix2(cfg) if cfg.mix2.mode == "adaptive" and cfg.mode == "factored" else None
         self.monitor = PeerMonitor(cfg, rank, self.exchange, self.trainer, eval_trainer, heldout, val_batches,
-                                   clock=self.clock, progress=self.progress, adaptive=self.adaptive, publish=self._publish)
+                                   clock=self.clock, progress=self.progress, adaptive=self.adaptive, publish=self._publish,
+                                   robust=getattr(self.algo, "robust", None))
         """Measurements and metrics records (written through ``_publish``)."""
         self._started = time.perf_counter()
         self.start_round = 0

@@ -23,7 +23,9 @@ from gossiploco.blocks import group_by_block
 from gossiploco.config import RunConfig
 from gossiploco.errors import ExchangeClosed, ExchangeError
 from gossiploco.factored import FactoredDiLoCo
+from gossiploco.mixing.compression import Float32Codec
 from gossiploco.mixing.operators import pack, unpack
+from gossiploco.mixing.robust_mean import Robust, robust_group_mean
 from gossiploco.tensor_checks import all_finite
 from gossiploco.runtime.common import monitor_reuses_mix1
 from gossiploco.runtime.peer_clock import PeerClock
@@ -46,8 +48,12 @@ class PeerMonitor:
     def __init__(self, cfg: RunConfig, rank: int, exchange: ZmqExchange, trainer: LocalTrainer,
                  eval_trainer: LocalTrainer, heldout: torch.Tensor,
                  val_batches: list[tuple[torch.Tensor, torch.Tensor]], *, clock: PeerClock,
-                 progress: TrainingProgress, adaptive: AdaptiveMix2 | None, publish: Callable[[dict], None]):
+                 progress: TrainingProgress, adaptive: AdaptiveMix2 | None, publish: Callable[[dict], None],
+                 robust: Robust | None = None):
         self.cfg = cfg
+        self.robust = robust
+        """Robust mixing (an open run's): the monitors' averages, the final model's included, are robust means too,
+        so a lying member neither spoils the model this peer keeps nor the consensus it reports."""
         self.rank = rank
         self.exchange = exchange
         self.trainer = trainer
@@ -155,6 +161,13 @@ class PeerMonitor:
 
     # -- the measurement ---------------------------------------------------------------------------
 
+    def _mean(self, key: str, flat: torch.Tensor, members: list[int], r: int) -> torch.Tensor:
+        """The members' mean of ``flat`` (handed over): the exchange's all-reduce, or robust (``self.robust``)."""
+        if self.robust is None:
+            return self.exchange.all_reduce_mean(key, flat, members, inplace=True)
+        return robust_group_mean(key, flat, members, self.exchange, Float32Codec(), self.robust.settings,
+                                 self.robust.ledger, r)[0]
+
     def _measure(self, r: int, h: int, *, val_loss: bool, final: bool,
                  at: tuple[TensorDict, TensorDict | None] | None = None,
                  group: list[int] | ExchangeError | None = None) -> dict:
@@ -172,7 +185,7 @@ class PeerMonitor:
                 raise group
             members = ex.group(f"monitor/{r}/{h}", r) if group is None else group
             if at is None:
-                flat = ex.all_reduce_mean(f"monitor/{r}/{h}", pack([params], self.names), members, inplace=True)
+                flat = self._mean(f"monitor/{r}/{h}", pack([params], self.names), members, r)
                 if not all_finite(flat):
                     raise ExchangeError("non-finite average")
                 avg = unpack(flat, [params], self.names)[0]
@@ -191,7 +204,7 @@ class PeerMonitor:
             weight = float(valid)
             mine = torch.tensor([weight] + [weight * v for v in [math.sqrt(total), total, js]
                                             + [math.sqrt(terms[b]) for b in blocks]] + extra, dtype=torch.float32)
-            mean = ex.all_reduce_mean(f"monitor/{r}/{h}/terms", mine, members).tolist()
+            mean = self._mean(f"monitor/{r}/{h}/terms", mine, members, r).tolist()
             if mean[0] <= 0:
                 raise ExchangeError("no peer of the group had Mix1's average to measure against")
             mean = [mean[0]] + [v / mean[0] for v in mean[1:4 + len(blocks)]] + mean[4 + len(blocks):]

@@ -28,8 +28,8 @@ Settings (measured on 2 shared cores, plain): 60 rounds of 8 inner steps in both
 
 Verdicts (one-sided: an attack that lowers the loss costs nothing): a case *held* when its honest final
 val loss is at most ``HARM_LIMIT`` above the attack-free run of the same suite, preset and variant (and,
-for ``state_flood``, the honest peers' uploads at most ``FLOOD_UPLOAD_LIMIT`` times the attack-free
-run's); a missing or non-finite loss, a peer that did not finish, or a run that could not be started
+for ``state_flood``, the honest peers' uploads at most the attack-free run's plus ``FLOOD_SLACK`` times what
+the state-request limit allows the flooder, ``flood_allowance``); a missing or non-finite loss, a peer that did not finish, or a run that could not be started
 fails. The robust variant's attack-free run must cost at most ``ROBUST_COST_LIMIT`` against the plain
 one's. Rows are kept in ``--data`` (JSON) across invocations, so ``--variant robust`` after a plain run
 completes the table; ``--results`` (Markdown) is rewritten from all rows, with each run's command.
@@ -68,8 +68,10 @@ HARM_LIMIT = 0.05
 """An attack holds when the honest final val loss is at most this much (relative) above the attack-free run's."""
 ROBUST_COST_LIMIT = 0.01
 """Robust mixing without attackers may cost at most this much (relative) final val loss against plain."""
-FLOOD_UPLOAD_LIMIT = 1.25
-"""A state flood holds when the honest peers upload at most this many times what they upload attack-free."""
+FLOOD_SLACK = 1.1
+"""A state flood holds when the honest peers upload no more than the attack-free run's bytes plus what the
+protocol's state-request limit allows a member (``protocol.state_limit``: ``BURST`` states, then one per
+``REFILL_ROUNDS`` rounds, from each honest peer) times this slack (chunk headers and framing)."""
 REAL_TIMEOUT_S = 300.0
 STATE_FLOOD_MODULE = "gossiploco.runtime.state_flood"
 PLAIN_SECURITY_KEYS = ("encrypted", "private", "refused_connections", "rejected_messages")
@@ -88,6 +90,8 @@ class Row:
     """The honest workers' (virtual: one, their average) or honest peers' final val losses."""
     uploaded: list[int] = field(default_factory=list)
     """Real suite: each honest peer's ``wire_bytes_sent``."""
+    flood_allowance: int = 0
+    """``state_flood``: the state bytes the protocol's limit lets the flooder take from the honest peers in all."""
     notes: list[str] = field(default_factory=list)
     error: str = ""
     """Why the case has no valid outcome (could not run, did not finish, not run)."""
@@ -173,6 +177,18 @@ def state_flood_available() -> bool:
     return importlib.util.find_spec(STATE_FLOOD_MODULE) is not None
 
 
+def flood_allowance(honest: int, rounds: int) -> int:
+    """The state bytes ``protocol.state_limit`` lets one member take from ``honest`` peers over ``rounds`` rounds:
+    ``BURST + ceil(rounds / REFILL_ROUNDS)`` states from each, a state being z, the outer momentum and AdamW's two
+    moments (``runtime.peer_join.provide_state``) in fp32."""
+    from gossiploco.data import load_corpus
+    from gossiploco.model import count_parameters
+    from gossiploco.protocol.state_limit import BURST, REFILL_ROUNDS
+
+    vocab = load_corpus(load_config(REAL_PRESET, TINY_OVERRIDES).data).vocab_size
+    return honest * (BURST + math.ceil(rounds / REFILL_ROUNDS)) * 4 * 4 * count_parameters("tiny", vocab)
+
+
 def run_real(args, variant: str, case: str) -> Row:
     """One open run of ``REAL_PEERS`` peer processes, rank ``REAL_ATTACKER`` mounting ``case``."""
     from gossiploco.membership.bootstrap import start_bootstrap
@@ -202,6 +218,8 @@ def run_real(args, variant: str, case: str) -> Row:
         summaries = {r: read_json(peers.peer_dir(r) / "summary.json") for r in range(REAL_PEERS)}
         row.losses = [summaries[r].get("final_val_loss") for r in honest]
         row.uploaded = [int(summaries[r].get("wire_bytes_sent") or 0) for r in honest]
+        if case == "state_flood":
+            row.flood_allowance = flood_allowance(len(honest), args.real_rounds)
         failures = sum(summaries[r].get(k, 0) or 0 for r in honest for k in ("mix1_failures", "mix2_failures"))
         row.notes.append(f"exit codes {codes}; honest mix failures {failures}")
         attacker = summaries[REAL_ATTACKER]
@@ -260,8 +278,8 @@ def judge(rows: dict[tuple, Row]) -> None:
         harm = relative(row.worst, base.worst)
         held = harm <= HARM_LIMIT
         if row.case.startswith("state_flood") and base.uploaded and row.uploaded:
-            ratio = sum(row.uploaded) / max(1, sum(base.uploaded))
-            held = held and ratio <= FLOOD_UPLOAD_LIMIT
+            extra = sum(row.uploaded) - sum(base.uploaded)
+            held = held and row.flood_allowance > 0 and extra <= FLOOD_SLACK * row.flood_allowance
         row.verdict = "held" if held else "FAILED"
 
 
@@ -278,7 +296,8 @@ def fmt_vs(row: Row, rows: dict[tuple, Row]) -> str:
     text = f"{relative(row.worst, base.worst):+.1%}"
     if row.case.startswith("state_flood") and base.uploaded:
         text += (f"; uploads {sum(row.uploaded) / 2**20:.1f} MiB vs {sum(base.uploaded) / 2**20:.1f} MiB "
-                 f"(x{sum(row.uploaded) / max(1, sum(base.uploaded)):.2f})")
+                 f"(x{sum(row.uploaded) / max(1, sum(base.uploaded)):.2f}; the request limit allows "
+                 f"+{row.flood_allowance / 2**20:.1f} MiB)")
     return text
 
 
@@ -292,7 +311,8 @@ def write_results(path: Path, rows: dict[tuple, Row], runs: list[dict]) -> None:
     lines = ["# Member attack suite: dishonest members of an open run", "",
              "Produced by `bench/attacks_members.py` (issue 25, part 4; see its docstring for the settings and verdicts). "
              f"A case *held* when the honest final val loss is at most {HARM_LIMIT:.0%} above the attack-free run of "
-             f"the same suite, preset and variant (`state_flood`: and the honest uploads at most x{FLOOD_UPLOAD_LIMIT}); "
+             f"the same suite, preset and variant (`state_flood`: and the honest uploads at most the attack-free run's "
+             f"plus {FLOOD_SLACK}x what the state-request limit allows the flooder); "
              f"robust mixing without attackers may cost at most {ROBUST_COST_LIMIT:.0%} against plain. "
              "Plain rows are the \"before\" that motivates robust mixing: their failures are expected. A negative "
              "change means the attack lowered the honest loss (with this tiny config's outer step a damped mean, as a "

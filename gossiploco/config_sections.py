@@ -264,7 +264,7 @@ class RobustConfig:
     """CenteredClip steps per aggregate."""
     radius_factor: float = 2.0
     """The clipping radius, in units of the members' median distance from their coordinate-wise median."""
-    outlier_factor: float = 4.0
+    outlier_factor: float = 3.0
     """A contribution farther than this many median distances from the median fails the screen."""
     min_cosine: float = -0.2
     """A contribution pointing against the median update (cosine below this) fails the screen."""

@@ -45,10 +45,12 @@ def test_robust_attack_free_costs_at_most_one_percent_against_plain():
 
 def test_a_state_flood_fails_on_uploads_and_is_reported_when_not_run():
     base = row("real", losses=(2.0,) * 3, uploaded=(100,) * 3)
-    assert judged(base, row("real", case="state_flood:5", losses=(2.0,) * 3, uploaded=(125,) * 3))[
-        "plain state_flood:5"] == "held"
-    assert judged(base, row("real", case="state_flood:5", losses=(2.0,) * 3, uploaded=(126,) * 3))[
-        "plain state_flood:5"] == "FAILED"
+    allowed = row("real", case="state_flood:5", losses=(2.0,) * 3, uploaded=(100 + 11,) * 3)
+    allowed.flood_allowance = 30  # the limit lets the flooder take 30 bytes: 3 x 11 extra is within 1.1 x 30
+    assert judged(base, allowed)["plain state_flood:5"] == "held"
+    over = row("real", case="state_flood:5", losses=(2.0,) * 3, uploaded=(100 + 12,) * 3)
+    over.flood_allowance = 30
+    assert judged(base, over)["plain state_flood:5"] == "FAILED"
     assert judged(base, row("real", case="state_flood:5", error="not run: no module"))["plain state_flood:5"] == "not run"
 
 

@@ -41,7 +41,7 @@ class RobustSettings:
 
     iterations: int = 3
     radius_factor: float = 2.0
-    outlier_factor: float = 4.0
+    outlier_factor: float = 3.0
     min_cosine: float = -0.2
     weight_cap: float = 2.0
 

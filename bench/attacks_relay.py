@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,11 +32,11 @@ from pathlib import Path
 from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.reach.relay import MAX_PER_ASKER, RELAY_PROTOCOL, TUNNEL_PROTOCOL
 from gossiploco.reach.tunnel import tunnel_stats
-from gossiploco.runtime.launch import free_ports
 from gossiploco.security.swarm_key import SwarmKey
 from testbed.members import MemberNode
 from testbed.outsider import memory_kib, outsider_dht
 from testbed.processes import descendants, process_table, wait_until
+from testbed.sink import Sink
 from testbed.stream_outsider import (announce_huge_frame, ask_relay, hold_splices, release_splices, serve_sink,
                                      sink_bytes)
 
@@ -125,31 +124,6 @@ def free_proxy(run: Run) -> Case:
     return case
 
 
-class Sink:
-    """A local port that accepts connections and keeps what each sends."""
-
-    def __init__(self):
-        self.server = socket.create_server(("127.0.0.1", free_ports(1)[0]))
-        self.port, self.received = self.server.getsockname()[1], []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            data = bytearray()
-            self.received.append(data)
-            threading.Thread(target=self._read, args=(conn, data), daemon=True).start()
-
-    @staticmethod
-    def _read(conn, data) -> None:
-        with conn:
-            while chunk := conn.recv(1 << 16):
-                data.extend(chunk)
-
-
 def slot_flood(run: Run) -> Case:
     case = Case(run.label, "slot-flood", f"an outsider gets no slot; a member gets at most {MAX_PER_ASKER} "
                 "(per asker); two other members behind NAT still open a tunnel through the relay and carry 1 MiB")
@@ -179,7 +153,7 @@ def slot_flood(run: Run) -> Case:
     finally:
         greedy.dht.run_coroutine(release_splices)
         x.run_coroutine(release_splices)
-        sink.server.close()
+        sink.close()
     return case
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 from functools import partial
 
 import msgpack
@@ -18,7 +17,7 @@ from gossiploco.membership.relay_admission import RunMembers, proof_of
 from gossiploco.reach.relay import RELAY_PROTOCOL, TUNNEL_PROTOCOL, Refused, parse_request
 from gossiploco.reach.streams import splice
 from gossiploco.reach.tunnel import tunnel_stats
-from gossiploco.runtime.launch import free_ports
+from testbed.sink import Sink
 from gossiploco.security.swarm_key import SwarmKey
 from testbed.outsider import memory_kib
 from testbed.processes import wait_until
@@ -76,35 +75,6 @@ def test_a_splice_is_cut_when_idle_or_past_its_bytes_and_ends_with_its_ends():
     assert asyncio.run(scenario("idle"))[0] == "idle"
     assert asyncio.run(scenario("data"))[0] == "data"
     assert asyncio.run(scenario("ended")) == ("ended", b"hello")
-
-
-class Sink:
-    """A local port accepting any number of connections and keeping what each sends."""
-
-    def __init__(self):
-        self.server = socket.create_server(("127.0.0.1", free_ports(1)[0]))
-        self.port = self.server.getsockname()[1]
-        self.received: list[bytearray] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            data = bytearray()
-            self.received.append(data)
-            threading.Thread(target=self._read, args=(conn, data), daemon=True).start()
-
-    @staticmethod
-    def _read(conn: socket.socket, data: bytearray) -> None:
-        with conn:
-            while chunk := conn.recv(1 << 16):
-                data.extend(chunk)
-
-    def close(self) -> None:
-        self.server.close()
 
 
 PER_ASKER = 4

@@ -254,3 +254,12 @@ def test_over_zeromq_a_scaled_member_moves_the_honest_members_no_further_than_th
             assert "3" in ledgers[r].summary()["screen_failures"]
     finally:
         group.close()
+
+
+def test_three_rows_convict_nobody_by_distance_or_direction_but_non_finite_rows_are_dropped():
+    rows = honest_rows(3, 300, seed=12)
+    rows[1] = rows[1] * 50
+    assert screen(rows, SETTINGS, torch.zeros(300)).failed == {}
+    rows[2, 0] = float("inf")
+    verdict = screen(rows, SETTINGS)
+    assert verdict.dropped == {2} and set(verdict.failed) == {2}

@@ -9,7 +9,7 @@ scaled by 1000 moves the mean by 250 honest updates in a group of four). Here th
    against the median (cosine below ``min_cosine``, measured from ``anchor``: the previous mean for
    parameters, zero for pseudo-gradients), fails the screen. Failing it costs a strike
    (``gossiploco.mixing.screen``), not the row: CenteredClip bounds the row's pull anyway, and an honest
-   outlier keeps its say.
+   outlier keeps its say. Distances and directions are judged only among ``MIN_SCREENED_ROWS`` rows or more.
 2. **bounded weights** (``bounded_weights``): a claimed weight above ``weight_cap`` times the median claim
    counts as that cap (and fails the screen): nobody outweighs ``weight_cap`` honest members by claiming tokens.
 3. **CenteredClip** (Karimireddy, He and Jaggi 2021; BTARD-SGD's aggregator, Gorbunov et al. 2021)::
@@ -33,6 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+
+MIN_SCREENED_ROWS = 4
+"""Rows (members not excluded) a segment needs before distances and directions can convict anyone: with three,
+one honest member that mixed with a liar before everyone excluded it is as far from the median as the liar
+was (seen: an open run of 4 peers excluding an honest one after the liar). Fewer rows are still clipped."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ def screen(rows: torch.Tensor, settings: RobustSettings, anchor: torch.Tensor | 
         verdict.dropped.add(i)
         verdict.failed[i] = "non-finite values"
     kept = [i for i in range(rows.shape[0]) if i not in verdict.dropped]
-    if len(kept) < 3:
+    if len(kept) < MIN_SCREENED_ROWS:
         return verdict
     sub = rows[kept]
     center = coordinate_median(sub)

@@ -285,9 +285,16 @@ async def _store_signed(_dht, node, keys: list[str], subkey: int, value, expirat
     return sum(bool(ok) for ok in stored.values())
 
 
-def store_signed(dht, keys: list[str], subkey: int, value, expiration: float) -> int:
+def store_signed(dht, keys: list[str], subkey: int, value, expiration: float, timeout_s: float = 60.0) -> int:
     """Store ``value`` under each of ``keys`` (subkey ``subkey``: the identity's peer id) on the other nodes;
-    how many keys some other node accepted."""
+    how many keys some other node accepted. ``TimeoutError`` after ``timeout_s``."""
+    from concurrent.futures import TimeoutError as FutureTimeout
     from functools import partial
 
-    return dht.run_coroutine(partial(_store_signed, keys=list(keys), subkey=subkey, value=value, expiration=expiration))
+    future = dht.run_coroutine(partial(_store_signed, keys=list(keys), subkey=subkey, value=value,
+                                       expiration=expiration), return_future=True)
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        future.cancel()
+        raise TimeoutError(f"storing {len(keys)} records took more than {timeout_s:g} s") from None

@@ -91,10 +91,12 @@ def _gather_weights(key: str, weight: float, members: list[int], exchange: Excha
 
 def robust_group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exchange, codec: Codec,
                       settings: RobustSettings, ledger: Ledger, round_index: int, *, weight: float | None = None,
-                      tag: int = 0, anchor: torch.Tensor | None = None) -> tuple[torch.Tensor, float | None, int]:
+                      tag: int = 0, anchor: torch.Tensor | None = None,
+                      judge: bool = True) -> tuple[torch.Tensor, float | None, int]:
     """``(robust mean over members, the members' mean bounded weight (None unweighted), bytes sent)`` of the fp32
     vector ``v`` (module docstring). ``anchor``: where the screen measures directions from (the previous mean
-    of parameters; None: zero). ``tag`` as in ``all_to_all``. ``v`` is not modified."""
+    of parameters; None: zero). ``tag`` as in ``all_to_all``. ``judge``: strike the members that fail the screen
+    (False: a measurement's average, which convicts nobody; exclusions still apply). ``v`` is not modified."""
     members = list(members)
     n, me = len(members), members.index(exchange.rank)
     sent = 0
@@ -139,7 +141,7 @@ def robust_group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchang
         agg, verdict = aggregate(rows[taking], [weights[i] for i in taking], settings,
                                  None if anchor is None else seg(anchor, k))
         for row, why in verdict.failed.items():
-            if members[taking[row]] != exchange.rank:
+            if judge and members[taking[row]] != exchange.rank:
                 ledger.strike(round_index, members[taking[row]], why)
         payload = codec.encode(agg)
         payloads.append(payload)

@@ -165,8 +165,9 @@ class PeerMonitor:
         """The members' mean of ``flat`` (handed over): the exchange's all-reduce, or robust (``self.robust``)."""
         if self.robust is None:
             return self.exchange.all_reduce_mean(key, flat, members, inplace=True)
+        own = flat.clone()  # the spread is measured from this peer's own values; measurements convict nobody
         return robust_group_mean(key, flat, members, self.exchange, Float32Codec(), self.robust.settings,
-                                 self.robust.ledger, r)[0]
+                                 self.robust.ledger, r, anchor=own, judge=False)[0]
 
     def _measure(self, r: int, h: int, *, val_loss: bool, final: bool,
                  at: tuple[TensorDict, TensorDict | None] | None = None,

@@ -319,10 +319,9 @@ def write_results(path: Path, rows: dict[tuple, Row], runs: list[dict]) -> None:
              "sign flip or noise in place of an update leaves it, trains faster): such a row says nothing about "
              "robustness. Real runs: each honest peer's final model averages the members' models, the attacker's "
              "included (robustly in the robust variant: the monitors' averages are robust means there). One run's "
-             "final loss moves by 1 to 2% with the last bits of its sums (and a real run's with its timing: three "
-             "robust attack-free real runs of one commit gave 2.0280, 2.0453 and 2.0596), so a single attack-free "
-             "pair does not measure robust mixing's 1% cost: `bench/robust_cost.py` does, over seeds "
-             "(`bench/results/robust-cost.md`).", "",
+             "final loss moves by 1 to 2% with the last bits of its sums, so a single attack-free pair does not "
+             "measure robust mixing's 1% cost: `bench/robust_cost.py` does, over seeds "
+             "(`bench/results/robust-cost.md`, `bench/results/robust-cost-4.md`).", "",
              "Runs recorded here:", ""]
     for run in runs:
         lines.append(f"- `{run['command']}`: {run['machine']}; wall time {run['wall_s']:.0f} s; {run['date']}")

@@ -2,7 +2,8 @@
 side, over several seeds (one run's final loss moves by about 1% with the last bits of its sums, so a cost of
 1% is only seen across seeds).
 
-    python bench/robust_cost.py [--seeds 0 1 2] [--presets globalm1-localm2 diloco] [--rounds 60]
+    python bench/robust_cost.py [--seeds 0 1 2] [--presets globalm1-localm2 diloco] [--rounds 60] [--workers 8]
+                                [--results bench/results/robust-cost.md]
 
 Each seed runs the same config (``bench/attacks_members.py``'s virtual suite: tiny model, 8 workers, 8 inner
 steps, token weights) with ``robust.mode=off`` and ``=on``; reported per preset: each seed's final val loss,
@@ -28,8 +29,8 @@ WORKERS = 8
 COST_LIMIT = 0.01
 
 
-def final_loss(preset: str, mode: str, seed: int, rounds: int) -> tuple[float, float]:
-    cfg = load_config(preset, {**TINY_OVERRIDES, "workers": WORKERS, "rounds": rounds, "inner_steps": 8, "seed": seed,
+def final_loss(preset: str, mode: str, seed: int, rounds: int, workers: int) -> tuple[float, float]:
+    cfg = load_config(preset, {**TINY_OVERRIDES, "workers": workers, "rounds": rounds, "inner_steps": 8, "seed": seed,
                                "round.weights": "tokens", "robust.mode": mode, "monitor.every": 0})
     began = time.perf_counter()
     swarm = VirtualSwarm(cfg)
@@ -45,13 +46,14 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--presets", nargs="+", default=["globalm1-localm2", "diloco"])
     parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument("--results", type=Path, default=ROOT / "bench/results/robust-cost.md")
     args = parser.parse_args()
     began = time.perf_counter()
     lines = ["# What robust mixing costs without attackers", "",
              "Produced by `bench/robust_cost.py` (see its docstring).", "", "```",
              "python " + " ".join(["bench/robust_cost.py", *sys.argv[1:]]), "```", "",
-             f"Machine: {platform.machine()}, 2 shared CPU cores, CPU only. Virtual swarm of {WORKERS} workers, tiny "
+             f"Machine: {platform.machine()}, 2 shared CPU cores, CPU only. Virtual swarm of {args.workers} workers, tiny "
              f"model, {args.rounds} rounds of 8 inner steps, token weights, no attacker.", "",
              "| Preset | Seed | plain final val loss | robust final val loss | robust / plain | plain s | robust s |",
              "|---|---|---|---|---|---|---|"]
@@ -59,8 +61,8 @@ def main() -> int:
     for preset in args.presets:
         ratios, plains, robusts = [], [], []
         for seed in args.seeds:
-            plain, plain_s = final_loss(preset, "off", seed, args.rounds)
-            robust, robust_s = final_loss(preset, "on", seed, args.rounds)
+            plain, plain_s = final_loss(preset, "off", seed, args.rounds, args.workers)
+            robust, robust_s = final_loss(preset, "on", seed, args.rounds, args.workers)
             plains.append(plain)
             robusts.append(robust)
             ratios.append(robust / plain)

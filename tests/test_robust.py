@@ -59,14 +59,13 @@ def test_centered_clip_follows_its_equation_and_bounds_a_scaled_liar():
     w = torch.ones(5)
     out = centered_clip(rows, w, SETTINGS)
     v0 = coordinate_median(rows)
-    # tau = radius_factor * spread: the median distance from v0, at least v0's own size (anchor zero)
-    tau = SETTINGS.radius_factor * max(float((rows - v0).norm(dim=1).median()), float(v0.norm()))
+    tau = SETTINGS.radius_factor * float((rows - v0).norm(dim=1).median())
     expected = reference_centered_clip(rows, w, tau, v0, SETTINGS.iterations)
     assert float((out.double() - expected).norm()) <= 1e-4 * float(expected.norm())
     honest_mean = rows[:4].mean(0)
     # each step moves the result at most w_liar tau / W toward the liar; the honest rows pull it back
     assert float((out - honest_mean).norm()) <= SETTINGS.iterations * tau / 5 + tau
-    assert float((rows.mean(0) - honest_mean).norm()) > 50 * tau  # what a mean would have done
+    assert float((rows.mean(0) - honest_mean).norm()) > 100 * tau  # what a mean would have done
 
 
 def test_the_screen_names_outliers_rows_pointing_backwards_and_non_finite_rows():
@@ -84,15 +83,6 @@ def test_the_screen_names_outliers_rows_pointing_backwards_and_non_finite_rows()
 def test_weights_are_bounded_by_the_median_claim():
     bounded, over = bounded_weights([1.0, 1.0, 64.0, 0.5, 1.0], cap=2.0)
     assert bounded == [1.0, 1.0, 2.0, 0.5, 1.0] and over == [2]
-
-
-def radius(values) -> float:
-    """CenteredClip's tau over whole vectors (anchor zero): radius_factor times the spread of the rows, the larger
-    of their median distance from the coordinate median and that median's size. Each segment's tau is at most
-    about this, and so is the liar's pull summed over the segments."""
-    rows = torch.stack(list(values))
-    v0 = coordinate_median(rows)
-    return SETTINGS.radius_factor * max(float((rows - v0).norm(dim=1).median()), float(v0.norm()))
 
 
 def run_group(values, *, liars=None, weights=None, codec=None, ledgers=None, round_index=0):
@@ -134,8 +124,9 @@ def test_a_scaled_member_is_clipped_struck_and_at_length_excluded():
         honest_mean = torch.stack(values[:4]).mean(0)
         values[4] = values[4] * 1000
         results, _ = run_group(values, ledgers=ledgers, round_index=r)
-        for out, _, _ in results[:4]:  # at most iterations x tau / 5 (the liar's pull): within tau
-            assert float((out - honest_mean).norm()) <= radius(values)
+        spread = float((torch.stack(values[:4]) - honest_mean).norm(dim=1).max())
+        for out, _, _ in results[:4]:
+            assert float((out - honest_mean).norm()) <= 2 * spread
     for ledger in ledgers[:4]:
         assert ledger.excluded() == {4}
         assert "failed the screen in 3 of the last 5 rounds" in ledger.summary()["excluded"]["4"]
@@ -257,8 +248,9 @@ def test_over_zeromq_a_scaled_member_moves_the_honest_members_no_further_than_th
 
         with ThreadPoolExecutor(max_workers=4) as pool:
             results = list(pool.map(one, range(4)))
-        for r in range(3):  # at most iterations x tau / 4 (the liar's pull): within tau
-            assert results[r].ok and float((results[r].values[0]["w"] - honest_mean).norm()) <= radius(values)
+        spread = float((torch.stack(values[:3]) - honest_mean).norm(dim=1).max())
+        for r in range(3):
+            assert results[r].ok and float((results[r].values[0]["w"] - honest_mean).norm()) <= 2 * spread
             assert "3" in ledgers[r].summary()["screen_failures"]
     finally:
         group.close()

@@ -422,8 +422,8 @@ class GossipMix(Mixer):
 
     def _combine_robust(self, flat, dicts, round_index, exchange, weight):
         """ClippedGossip (He, Karimireddy and Jaggi 2022): ``x + clip(x_partner - x, tau) / 2``, with ``tau`` following
-        the honest spread: ``radius_factor`` times the median of this peer's last accepted partners' distances, and
-        at least its own move this round (from its last Mix1 result for parameters, from zero for a
+        the honest spread: ``radius_factor`` times the median of this peer's last accepted partners' distances (until
+        it has three: times its own move this round, from its last Mix1 result for parameters, from zero for a
         pseudo-gradient). A partner that sent non-finite values or whose move points against this peer's own (cosine
         below ``min_cosine``) fails the screen and is not mixed; one farther than ``outlier_factor`` such medians
         away fails it and is clipped. An excluded partner is swapped with (it is waiting) but not mixed. The token
@@ -459,14 +459,13 @@ class GossipMix(Mixer):
         if cosine < settings.min_cosine:
             ledger.strike(round_index, partner, f"points against this peer's own update (cosine {cosine:.2f})")
             return flat, partner, None, payload.numel(), weight
-        scale = max(typical or 0.0, float(own.norm()))  # the honest spread, at least this peer's own move
-        tau = settings.radius_factor * scale
-        if typical is not None and distance > settings.outlier_factor * scale:
-            ledger.strike(round_index, partner, f"{distance / scale:.1f}x the typical partner distance")
+        tau = settings.radius_factor * (typical if typical is not None else float(own.norm()))
+        if typical is not None and distance > settings.outlier_factor * typical:
+            ledger.strike(round_index, partner, f"{distance / typical:.1f}x the typical partner distance")
         else:
             self.distances.append(distance)
-        kept = 1.0 if distance <= tau or tau == 0.0 else tau / distance
-        mixed = mine + diff.mul_(kept / 2)
+        scale = 1.0 if distance <= tau or tau == 0.0 else tau / distance
+        mixed = mine + diff.mul_(scale / 2)
         if self.label == "mix1":
             self.previous = mixed.clone()
         return mixed, partner, residual, payload.numel(), weight

@@ -5,8 +5,7 @@ scaled by 1000 moves the mean by 250 honest updates in a group of four). Here th
 (``gossiploco.mixing.robust_mean``) aggregates the ``M`` rows it received with:
 
 1. **screening** (``screen``): a row with a non-finite value is dropped; a row farther from the
-   coordinate-wise median than ``outlier_factor`` times the rows' ``spread`` (the median of their distances,
-   at least the median's own move from the anchor), or pointing
+   coordinate-wise median than ``outlier_factor`` times the median of the rows' distances, or pointing
    against the median (cosine below ``min_cosine``, measured from ``anchor``: the previous mean for
    parameters, zero for pseudo-gradients), fails the screen. Failing it costs a strike
    (``gossiploco.mixing.screen``), not the row: CenteredClip bounds the row's pull anyway, and an honest
@@ -16,7 +15,7 @@ scaled by 1000 moves the mean by 250 honest updates in a group of four). Here th
 3. **CenteredClip** (Karimireddy, He and Jaggi 2021; BTARD-SGD's aggregator, Gorbunov et al. 2021)::
 
        v_0 = coordinate-wise median of the rows
-       tau = radius_factor * spread                           (the radius follows the honest spread)
+       tau = radius_factor * median_m ||x_m - v_0||          (the radius follows the honest spread)
        v_{l+1} = v_l + sum_m w_m clip(x_m - v_l, tau) / sum_m w_m,   clip(d, tau) = d min(1, tau / ||d||)
 
    for ``iterations`` steps. With no outlier every row lies within ``tau`` of ``v_0`` (the rows of honest
@@ -93,9 +92,9 @@ def screen(rows: torch.Tensor, settings: RobustSettings, anchor: torch.Tensor | 
     sub = rows[kept]
     center = coordinate_median(sub)
     distances = (sub - center).norm(dim=1)
+    typical = float(distances.median())
     base = center if anchor is None else center - anchor
     base_norm = float(base.norm())
-    typical = spread(distances, base_norm)
     for j, i in enumerate(kept):
         d = float(distances[j])
         if typical > 0 and d > settings.outlier_factor * typical:
@@ -110,24 +109,13 @@ def screen(rows: torch.Tensor, settings: RobustSettings, anchor: torch.Tensor | 
     return verdict
 
 
-def spread(distances: torch.Tensor, move: float) -> float:
-    """The distance from the median an honest row may have: the median of the rows' distances, and at least the
-    median's own move from the anchor (``move``). The floor matters where honest rows coincide (a gossip pair's
-    members hold the same values; three rows that agree put the median distance near zero): honest rows then
-    differ by about their updates, never by much more (seen without it: honest peers of a 4-peer open run struck
-    each other at 5 to 11 "typical distances")."""
-    return max(float(distances.median()), move)
-
-
-def centered_clip(rows: torch.Tensor, weights: torch.Tensor, settings: RobustSettings,
-                  anchor: torch.Tensor | None = None) -> torch.Tensor:
-    """CenteredClip of ``rows`` (M, n) with ``weights`` (M,) (module docstring, step 3), its radius
-    ``radius_factor`` times the rows' ``spread`` from ``anchor`` (None: zero); a new fp32 vector."""
+def centered_clip(rows: torch.Tensor, weights: torch.Tensor, settings: RobustSettings) -> torch.Tensor:
+    """CenteredClip of ``rows`` (M, n) with ``weights`` (M,) (module docstring, step 3); a new fp32 vector."""
     total = weights.sum()
     if rows.shape[0] < 3:
         return (weights.unsqueeze(1) * rows).sum(dim=0).div_(total)
     v = coordinate_median(rows)
-    tau = settings.radius_factor * spread((rows - v).norm(dim=1), float((v if anchor is None else v - anchor).norm()))
+    tau = settings.radius_factor * float((rows - v).norm(dim=1).median())
     if tau == 0.0:
         return v
     for _ in range(settings.iterations):
@@ -147,4 +135,4 @@ def aggregate(rows: torch.Tensor, weights: list[float], settings: RobustSettings
     if not kept:
         raise ValueError("no row left to aggregate")
     w = torch.tensor([weights[i] for i in kept], dtype=torch.float32)
-    return centered_clip(rows[kept], w, settings, anchor), verdict
+    return centered_clip(rows[kept], w, settings), verdict

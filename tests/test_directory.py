@@ -289,6 +289,7 @@ def test_two_runs_on_one_swarm_never_see_each_other(swarm):
     assert keys_of(red[0]) == [0, 1] and keys_of(blue[1]) == [2, 3]
 
 
+@pytest.mark.slow  # 3 to 4 s per directory: keeps the fast subset under its 2 minutes
 @pytest.mark.timeout(60)
 def test_every_run_of_a_swarm_sees_each_runs_entry_while_its_peer_is_there(swarm):
     red, blue = swarm("red"), swarm("blue")

@@ -180,6 +180,7 @@ def tiny_args(**overrides):
     return set_args({**TINY, "rounds": 2, **overrides})
 
 
+@pytest.mark.slow  # a 3 s end-to-end run: keeps the fast subset under its 2 minutes
 @pytest.mark.timeout(240)
 def test_cli_end_to_end_writes_report_and_loadable_preset(tmp_path):
     out, preset, runs = tmp_path / "sens.json", tmp_path / "peers" / "auto-subset.toml", tmp_path / "runs"

@@ -147,6 +147,17 @@ class Mixer(ABC):
         """Error feedback, per parameter: what the last successful compressed mix of it lost (CPU fp32)."""
         self.robust: Robust | None = None
         """Robust mixing (``make_robust``; open runs), or None: plain means."""
+        self.previous: torch.Tensor | None = None
+        """Robust Mix1: its last result, where the screen measures the members' moves from."""
+
+    def _anchor(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """Where a robust mix measures moves from: Mix1's last result (None for Mix2, or before a first result)."""
+        return self.previous if self.previous is not None and self.previous.numel() == flat.numel() else None
+
+    def _remember(self, mixed: torch.Tensor) -> None:
+        """Keep a robust Mix1's result as the next mix's anchor."""
+        if self.label == "mix1":
+            self.previous = mixed.clone()
 
     def make_robust(self, robust: Robust) -> None:
         """Mix robustly from now on (``gossiploco.mixing.robust``): the group's or the pair's values screened and
@@ -285,8 +296,6 @@ class GlobalMix(Mixer):
         self.reference: torch.Tensor | None = None
         """The last successful mean (packed), or None: the next mix sends fp32."""
         self.reference_tag = 0
-        self.previous: torch.Tensor | None = None
-        """Robust Mix1: its last result, where the screen measures the members' moves from."""
 
     def _failed(self) -> None:
         self.reference, self.reference_tag = None, 0
@@ -357,7 +366,7 @@ class GlobalMix(Mixer):
             self._failed()  # until this mix succeeds
             if ref is None:
                 codec = Float32Codec()
-        anchor = self.previous if self.previous is not None and self.previous.numel() == flat.numel() else None
+        anchor = self._anchor(flat)
         sent_v = flat if ref is None else flat - ref
         if ref is not None and anchor is not None:
             anchor = anchor - ref
@@ -370,8 +379,7 @@ class GlobalMix(Mixer):
             residual = flat - codec.roundtrip(flat)[1]
         if self.referenced:
             self.reference, self.reference_tag = mean.clone(), reference_tag(round_index, members)
-        if self.label == "mix1":
-            self.previous = mean.clone()
+        self._remember(mean)
         return mean, None, residual, sent, new_weight
 
 
@@ -383,8 +391,6 @@ class GossipMix(Mixer):
         super().__init__(label, names, seed, codec, error_feedback, feedback_decay, key_suffix)
         self.distances: deque[float] = deque(maxlen=16)
         """Robust gossip: the distances of this peer's last accepted partners (ClippedGossip's radius follows them)."""
-        self.previous: torch.Tensor | None = None
-        """Robust Mix1: its last result, where this peer's own move is measured from."""
 
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)
@@ -452,7 +458,7 @@ class GossipMix(Mixer):
             ledger.strike(round_index, partner, "non-finite values")
             return flat, partner, None, payload.numel(), weight
         typical = sorted(self.distances)[len(self.distances) // 2] if len(self.distances) >= 3 else None
-        anchor = self.previous if self.previous is not None and self.previous.numel() == flat.numel() else None
+        anchor = self._anchor(flat)
         own = mine if anchor is None else mine - anchor
         theirs_move = own + diff  # the partner's move from the same anchor
         cosine = float(own @ theirs_move) / max(float(own.norm()) * float(theirs_move.norm()), 1e-30)
@@ -466,8 +472,7 @@ class GossipMix(Mixer):
             self.distances.append(distance)
         scale = 1.0 if distance <= tau or tau == 0.0 else tau / distance
         mixed = mine + diff.mul_(scale / 2)
-        if self.label == "mix1":
-            self.previous = mixed.clone()
+        self._remember(mixed)
         return mixed, partner, residual, payload.numel(), weight
 
 

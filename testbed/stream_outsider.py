@@ -75,13 +75,27 @@ async def release_splices(_dht: Any, _node: Any) -> int:
     return count
 
 
+async def _read_answer(reader: asyncio.StreamReader, limit: int = 4096) -> bytes:
+    """The other side's first answer: a whole length-prefixed frame when it sends one (the prefix and the body may
+    arrive in separate reads), else whatever came before the stream closed."""
+    said = b""
+    try:
+        said = await reader.readexactly(8)
+        length = int.from_bytes(said, "big")
+        if length <= limit:
+            said += await reader.readexactly(length)
+    except asyncio.IncompleteReadError as short:
+        said += short.partial
+    return said
+
+
 async def announce_huge_frame(_dht: Any, node: Any, *, address: str, protocol: str, announced: int = 1 << 40,
                               send_bytes: int = 32 << 20, header: bytes | None = None, send_s: float = 10.0) -> dict:
     """Open ``protocol`` on the node at ``address``, announce a frame of ``announced`` bytes (hivemind's 8-byte
     length prefix, or ``header`` as given) and send up to ``send_bytes`` of it within ``send_s``: how many bytes
     the other side took before it closed the stream, and what it answered."""
     reader, writer = await _open(node, address, protocol)
-    answer = asyncio.ensure_future(reader.read(4096))  # whatever the other side says, while we send
+    answer = asyncio.ensure_future(_read_answer(reader))  # whatever the other side says, while we send
     writer.write(header if header is not None else announced.to_bytes(8, "big"))
     chunk, sent, closed = b"\0" * (1 << 16), 0, False
     loop = asyncio.get_running_loop()

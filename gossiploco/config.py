@@ -23,11 +23,11 @@ from typing import Any
 
 from gossiploco.config_sections import (
     MIX_KINDS, AdaptiveConfig, CheckpointConfig, ComputeConfig, DataConfig, InnerOptConfig, MixConfig, ModelConfig,
-    MonitorConfig, OuterOptConfig, RobustConfig, RoundConfig, TimeoutConfig, TransportConfig, _choice, _positive)
+    GroupConfig, MonitorConfig, OuterOptConfig, RobustConfig, RoundConfig, TimeoutConfig, TransportConfig, _choice, _positive)
 from gossiploco.errors import ConfigError
 
 __all__ = ["MIX_KINDS", "MODES", "PRESETS_DIR", "TINY_OVERRIDES", "AdaptiveConfig", "CheckpointConfig", "ComputeConfig",
-           "DataConfig", "InnerOptConfig", "MixConfig", "ModelConfig", "MonitorConfig", "OuterOptConfig", "RobustConfig", "RoundConfig",
+           "DataConfig", "GroupConfig", "InnerOptConfig", "MixConfig", "ModelConfig", "MonitorConfig", "OuterOptConfig", "RobustConfig", "RoundConfig",
            "RunConfig", "TimeoutConfig", "TransportConfig", "config_from_dict", "load_config", "preset_names",
            "resolve_preset"]
 """The sections are defined in ``gossiploco.config_sections`` and imported from here."""
@@ -84,6 +84,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     round: RoundConfig = field(default_factory=RoundConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
+    groups: GroupConfig = field(default_factory=GroupConfig)
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -95,7 +96,7 @@ class RunConfig:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("model", "compute", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive",
-                     "checkpoint", "round", "robust"):
+                     "checkpoint", "round", "robust", "groups"):
             getattr(self, name).check(name)
         micro = self.compute.micro_batch_size
         if micro and self.data.batch_size % micro:

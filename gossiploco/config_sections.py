@@ -342,6 +342,22 @@ class TimeoutConfig:
 
 
 @dataclass
+class GroupConfig:
+    """How large swarms split every exchange into groups (gossiploco.protocol.groups; every peer of a run must use
+    the same values)."""
+
+    size: int = 16
+    """Swarms of at most this many members exchange as one group (a global Mix1 is the swarm's mean). Larger ones
+    split each exchange into random buckets of at most this many members on average, with a leader drawn per
+    exchange: nobody waits for a peer outside its group, gossip pairs inside groups, and a global Mix1 becomes the
+    group's mean (its rho about 1/size instead of 0: README, "Large swarms")."""
+
+    def check(self, p: str) -> None:
+        if self.size < 2:
+            raise ConfigError(f"{p}.size", f"must be at least 2, got {self.size}")
+
+
+@dataclass
 class TransportConfig:
     """The ZeroMQ data plane of network peers (every peer of a run must use the same values)."""
 

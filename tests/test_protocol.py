@@ -7,6 +7,7 @@ import torch
 
 from gossiploco.errors import MalformedMessage
 from gossiploco.protocol.agreement import Follow
+from gossiploco.protocol.groups import leader_of
 from gossiploco.protocol.collectives import RingAllReduce, Swap
 from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import Abort, Data, Decision, Hello, Ready, Send, StateRequest, from_wire, to_wire
@@ -81,27 +82,32 @@ def test_early_chunks_from_strangers_are_refused_when_the_call_starts():
 
 
 def test_a_follower_that_gives_up_tells_its_whole_view():
-    node = _nodes(4)[2]
+    leader = leader_of(0, "mix1/0", range(4))  # drawn per exchange from the run's seed (protocol.groups)
+    me = next(p for p in range(4) if p != leader)
+    node = _nodes(4)[me]
     follow = node.group_call("mix1/0", 0, 0.0)
-    assert isinstance(follow, Follow) and follow.leader == 0
-    node.disconnected(0, 0.5) if 0 in node.peers.connected else node.peers.on_leave(0, 0.5)
+    assert isinstance(follow, Follow) and follow.leader == leader
+    node.disconnected(leader, 0.5) if leader in node.peers.connected else node.peers.on_leave(leader, 0.5)
     step = follow.poll(node, 0.6)
     assert step.error is not None and "leader" in str(step.error)
-    assert sorted(s.peer for s in step.sends) == [0, 1, 3] and all(s.message == Abort("mix1/0") for s in step.sends)
+    assert sorted(s.peer for s in step.sends) == [p for p in range(4) if p != me]
+    assert all(s.message == Abort("mix1/0") for s in step.sends)
 
 
 def test_a_restarted_peers_ready_gets_the_group_without_it():
-    leader = _nodes(3)[0]
-    for p in (1, 2):
+    chief = leader_of(0, "mix1/0", range(3))
+    a, b = (p for p in range(3) if p != chief)
+    leader = _nodes(3)[chief]
+    for p in (a, b):
         leader.connected(p, 0.0)
     lead = leader.group_call("mix1/0", 0, 0.0)
-    leader.receive(1, Ready("mix1/0", 0), 0.1)
-    leader.receive(2, Ready("mix1/0", 0), 0.1)
+    leader.receive(a, Ready("mix1/0", 0), 0.1)
+    leader.receive(b, Ready("mix1/0", 0), 0.1)
     assert lead.poll(leader, 0.2).done and lead.outcome() == [0, 1, 2]
-    assert leader.receive(1, Ready("mix1/0", 0), 0.3)[0].message.group == (0, 1, 2)  # a duplicate: same answer
-    leader.disconnected(2, 0.5)  # peer 2 crashed; its new incarnation asks again
-    answer = leader.receive(2, Ready("mix1/0", 0), 0.9)[0].message
-    assert answer.group == (0, 1)
+    assert leader.receive(a, Ready("mix1/0", 0), 0.3)[0].message.group == (0, 1, 2)  # a duplicate: same answer
+    leader.disconnected(b, 0.5)  # peer b crashed; its new incarnation asks again
+    answer = leader.receive(b, Ready("mix1/0", 0), 0.9)[0].message
+    assert answer.group == tuple(sorted({chief, a}))
 
 
 def test_the_mailbox_evicts_idle_keys_then_drops_and_stays_bounded():

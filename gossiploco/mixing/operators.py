@@ -32,6 +32,7 @@ from gossiploco.errors import ExchangeClosed, ExchangeError, PeerFailed
 from gossiploco.mixing.compressed import group_mean, pair_mean
 from gossiploco.mixing.compression import Codec, Float32Codec
 from gossiploco.mixing.exchange import Exchange
+from gossiploco.mixing.packing import pack, unpack
 from gossiploco.mixing.robust_mean import Robust, robust_group_mean
 from gossiploco.mixing.weighted import group_scale, pair_scale, push_sum_swap, weighted_all_reduce
 from gossiploco.tensor_checks import all_finite
@@ -87,39 +88,6 @@ def pair_matching(seed: int, round_index: int, salt: str, members: Sequence[int]
     if len(perm) % 2:
         partners[perm[-1]] = None
     return partners
-
-
-def pack(dicts: Sequence[TensorDict], names: Sequence[str]) -> torch.Tensor:
-    """The selected entries of every dict, flattened into one fp32 CPU vector.
-
-    Entries may live on a GPU (the outer state, gossiploco.outer_state): they are copied straight into
-    one page-locked vector on the current CUDA stream (DMA, no staging copy), which is waited for once;
-    mixing in place in it and copying the result back to the GPU are then asynchronous too."""
-    parts = [d[n].detach().reshape(-1) for d in dicts for n in names]
-    if not parts:
-        return torch.empty(0)
-    gpu = next((p.device for p in parts if p.device.type == "cuda"), None)
-    flat = torch.empty(sum(p.numel() for p in parts), dtype=torch.float32, pin_memory=gpu is not None)
-    offset = 0
-    for part in parts:
-        flat[offset:offset + part.numel()].copy_(part, non_blocking=gpu is not None)
-        offset += part.numel()
-    if gpu is not None:
-        torch.cuda.current_stream(gpu).synchronize()
-    return flat
-
-
-def unpack(flat: torch.Tensor, dicts: Sequence[TensorDict], names: Sequence[str]) -> list[TensorDict]:
-    """Inverse of ``pack``: new dicts whose selected entries are views of ``flat``."""
-    out, offset = [], 0
-    for d in dicts:
-        mixed = dict(d)
-        for n in names:
-            size = d[n].numel()
-            mixed[n] = flat[offset : offset + size].view_as(d[n])
-            offset += size
-        out.append(mixed)
-    return out
 
 
 class Mixer(ABC):
@@ -285,7 +253,10 @@ class GlobalMix(Mixer):
     too and drop theirs, so at most two mixes after a disagreement every member sends fp32, gets the
     exact mean, and holds it as the new common reference: a change of membership costs one failed Mix1
     and one fp32 Mix1, never a deadline. The first reference is x_0, where every worker starts
-    (``start_reference``); a worker that downloads its state has none (``forget_reference``)."""
+    (``start_reference``); a worker that downloads its state has none (``forget_reference``). In a swarm split
+    into groups (``protocol.groups``) the groups change every round, so a reference is only used by a group of
+    exactly the members that made it (x_0 by any group): otherwise every member sends fp32, as every one of them
+    sees the group differ from its reference's, and nothing fails."""
 
     kind = "global"
 
@@ -296,13 +267,31 @@ class GlobalMix(Mixer):
         self.reference: torch.Tensor | None = None
         """The last successful mean (packed), or None: the next mix sends fp32."""
         self.reference_tag = 0
+        self.reference_members: list[int] | None = None
+        """The members whose mean ``reference`` is (sorted); None: x_0, every worker's."""
 
     def _failed(self) -> None:
-        self.reference, self.reference_tag = None, 0
+        self.reference, self.reference_tag, self.reference_members = None, 0, None
 
     def start_reference(self, dicts: Sequence[TensorDict]) -> None:
         if self.referenced:
             self.reference, self.reference_tag = pack(list(dicts), self.names), INITIAL_REFERENCE
+            self.reference_members = None
+
+    def _reference_for(self, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor | None:
+        """The reference this mix compresses against, or None (send fp32): one of the right size, made by exactly
+        these members (or x_0)."""
+        ref = self.reference
+        if ref is None or ref.numel() != flat.numel():
+            return None
+        if self.reference_members is not None and self.reference_members != sorted(members):
+            return None
+        return ref
+
+    def _keep_reference(self, mean: torch.Tensor, round_index: int, members: Sequence[int],
+                        into: torch.Tensor | None = None) -> None:
+        self.reference = mean.clone() if into is None else into.copy_(mean)
+        self.reference_tag, self.reference_members = reference_tag(round_index, members), sorted(members)
 
     def forget_reference(self) -> None:
         self._failed()
@@ -338,16 +327,16 @@ class GlobalMix(Mixer):
             mean, residual, payload = group_mean(key, flat, members, exchange, self.codec, feedback=self.error_feedback,
                                                  inplace=True)
             return mean, None, residual, sent + payload, new_weight
-        ref = self.reference if self.reference is not None and self.reference.numel() == flat.numel() else None
-        self._failed()  # until this mix succeeds
+        ref, tag = self._reference_for(flat, members), self.reference_tag
+        self._failed()  # until this mix succeeds (``tag`` was read before: the exchange checks every member's)
         if ref is None:
             mean, _, payload = group_mean(key, flat, members, exchange, Float32Codec(), tag=0, inplace=True)
             ref = torch.empty_like(mean)
         else:  # weighted: s (z - ref) = s z - s ref, and the members' s average to 1, so the mean is wmean(z) - ref
             mean, _, payload = group_mean(key, flat.sub_(ref, alpha=scale), members, exchange, self.codec,
-                                          tag=self.reference_tag, inplace=True)
+                                          tag=tag, inplace=True)
             mean.add_(ref)
-        self.reference, self.reference_tag = ref.copy_(mean), reference_tag(round_index, members)
+        self._keep_reference(mean, round_index, members, into=ref)
         return mean, None, None, sent + payload, new_weight
 
 
@@ -359,8 +348,7 @@ class GlobalMix(Mixer):
         codec = self.codec or Float32Codec()
         if self.error_feedback:
             self._prepare_compressed(flat, dicts, 1.0)
-        ref = self.reference if self.referenced and self.reference is not None \
-            and self.reference.numel() == flat.numel() else None
+        ref = self._reference_for(flat, members) if self.referenced else None
         tag = self.reference_tag if ref is not None else 0
         if self.referenced:
             self._failed()  # until this mix succeeds
@@ -378,7 +366,7 @@ class GlobalMix(Mixer):
         if self.error_feedback:  # what encoding lost of what this member sent (not the owners' re-encoding)
             residual = flat - codec.roundtrip(flat)[1]
         if self.referenced:
-            self.reference, self.reference_tag = mean.clone(), reference_tag(round_index, members)
+            self._keep_reference(mean, round_index, members)
         self._remember(mean)
         return mean, None, residual, sent, new_weight
 

@@ -1,24 +1,27 @@
 """Group agreement: before an exchange, the peers taking part agree on its member list.
 
-The leader of exchange ``key`` in round r is the lowest id of a peer's view (``members(r)``).
+A peer's candidates for exchange ``key`` of round r are its bucket of its view (``members(r)``), and their
+leader is the bucket's lowest lead score (``protocol.groups``: buckets of at most ``group_size`` members on
+average, a leader no one can choose; a view of at most ``group_size`` members is one bucket).
 
 * Followers send it ``Ready(key, r)`` and wait for its ``Decision``.
-* The leader (``Lead``) waits until every member of its view is ready or has failed, at most
-  ``grace_s``, then sends the group (itself plus the ready followers) to each of them.
+* The leader (``Lead``) waits until every candidate is ready or has failed, at most ``grace_s``, then sends
+  the group (itself plus the ready followers, at most ``groups.cap``) to each of them. Nobody waits for a
+  peer outside its bucket: a late or dead peer costs its own group one grace window at most.
 * Everyone in the group then runs the exchange over exactly that list. Every peer of a group
   holds the same list, so gossip pairings computed from it are mutual.
 * A straggler whose ``Ready`` comes after the decision is told at once and does identity.
 * A follower repeats its ``Ready`` every half grace window (a message lost with a dropped
   connection costs half a window, not the whole wait).
 * A follower (``Follow``) that hears nothing within ``2 * grace_s`` plus one control send, or whose
-  leader disconnects or abandons the key, fails. It then tells every peer of its view that it
+  leader disconnects or abandons the key, fails. It then tells every candidate of its bucket that it
   abandons the key (``Abort``), so a peer that counted on it fails at once instead of waiting out
   a deadline (this is what keeps a dead leader from costing more than one grace window).
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
   key) fails the follower's call, counted (``unknown_members``): a group it cannot run is a failed
   exchange, never a crash.
-* A peer asked to lead a key while its own view names another leader answers "not leading" (an
-  empty decision); a peer still starting up keeps the ``Ready`` (it is about to lead).
+* A peer asked to lead a key while its own view names another leader, or puts the asker in another bucket,
+  answers "not leading" (an empty decision); a peer still starting up keeps the ``Ready`` (it is about to lead).
 
 Peers whose views name different leaders form disjoint groups (each consistent) or do identity:
 never a mixed-up exchange. Chunks of a key from a peer outside the group this peer agreed on are
@@ -30,6 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.protocol import groups
 from gossiploco.protocol.call import Call, Step
 from gossiploco.protocol.messages import Decision, Ready, Send
 
@@ -68,7 +72,7 @@ class _GroupCall(Call):
 
 
 class Lead(_GroupCall):
-    """This peer leads ``key``: wait for the view's followers (at most ``grace_s``), then decide."""
+    """This peer leads ``key``: wait for its bucket's followers (``view``; at most ``grace_s``), then decide."""
 
     def __init__(self, key: str, view: list[int], began: float, grace_s: float):
         super().__init__(key, began, began + grace_s)
@@ -88,8 +92,11 @@ class Lead(_GroupCall):
             return Step(wait_until=self.deadline)
         ready = node.ready.pop(self.key, set())
         gave_up = node.aborted.get(self.key, set())  # an early follower whose wait ran out: it does identity
-        group = ring_order({node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up},
-                           node.behind_nat if node.order_rings else set())
+        chosen = {node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up}
+        limit = groups.cap(node.group_size)
+        if len(chosen) > limit:  # a bucket far above its mean (Binomial): the lowest lead scores go on
+            chosen = set(groups.lead_order(node.group_seed, self.key, chosen)[:limit])
+        group = ring_order(chosen, node.behind_nat if node.order_rings else set())
         node.decided.put(self.key, (group, now))
         node.grouped.put(self.key, frozenset(group))
         left_out = sorted(set(self.view) - set(group))
@@ -176,7 +183,7 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
             group = [p for p in group if p != sender]
         return [Send(sender, Decision(key, node.current_round, tuple(group)))]
     own = peers.joined.get(node.rank)  # None: this peer has not decided yet (starting up)
-    if own is not None and (peers.members(message.round)[0] != node.rank or own > message.round):
+    if own is not None and (own > message.round or not node.leads(key, message.round, sender)):
         return [Send(sender, Decision(key, node.current_round, ()))]
     node.ready.put(key, node.ready.get(key, set()) | {sender})
     return []

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Generic, TypeVar
 
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
-from gossiploco.protocol import agreement
+from gossiploco.protocol import agreement, groups
 from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Message, Ready,
                                           Send, ServeState, StateRequest, op_and_round)
@@ -98,6 +98,10 @@ class PeerNode:
         """Peers known to be behind NAT (their records say so): a group this peer leads is ordered
         by ``agreement.ring_order`` to keep them apart in the ring (when ``order_rings``)."""
         self.order_rings = True
+        self.group_seed = 0
+        """The run's seed: it keys the buckets and leaders of every exchange (``groups``); every peer of a run holds the same."""
+        self.group_size = groups.DEFAULT_SIZE
+        """Views larger than this split into buckets (``groups``); every peer of a run holds the same."""
         self.ready: Records[str, set[int]] = Records()
         self.decided: Records[str, tuple[list[int], float]] = Records()  # key -> (group, when decided)
         self.told: Records[str, tuple[int, tuple[int, ...]]] = Records()
@@ -267,15 +271,28 @@ class PeerNode:
         """The agreement call for ``key`` of round ``round_index``; None when this peer takes no part in that round."""
         if not self.peers.takes_part(round_index):
             return None
-        view = self.members(round_index)
-        if view[0] == self.rank:
-            return agreement.Lead(key, view, now, self.grace_s)
-        return agreement.Follow(key, view[0], round_index, view, now, self.grace_s)
+        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
+        leader = groups.leader_of(self.group_seed, key, candidates)
+        if leader == self.rank:
+            return agreement.Lead(key, candidates, now, self.grace_s)
+        return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
 
-    def isolated(self, group: list[int]) -> str | None:
+    def leads(self, key: str, round_index: int, sender: int) -> bool:
+        """Whether this peer leads ``sender``'s bucket of exchange ``key`` in round ``round_index`` (by its own view)."""
+        view = self.members(round_index)
+        candidates = groups.group_of(self.group_seed, key, view, self.rank, self.group_size)
+        if groups.leader_of(self.group_seed, key, candidates) != self.rank:
+            return False
+        return sender in candidates or groups.same_bucket(self.group_seed, key, len(set(view) | {self.rank}), self.rank,
+                                                          sender, self.group_size)
+
+    def isolated(self, group: list[int], key: str = "", round_index: int | None = None) -> str | None:
         """Why a group of this peer alone is not a mix (it knows peers it cannot reach), counted; None when it is
         not alone or knows nobody else (a swarm of one mixes with nobody, rightly)."""
         cut_off = self.peers.unreachable() if group == [self.rank] else []
+        if cut_off and key:  # only those that would share this peer's bucket: the others were never its candidates
+            size = len(set(self.members(round_index)) | {self.rank})
+            cut_off = [p for p in cut_off if groups.same_bucket(self.group_seed, key, size, self.rank, p, self.group_size)]
         if not cut_off:
             return None
         self.isolated_mixes += 1

@@ -190,6 +190,7 @@ class NetworkPeer:
                                     bind=bind, join_round=None, heartbeat_s=t.heartbeat_s,  # join round: decided in _join
                                     trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
                                     sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault)
+        self.exchange.set_grouping(cfg.seed, cfg.groups.size)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self.reach = reach or Reach()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gossiploco.mixing.operators import pack, unpack
+from gossiploco.mixing.packing import pack, unpack
 from gossiploco.protocol import lifecycle
 from gossiploco.runtime.waiting_line import short_start_line
 

@@ -24,7 +24,7 @@ from gossiploco.config import RunConfig
 from gossiploco.errors import ExchangeClosed, ExchangeError
 from gossiploco.factored import FactoredDiLoCo
 from gossiploco.mixing.compression import Float32Codec
-from gossiploco.mixing.operators import pack, unpack
+from gossiploco.mixing.packing import pack, unpack
 from gossiploco.mixing.robust_mean import Robust, robust_group_mean
 from gossiploco.tensor_checks import all_finite
 from gossiploco.runtime.common import monitor_reuses_mix1

@@ -184,7 +184,7 @@ class SimSwarm:
                 return value
             group = yield from peer.run_call(call)
             if len(group) == 1:
-                peer.node.isolated(group)  # counted as the real peer counts it (it then fails that mix)
+                peer.node.isolated(group, key, r)  # counted as the real peer counts it (it then fails that mix)
                 return value
             self._mixed(peer.pid, r)  # back in a group (an unmatched gossip peer takes part too)
             deadlines = self.deadlines[peer.pid]

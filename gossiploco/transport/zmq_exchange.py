@@ -89,7 +89,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             return [self.rank]  # not taking part in this round yet
         group = self._run(call)
         with self._cond:
-            why = self._node.isolated(group)
+            why = self._node.isolated(group, key, round_index)
         if why is not None:
             raise ExchangeError(why)
         return group
@@ -232,6 +232,12 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         with self._cond:
             return tuple(sorted((peer, *(int(endpoint.rsplit(":", 1)[1]) for endpoint in endpoints))
                                 for peer, endpoints in self._sockets.listening.items()))
+
+    def set_grouping(self, seed: int, size: int) -> None:
+        """Key every exchange's buckets and leaders by the run's ``seed`` and split views larger than ``size``
+        (``protocol.groups``); every peer of the run must set the same."""
+        with self._cond:
+            self._node.group_seed, self._node.group_size = seed, size
 
     def set_behind_nat(self, peers: set[int], order_rings: bool = True) -> None:
         with self._cond:

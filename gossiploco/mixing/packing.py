@@ -1,0 +1,42 @@
+"""Packing the mixed parameters of one or more state dicts into one flat fp32 vector, and back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+TensorDict = dict[str, torch.Tensor]
+
+
+def pack(dicts: Sequence[TensorDict], names: Sequence[str]) -> torch.Tensor:
+    """The selected entries of every dict, flattened into one fp32 CPU vector.
+
+    Entries may live on a GPU (the outer state, gossiploco.outer_state): they are copied straight into
+    one page-locked vector on the current CUDA stream (DMA, no staging copy), which is waited for once;
+    mixing in place in it and copying the result back to the GPU are then asynchronous too."""
+    parts = [d[n].detach().reshape(-1) for d in dicts for n in names]
+    if not parts:
+        return torch.empty(0)
+    gpu = next((p.device for p in parts if p.device.type == "cuda"), None)
+    flat = torch.empty(sum(p.numel() for p in parts), dtype=torch.float32, pin_memory=gpu is not None)
+    offset = 0
+    for part in parts:
+        flat[offset:offset + part.numel()].copy_(part, non_blocking=gpu is not None)
+        offset += part.numel()
+    if gpu is not None:
+        torch.cuda.current_stream(gpu).synchronize()
+    return flat
+
+
+def unpack(flat: torch.Tensor, dicts: Sequence[TensorDict], names: Sequence[str]) -> list[TensorDict]:
+    """Inverse of ``pack``: new dicts whose selected entries are views of ``flat``."""
+    out, offset = [], 0
+    for d in dicts:
+        mixed = dict(d)
+        for n in names:
+            size = d[n].numel()
+            mixed[n] = flat[offset : offset + size].view_as(d[n])
+            offset += size
+        out.append(mixed)
+    return out

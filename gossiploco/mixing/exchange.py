@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.protocol import groups
 
 
 class Exchange(ABC):
@@ -89,12 +90,14 @@ class Exchange(ABC):
 class MemoryHub:
     """Rendezvous point for ``world`` in-process workers (the virtual swarm's "network").
 
-    ``fail(rank)`` simulates a crashed peer: its partners' exchanges raise ``PeerFailed``.
+    ``fail(rank)`` simulates a crashed peer: its partners' exchanges raise ``PeerFailed``. With
+    ``group_size``, exchanges run in the buckets a network peer's would (``protocol.groups``, keyed by ``seed``).
     """
 
-    def __init__(self, world: int, timeout_s: float):
+    def __init__(self, world: int, timeout_s: float, *, seed: int = 0, group_size: int | None = None):
         self.world = world
         self.timeout_s = timeout_s
+        self.seed, self.group_size = seed, group_size
         self._cond = threading.Condition()
         self._deposits: dict[tuple[str, int], torch.Tensor] = {}
         self._results: dict[str, list] = {}  # key -> [mean tensor, readers left]
@@ -216,6 +219,13 @@ class MemoryExchange(Exchange):
 
     def members(self, round_index: int | None = None) -> list[int]:
         return self.hub.alive()
+
+    def group(self, key: str, round_index: int) -> list[int]:
+        """Everyone alive, or this peer's bucket of them when the hub splits exchanges (every view is the same here)."""
+        alive = self.hub.alive()
+        if self.hub.group_size is None:
+            return alive
+        return groups.group_of(self.hub.seed, key, alive, self.rank, self.hub.group_size)
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:

@@ -58,7 +58,7 @@ class VirtualSwarm:
         self.cfg = cfg
         self.device = resolve_device(device or cfg.device)
         self.corpus = corpus if corpus is not None else load_corpus(cfg.data)
-        self.hub = MemoryHub(cfg.workers, cfg.timeouts.exchange_s)
+        self.hub = MemoryHub(cfg.workers, cfg.timeouts.exchange_s, seed=cfg.seed, group_size=cfg.groups.size)
         self.trainers = [build_trainer(cfg, self.corpus, self.device, m) for m in range(cfg.workers)]
         algo = SyncDP if cfg.mode == "sync-dp" else FactoredDiLoCo
         self.algos = [algo(t, cfg, self.hub.exchange(m)) for m, t in enumerate(self.trainers)]

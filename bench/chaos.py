@@ -1,10 +1,11 @@
 """Chaos for the peer protocol: a deterministic simulator over many seeds, or real peer processes.
 
-    python bench/chaos.py sim --seeds N [--peers M] [--rounds R] [--seed-start S] [--jobs J] [--log]
+    python bench/chaos.py sim --seeds N [--peers M | --max-peers M] [--rounds R] [--seed-start S] [--jobs J] [--log]
     python bench/chaos.py real --trials N [...]            (bench/chaos_real.py: real processes, DHT, faults)
 
-``sim`` runs ``gossiploco.simulation.simulate(seed)`` for seeds S .. S+N-1 (the peer count, 2 to 8,
-and 1 to 3 faults are drawn from each seed unless ``--peers`` is given; about a third of the seeds
+``sim`` runs ``gossiploco.simulation.simulate(seed)`` for seeds S .. S+N-1 (the peer count, 2 to 8 or with
+``--max-peers M`` in an eighth of the seeds 9 to M, the group size (2, 3, 4 or 16) and 1 to 3 faults are drawn from
+each seed unless ``--peers`` is given; ``--peers 1000`` runs a thousand peers; about a third of the seeds
 also put peers behind NAT, with relays that fail and reset connections). It prints one line per
 violation with the seed that reproduces it, the connections opened by path and the relays' resets
 and drops, then ``N seeds, V violations``; it exits 1 if V > 0.
@@ -23,16 +24,17 @@ from gossiploco.simulation import simulate
 from gossiploco.simulation.paths import PATHS
 
 
-def _one(job: tuple[int, int | None, int, bool]) -> tuple[int, list[str], dict, list[str], list[str]]:
-    seed, peers, rounds, log = job
-    result = simulate(seed, peers=peers, rounds=rounds, log=log)
+def _one(job: tuple[int, int | None, int, bool, int]) -> tuple[int, list[str], dict, list[str], list[str]]:
+    seed, peers, rounds, log, max_peers = job
+    result = simulate(seed, peers=peers, rounds=rounds, log=log, max_peers=max_peers)
     faults = [str(f) for f in result.faults]
     stats = {"peers": result.settings.peers, "nat": bool(result.settings.behind_nat), **result.stats}
     return seed, [str(v) for v in result.violations], stats, faults, result.log
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    jobs = [(s, args.peers, args.rounds, args.log) for s in range(args.seed_start, args.seed_start + args.seeds)]
+    jobs = [(s, args.peers, args.rounds, args.log, args.max_peers)
+            for s in range(args.seed_start, args.seed_start + args.seeds)]
     start = time.perf_counter()
     violations, kinds, sizes, links = 0, Counter(), Counter(), Counter()
     if args.jobs > 1 and len(jobs) > 1:
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--seeds", type=int, default=1000)
     sim.add_argument("--seed-start", type=int, default=0)
     sim.add_argument("--peers", type=int, default=None, help="peers per run (default: 2 to 8, drawn per seed)")
+    sim.add_argument("--max-peers", type=int, default=8,
+                     help="above 8: an eighth of the seeds draw 9 to this many peers (CI: 64)")
     sim.add_argument("--rounds", type=int, default=5)
     sim.add_argument("--jobs", type=int, default=1, help="worker processes")
     sim.add_argument("--log", action="store_true", help="print each seed's event log (for replaying one seed)")

@@ -61,6 +61,9 @@ RECENT_LOSS_S = 10.0
 for them to come back, then asks where the others are."""
 BOUNDARY_POLL_S = 0.25
 """How often a catching-up peer asks the others' rounds while it waits for the next round to begin."""
+BOUNDARY_SAMPLE = 8
+"""While it waits for a round boundary a catching-up peer asks at most this many peers of the newest round (not the
+whole swarm every ``BOUNDARY_POLL_S``: at 128 peers that was 45 hellos per peer per restart)."""
 PROBE_REPEAT_S = 1.0
 """``ask_rounds`` asks a connected peer that has not answered again after this long."""
 FRESH_ATTEMPTS = 2
@@ -170,11 +173,12 @@ def wait_connected(node: PeerNode, until: float) -> Program:
     return len(node.peers.connected) >= len(node.peers.known) - 1
 
 
-def ask_rounds(node: PeerNode, s: Settings) -> Program:
-    """The rounds the connected peers report within ``hello_s``, less uncorroborated claims."""
-    now = yield Act(node.announce(PROBE))  # a probe: changes no membership, asks every peer for its round
+def ask_rounds(node: PeerNode, s: Settings, peers: list[int] | None = None) -> Program:
+    """The rounds the connected peers (of ``peers``, when given) report within ``hello_s``, less uncorroborated
+    claims."""
+    now = yield Act(node.announce(PROBE, to=peers))  # a probe: changes no membership, asks for the peers' rounds
     deadline, asked = now + s.hello_s, now
-    want = set(node.peers.connected)
+    want = set(node.peers.connected) if peers is None else set(peers) & node.peers.connected
     while now < deadline:
         missing = sorted((want & node.peers.connected) - node.peers.reported.keys())  # one that dropped: not waited for
         if not missing:
@@ -271,16 +275,20 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
 
 
 def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Program:
-    """Until some peer begins a round after those in ``ahead`` (asking every ``BOUNDARY_POLL_S``, at most
-    ``boundary_s``); returns the peers in the newest round then (``ahead`` if none began one)."""
+    """Until some peer begins a round after those in ``ahead`` (asking at most ``BOUNDARY_SAMPLE`` of the newest
+    round's peers every ``BOUNDARY_POLL_S``, at most ``boundary_s``); returns the peers in the newest round then
+    (``ahead`` if none began one)."""
     latest = max(ahead.values())
     if latest >= s.rounds:
         node.note(f"the others finished all {s.rounds} rounds already (rounds {ahead})")
         return ahead
     now = yield Now()
     deadline = now + s.boundary_s
+    newest_peers = sorted(p for p, k in ahead.items() if k == latest)
+    shift = node.rank % len(newest_peers)
+    sample = (newest_peers[shift:] + newest_peers[:shift])[:BOUNDARY_SAMPLE]  # their next round is the boundary
     while now < deadline:
-        rounds = yield from ask_rounds(node, s)
+        rounds = yield from ask_rounds(node, s, sample)
         newest = max(rounds.values(), default=-1)
         if newest > latest:
             return {p: k for p, k in rounds.items() if k == newest}

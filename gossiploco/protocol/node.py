@@ -242,8 +242,9 @@ class PeerNode:
     def add_peer(self, peer: int) -> bool:
         return peer != self.rank and self.peers.add(peer)
 
-    def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False) -> list[Action]:
-        """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer;
+    def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False,
+                 to: list[int] | None = None) -> list[Action]:
+        """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer (or ``to``);
         with ``ask_reply``, ``peers.reported`` then collects their answers (their current rounds).
         ``caught_up``: this peer just downloaded round ``join_round``'s state (see ``straggling``)."""
         if join_round >= 0:
@@ -254,7 +255,7 @@ class PeerNode:
         self.peers.reported.clear()
         self.probe_id += 1
         hello = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
-        return [Send(p, hello) for p in sorted(self.peers.known) if p != self.rank]
+        return [Send(p, hello) for p in sorted(self.peers.known if to is None else to) if p != self.rank]
 
     def ask_again(self, peers) -> list[Action]:
         """Repeat this peer's latest question (``announce``) to ``peers`` that have not answered it: a question

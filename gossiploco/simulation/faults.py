@@ -93,3 +93,18 @@ def draw_reachability(rng: random.Random, settings):
     start = rng.uniform(0.0, span)
     kind = rng.choice(RELAY_KINDS)
     return settings, [Fault(kind, start, start + rng.uniform(0.2, 3.0), peer=rng.randrange(relays))]
+
+
+def draw_churn(rng: random.Random, settings) -> list[Fault]:
+    """Each peer crashes in each round with probability ``settings.churn`` (at a uniform time within the round's
+    expected span) and restarts ``churn_down_s`` later, as a volunteer's machine does: the scaling runs' failures."""
+    if settings.churn <= 0:
+        return []
+    round_s = settings.inner_s * (1 + settings.inner_spread / 2) + 0.3
+    faults = []
+    for r in range(settings.rounds):
+        for peer in range(settings.peers):
+            if rng.random() < settings.churn:
+                start = (r + rng.random()) * round_s
+                faults.append(Fault("restart", start, start + settings.churn_down_s, peer=peer))
+    return faults

@@ -5,7 +5,9 @@ like the real carrier's: a connection is up only while both ends run and nothing
 them; a crash drops it at once (a TCP reset), a frozen peer or a partition drops it after the
 heartbeat timeout, and a dropped connection loses whatever was in flight on it. Messages on an
 up connection arrive after a latency (plus size over bandwidth), in order, unless a fault window
-adds delay, loss, duplication or reordering. Each connection takes a path (``paths``): direct,
+adds delay, loss, duplication or reordering. Latency and bandwidth are one value for every link, or per peer
+(``links``: a consumer link model, where a pair's latency is the sum of its ends' and its bandwidth the
+narrower end's). Each connection takes a path (``paths``): direct,
 reverse, or through a relay, which can go down (dropping every connection through it) and resets
 connections at its limits. Nothing here knows the protocol: it moves opaque messages and reports
 connection changes to ``on_*`` callbacks of whoever owns it.
@@ -42,13 +44,6 @@ class LinkFault:
         return not self.peers or (a in self.peers and b in self.peers)
 
 
-@dataclass(order=True)
-class _Event:
-    time: float
-    seq: int
-    action: Callable[[], None] = field(compare=False)
-
-
 class SimNetwork:
     """Virtual time, an event queue, connections and link faults; see the module docstring."""
 
@@ -59,7 +54,7 @@ class SimNetwork:
         self.latency_s, self.bandwidth_bps = latency_s, bandwidth_bps
         self.heartbeat_s, self.reconnect_s = heartbeat_s, reconnect_s
         self.faults: list[LinkFault] = []
-        self._queue: list[_Event] = []
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []  # (time, sequence, action): compared in C
         self._seq = itertools.count()
         self._up: dict[frozenset, Connection] = {}  # pair -> its live connection
         self._last_arrival: dict[tuple[int, int], float] = {}
@@ -79,17 +74,42 @@ class SimNetwork:
         """Relayed connections reset at the relay's data or time limit."""
         self.relay_drops = 0
         """Relayed connections dropped because their relay went down."""
+        self.links: dict[int, tuple[float, float]] = {}
+        """peer -> (one-way latency in s, bandwidth in bytes/s) of its access link; a peer absent: the defaults."""
+        self.sent_by: Counter[int] = Counter()
+        """Messages each peer put on a connection."""
+        self.connections_of: Counter[int] = Counter()
+        """Connections each peer saw come up over the run (a reconnection counts again)."""
+
+    def latency(self, a: int, b: int) -> float:
+        """One-way latency between ``a`` and ``b``."""
+        if not self.links:
+            return self.latency_s
+        return self.links.get(a, (self.latency_s / 2, 0.0))[0] + self.links.get(b, (self.latency_s / 2, 0.0))[0]
+
+    def bandwidth(self, a: int, b: int) -> float:
+        """Bytes per second between ``a`` and ``b`` (the narrower end)."""
+        if not self.links:
+            return self.bandwidth_bps
+        return min(self.links.get(a, (0.0, self.bandwidth_bps))[1], self.links.get(b, (0.0, self.bandwidth_bps))[1])
+
+    def live_connections(self) -> Counter[int]:
+        """How many connections each peer has up now."""
+        count: Counter[int] = Counter()
+        for pair in self._up:
+            count.update(pair)
+        return count
 
     # -- time ---------------------------------------------------------------------------------
 
     def at(self, time: float, action: Callable[[], None]) -> None:
-        heapq.heappush(self._queue, _Event(max(time, self.now), next(self._seq), action))
+        heapq.heappush(self._queue, (max(time, self.now), next(self._seq), action))
 
     def run_until(self, end: float, stop: Callable[[], bool] = lambda: False) -> None:
-        while self._queue and self._queue[0].time <= end and not stop():
-            event = heapq.heappop(self._queue)
-            self.now = event.time
-            event.action()
+        queue = self._queue
+        while queue and queue[0][0] <= end and not stop():
+            self.now, _, action = heapq.heappop(queue)
+            action()
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -124,11 +144,12 @@ class SimNetwork:
                 return
             connection.announced = True
             self.paths[connection.path] += 1
+            self.connections_of.update((a, b))
             via = f" via r{connection.relay}" if connection.relay is not None else ""
             self.note(f"PATH {a}-{b} {connection.path}{via}")
             self.on_connect(a, b)
             self.on_connect(b, a)
-        self.at(self.now + SETUP_LATENCIES[connection.path] * self.latency_s, come_up)
+        self.at(self.now + SETUP_LATENCIES[connection.path] * self.latency(a, b), come_up)
         if connection.relay is not None and self.relays.time_limit_s is not None:
             self.at(self.now + self.relays.time_limit_s, lambda: self._reset(a, b, connection, "time limit"))
 
@@ -189,10 +210,12 @@ class SimNetwork:
             self.at(self.now, lambda: self._reset(src, dst, connection, "data limit"))  # not inside the sender's step
             return  # the relay did not carry it
         self.messages += 1
-        delay, copies, reorder = self.latency_s + nbytes / self.bandwidth_bps, 1, False
+        self.sent_by[src] += 1
+        latency = self.latency(src, dst)
+        delay, copies, reorder = latency + nbytes / self.bandwidth(src, dst), 1, False
         if connection.relay is not None:
             connection.carried += nbytes
-            delay += self.relays.transit_s(nbytes, self.latency_s)
+            delay += self.relays.transit_s(nbytes, latency)
         for f in self.faults:
             if not f.touches(src, dst, self.now):
                 continue
@@ -217,4 +240,4 @@ class SimNetwork:
             if self._up.get(pair) is connection:  # a connection that dropped lost what was in flight
                 deliver()
         for i in range(copies):
-            self.at(arrival + i * self.latency_s, arrive)
+            self.at(arrival + i * latency, arrive)

@@ -32,6 +32,10 @@ class Task:
         self.waiting = False  # resumes on node changes
         self.token = 0
         self.joiners: list[Task] = []
+        self.armed_at: float | None = None
+        """When this task's pending wait timer fires (None: none pending): a task woken by an event and waiting again
+        until the same time reuses it rather than queueing one more (at 1,000 peers the stale timers were most of
+        the event queue)."""
 
     def resume(self, value: Any = None) -> None:
         self.waiting = False
@@ -48,7 +52,9 @@ class Task:
         net, token = self.peer.swarm.net, self.token
         if kind == "wait":
             self.waiting = True
-            net.at(arg, lambda: self._timer(token))
+            if self.armed_at != arg:
+                self.armed_at = arg
+                net.at(arg, lambda: self._wait_over(arg))
         elif kind == "sleep":
             net.at(arg, lambda: self._timer(token))
         elif kind == "join":
@@ -58,6 +64,14 @@ class Task:
                 arg.joiners.append(self)
         else:
             raise ValueError(f"unknown wait {kind!r}")
+
+    def _wait_over(self, at: float) -> None:
+        """The wait timer armed for ``at`` fired: it ends the task's current wait if that wait is still until ``at``."""
+        if self.armed_at != at:
+            return  # a later wait re-armed for another time: that timer ends it
+        self.armed_at = None
+        if self.waiting:
+            self._timer(self.token)
 
     def _timer(self, token: int) -> None:
         if token == self.token and not self.done and self.peer.running:
@@ -82,6 +96,7 @@ class SimPeer:
         self.node = PeerNode(pid, swarm.ids, grace_s=s.grace_s, chunk_elems=s.chunk_elems,
                              mailbox_bytes=s.mailbox_bytes, join_round=join_round)
         self.node.behind_nat = set(s.behind_nat)  # as peers' records tell the runtime's node
+        self.node.group_seed, self.node.group_size = swarm.seed, s.group_size  # as ZmqExchange.set_grouping does
         self.running, self.frozen = True, False
         self.thawed_at = -1.0
         """When this peer last resumed after a freeze (its own waits overran while it was stopped)."""

@@ -18,6 +18,7 @@ the same arguments give the same result, bit for bit.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from gossiploco.protocol import lifecycle
 from gossiploco.protocol.collectives import AllToAll, RingAllReduce, Swap
 from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
-from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_faults, draw_reachability
+from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_churn, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
 from gossiploco.simulation.paths import PATHS, Relays
@@ -62,6 +63,16 @@ class Settings:
     """Bytes after which a relay resets a connection it carries (None: no limit)."""
     relay_time_limit_s: float | None = None
     """Seconds after which a relay resets a connection it carries (None: no limit)."""
+    group_size: int = 16
+    """``[groups] size``: views larger than this run each exchange in buckets (``protocol.groups``)."""
+    links: str = "lan"
+    """lan: every link 2 ms and 1 GB/s; consumer: each peer's access link 50 Mbit/s to 1 Gbit/s (log-uniform) and
+    10 to 50 ms one way (a pair: 20 to 100 ms), drawn per peer."""
+    inner_spread: float = 0.0
+    """Unequal compute: peer p's inner steps take ``inner_s * (1 + inner_spread * u_p)``, u_p uniform in [0, 1]."""
+    churn: float = 0.0
+    """The chance that a peer crashes in a round (it restarts ``churn_down_s`` later and catches up)."""
+    churn_down_s: float = 2.0
 
 
 @dataclass
@@ -98,6 +109,17 @@ class SimSwarm:
         self.deadlines: dict[int, AdaptiveDeadlines] = {}
         self.logging = log
         self.log: list[str] = []
+        self.inner_s = {p: settings.inner_s * (1 + settings.inner_spread * self.rng.random()) for p in self.ids}
+        """Each peer's inner-step time per round (unequal with ``inner_spread``)."""
+        if settings.links == "consumer":
+            self.net.links = {p: (self.rng.uniform(0.010, 0.050), 10 ** self.rng.uniform(math.log10(50e6), 9) / 8)
+                              for p in self.ids}
+        self.timings: list[tuple[int, int, float, float, bool]] = []
+        """(peer, round, round seconds, blocking seconds, Mix1 ok) of every round a peer finished."""
+        self.control_sent: dict[int, int] = {}
+        """Control messages (every message but data chunks) each peer sent."""
+        self.bytes_sent: dict[int, int] = {}
+        self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
         self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now))
         self.net.on_disconnect = lambda a, b: self._to(a, lambda node: node.disconnected(b, self.net.now))
@@ -120,13 +142,17 @@ class SimSwarm:
         if hasattr(msg, "data"):  # the carrier copies what it sends (the sender may reuse its buffer)
             msg = type(msg)(msg.key, msg.chunk, msg.meta, msg.data.clone())
         incarnation = sender.incarnation
+        size = payload_bytes(send)
+        self.bytes_sent[src] = self.bytes_sent.get(src, 0) + size
+        if not hasattr(msg, "data"):
+            self.control_sent[src] = self.control_sent.get(src, 0) + 1
         self.note(f"{src} -> {send.peer} {type(msg).__name__} {getattr(msg, 'key', '')} {getattr(msg, 'chunk', '')}")
 
         def deliver() -> None:
             peer = self.peers.get(send.peer)
             if peer is not None and self.peers.get(src) is not None and self.peers[src].incarnation == incarnation:
                 peer.event(lambda node: node.receive(src, msg, self.net.now))
-        self.net.send(src, send.peer, payload_bytes(send), deliver)
+        self.net.send(src, send.peer, size, deliver)
 
     def start_peer(self, pid: int, join_round: int | None, incarnation: int) -> None:
         peer = SimPeer(self, pid, incarnation, join_round)
@@ -154,9 +180,11 @@ class SimSwarm:
                 z = yield from self.round(peer, r, z)
                 r += 1
                 self.finished[peer.pid] = r
+                self._done_dirty = True
         except ExchangeError as exc:  # the runtime's peer stops with this error
             self.note(f"{peer.pid} stops: {exc}")
             if not any(p != peer.pid and self.peers[p].running and self.finished.get(p, 0) < s.rounds for p in self.peers):
+                self._done_dirty = True
                 self.gave_up.add(peer.pid)  # the swarm finished or is gone: nobody to download a state from, the right end
             return
         peer.node.current_round = s.rounds  # as the runtime tells the others it is done
@@ -166,12 +194,16 @@ class SimSwarm:
         peer.node.current_round = r
         peer.snapshot = (r, z.clone())
         self.snapshots[(peer.pid, r)] = z.clone()
+        began = peer.now
         mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
-        yield ("sleep", peer.now + self.settings.inner_s)
+        yield ("sleep", peer.now + self.inner_s[peer.pid])
+        computed = peer.now
         delta = torch.randn(self.settings.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
         delta_hat = yield from self.mix(peer, "mix2", r, delta, self.settings.mix2)
         yield ("join", mix1)
         x = mix1.result if mix1.error is None else z
+        mixed = mix1.error is None and mix1.result is not z
+        self.timings.append((peer.pid, r, peer.now - began, peer.now - computed, mixed))
         return x + 0.1 * delta_hat  # the outer step's shape: x - lr * (-delta_hat); its math is not under test here
 
     def mix(self, peer: SimPeer, label: str, r: int, value: torch.Tensor, kind: str):
@@ -277,6 +309,7 @@ class SimSwarm:
                 self.note(f"CRASH {pid}")
                 peer.crash()
                 self.crashed.add(pid)
+                self._done_dirty = True
                 for other in self.ids:
                     if other != pid:
                         net.drop(pid, other, after=net.latency_s)
@@ -288,6 +321,7 @@ class SimSwarm:
                         return  # an overlapping restart window: this one's crash found it already down
                     self.note(f"RESTART {pid}")
                     self.crashed.discard(pid)
+                    self._done_dirty = True
                     self.returned[pid] = (net.now, max(self.finished.values(), default=0), fault)
                     self.mixed_after.pop(pid, None)
                     self.start_peer(pid, None, (old.incarnation + 1) if old else 1)
@@ -328,19 +362,55 @@ class SimSwarm:
         s = self.settings
         for pid in self.ids:
             self.start_peer(pid, 0, 0)
+        self.faults = faults
         for fault in faults:
             self.apply(fault)
-        worst_round = s.inner_s + 2 * (2 * s.grace_s + 1.0 + s.exchange_s) + s.exchange_s + s.hello_s
-        horizon = max((f.end for f in faults), default=0.0) + (s.rounds + 2) * worst_round
-        self.net.run_until(horizon, stop=lambda: all(self.finished.get(p, 0) >= s.rounds or p in self.crashed for p in self.ids)
-                           and not any(f.end > self.net.now for f in faults))
+        worst_round = max(self.inner_s.values()) + 2 * (2 * s.grace_s + 1.0 + s.exchange_s) + s.exchange_s + s.hello_s
+        last_fault = max((f.end for f in faults), default=0.0)
+        horizon = last_fault + (s.rounds + 2) * worst_round
+        self.net.at(last_fault, self._mark_dirty)  # the end condition asks whether faults are over
+        self.net.run_until(horizon, stop=self._all_done)
         self.net.run_until(self.net.now + 2 * s.exchange_s)  # let stragglers' last calls end
         self._final_checks(faults)
         stats = {"messages": self.net.messages, "completed_calls": self.checker.completed,
                  "failed_calls": self.checker.failed, "virtual_s": round(self.net.now, 3),
                  "paths": {path: self.net.paths[path] for path in PATHS},
-                 "relay_resets": self.net.relay_resets, "relay_drops": self.net.relay_drops}
+                 "relay_resets": self.net.relay_resets, "relay_drops": self.net.relay_drops,
+                 "per_peer": self.per_peer_stats()}
         return SimResult(self.seed, s, self.checker.violations, faults, dict(self.finished), stats, self.log)
+
+    def _mark_dirty(self) -> None:
+        self._done_dirty = True
+
+    def _all_done(self) -> bool:
+        """Every peer finished or crashed and no fault is pending; evaluated only when one of those changed (the
+        whole-swarm scan once per event made a 1,000-peer run quadratic)."""
+        if not self._done_dirty:
+            return False
+        self._done_dirty = False
+        s = self.settings
+        return (all(self.finished.get(p, 0) >= s.rounds or p in self.crashed for p in self.ids)
+                and not any(f.end > self.net.now for f in self.faults))
+
+    def per_peer_stats(self) -> dict:
+        """Medians over peers, per round each peer finished: what one peer costs as the swarm grows."""
+        def median(values) -> float:
+            values = sorted(values)
+            return values[len(values) // 2] if values else 0.0
+        rounds = {p: max(1, self.finished.get(p, 0)) for p in self.ids}
+        live = self.net.live_connections()
+        mix1 = [ok for *_, ok in self.timings]
+        return {
+            "round_s": round(median(t[2] for t in self.timings), 4),
+            "blocking_s": round(median(t[3] for t in self.timings), 4),
+            "blocking_p90_s": round(sorted(t[3] for t in self.timings)[int(0.9 * (len(self.timings) - 1))], 4)
+            if self.timings else 0.0,
+            "mix1_completion": round(sum(mix1) / len(mix1), 4) if mix1 else 0.0,
+            "bytes_per_round": round(median(self.bytes_sent.get(p, 0) / rounds[p] for p in self.ids), 1),
+            "messages_per_round": round(median(self.net.sent_by.get(p, 0) / rounds[p] for p in self.ids), 2),
+            "control_per_round": round(median(self.control_sent.get(p, 0) / rounds[p] for p in self.ids), 2),
+            "connections_live": median(live.get(p, 0) for p in self.ids),
+            "connections_opened": median(self.net.connections_of.get(p, 0) for p in self.ids)}
 
     def _final_checks(self, faults: list[Fault]) -> None:
         s, now = self.settings, self.net.now
@@ -363,13 +433,38 @@ class SimSwarm:
                                   f"came back at t={when:.2f}s (swarm in round {swarm_round}); mixed again in round {mixed}")
 
 
-def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False, mix2: str | None = None) -> SimResult:
-    """One seeded run: the peer count (2 to 8 unless given), the faults, the reachability pattern and all
-    timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the draws stay the same)."""
+def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False, mix2: str | None = None,
+             max_peers: int = 8) -> SimResult:
+    """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
+    9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), the faults, the
+    reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
+    draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
     settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
+    scale = random.Random(f"scale-{seed}")  # its own stream: the schedule's draws stay what they were
+    if peers is None and max_peers > 8 and scale.random() < 0.125:
+        settings.peers = scale.randint(9, max_peers)
+    settings.group_size = scale.choice([2, 3, 4, 16, 16, 16])
     if mix2 is not None:
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)
     settings, relay_faults = draw_reachability(rng, settings)
     return SimSwarm(seed, settings, log=log).run(faults + relay_faults)
+
+
+SCALE_TIMES = {"inner_s": 20.0, "grace_s": 2.0, "exchange_s": 30.0, "min_exchange_s": 5.0, "hello_s": 2.0,
+               "heartbeat_s": 5.0, "churn_down_s": 10.0}
+"""A scaling run's clock, in the ratios of a real run's (``[timeouts]``: grace 10 s, exchanges of minutes at most,
+rounds of minutes): 20 s of inner steps, a 2 s grace window. The chaos seeds' 1 s rounds would make a 60 ms ring
+step a large share of a round, which no real run has."""
+
+
+def simulate_scale(seed: int, peers: int, *, rounds: int = 5, group_size: int = 16, churn: float = 0.01,
+                   links: str = "consumer", inner_spread: float = 0.05, mix2: str = "gossip", **overrides) -> SimResult:
+    """A scaling run (``bench/scale_sim.py``): ``peers`` peers on consumer links, compute times within
+    ``inner_spread`` of each other (time-budget rounds end together up to such a jitter), each peer crashing in a
+    round with probability ``churn`` and coming back ``churn_down_s`` later; no other fault."""
+    settings = Settings(peers=peers, rounds=rounds, group_size=group_size, churn=churn, links=links,
+                        inner_spread=inner_spread, mix2=mix2, **{**SCALE_TIMES, **overrides})
+    faults = draw_churn(random.Random(f"churn-{seed}"), settings)
+    return SimSwarm(seed, settings).run(faults)

@@ -261,3 +261,69 @@ def test_two_hundred_seeds_with_nat_patterns_hold_every_property():
     paths = next(line for line in proc.stdout.splitlines() if line.startswith("paths:"))
     counts = {name: int(n) for name, n in re.findall(r"([a-zA-Z][a-zA-Z ]*) (\d+)", paths.split(":", 1)[1])}
     assert all(counts[name] > 0 for name in ("direct", "reverse", "relayed", "seeds with NAT", "relay resets", "relay drops")), paths
+
+
+def test_the_checks_catch_a_leader_waiting_for_a_peer_of_another_bucket():
+    from gossiploco.protocol import groups
+    from gossiploco.protocol.agreement import Lead
+    from gossiploco.simulation.invariants import Checker
+
+    class FakePeer:
+        running, thawed_at = True, -1.0
+
+        def __init__(self, pid):
+            self.pid = pid
+
+        class node:
+            @staticmethod
+            def pending_state():
+                return {}
+
+    view = list(range(64))
+    mine = groups.group_of(3, "mix2/0", view, 0, 16)
+    stranger = next(p for p in view if p not in mine)
+    checker = Checker(grace_s=1.0, mailbox_bytes=1 << 20, group_seed=3)
+    honest = Lead("mix2/0", mine, 0.0, 1.0, buckets=groups.bucket_count(64, 16))
+    honest.group = mine
+    checker.call_ended(FakePeer(0), honest, 0.0, 1.0, ok=True)
+    assert checker.violations == []
+    wrong = Lead("mix2/0", mine + [stranger], 0.0, 1.0, buckets=groups.bucket_count(64, 16))
+    checker.call_ended(FakePeer(0), wrong, 0.0, 1.0, ok=False)
+    assert [v.name for v in checker.violations] == ["agreement.outside_bucket"]
+
+
+@pytest.mark.slow
+def test_a_late_peer_costs_others_at_most_one_grace_window_and_those_outside_its_groups_nothing():
+    """64 peers in buckets of 16 on consumer links; peer 5 computes 10 grace windows longer every round. No other
+    peer blocks more than one grace window longer than in the same run without the late peer (a leader goes on
+    without it, one window after the first member was ready), except a follower whose leader is peer 5 itself: it
+    waits out its deadline (two windows and a control send) and does identity. In round 0, before its lateness
+    can travel through the next rounds' buckets, a peer that shares no bucket with it blocks no longer at all."""
+    from gossiploco.protocol import groups
+    from gossiploco.protocol.agreement import CONTROL_SEND_S
+    from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
+
+    def run(late: bool):
+        settings = Settings(peers=64, rounds=4, group_size=16, links="consumer", mix2="gossip", **SCALE_TIMES)
+        swarm = SimSwarm(7, settings)
+        if late:
+            swarm.inner_s[5] += 10 * settings.grace_s
+        result = swarm.run([])
+        assert result.violations == [], result.violations[:3]
+        return {(p, r): blocking for p, r, _, blocking, _ in swarm.timings}, settings
+
+    calm, settings = run(False)
+    slow, _ = run(True)
+    grace, slack = settings.grace_s, 0.05 * settings.grace_s  # rings of other buckets end a few ms apart
+
+    def led_by_5(p: int, r: int) -> bool:
+        bucket = groups.group_of(7, f"mix2/{r}", list(range(64)), p, 16)
+        return 5 in bucket and groups.leader_of(7, f"mix2/{r}", bucket) == 5
+
+    for (p, r), blocking in slow.items():
+        if p != 5:
+            bound = 2 * grace + CONTROL_SEND_S if led_by_5(p, r) else grace
+            assert blocking <= calm[(p, r)] + bound + slack, (p, r, blocking, calm[(p, r)])
+    near = {p for label in ("mix1", "mix2") for p in groups.group_of(7, f"{label}/0", list(range(64)), 5, 16)}
+    assert all(slow[(p, 0)] <= calm[(p, 0)] + slack for p in range(64) if p not in near)
+    assert max(slow[(p, 0)] - calm[(p, 0)] for p in near if p != 5) > 0.5 * grace  # its group did wait

@@ -301,15 +301,16 @@ def test_a_straggler_is_left_out_after_the_grace_window_and_told_so(groups):
 
     def late():
         threading.Event().wait(1.5)  # the straggler's compute: it is ready after the others decided
-        return _outcome(lambda: ex[2].group("mix2/4", 4))
+        return _outcome(lambda: ex[2].group("mix2/2", 2))
 
     start = time.monotonic()
-    got = run_all([lambda: ex[0].group("mix2/4", 4), lambda: ex[1].group("mix2/4", 4), late])
+    # (key "mix2/2": peer 0 leads it, ``protocol.groups.leader_of(0, "mix2/2", [0, 1, 2])``)
+    got = run_all([lambda: ex[0].group("mix2/2", 2), lambda: ex[1].group("mix2/2", 2), late])
     assert got[0] == got[1] == [0, 1]
     assert isinstance(got[2], ExchangeTimeout) and "grace window" in str(got[2]), got[2]
     assert time.monotonic() - start < 3.0, "the straggler is told at once, not after its own deadline"
     # The two that agreed mix over exactly their list.
-    out = run_all([lambda r=r: ex[r].all_reduce_mean("mix2/4", torch.full((8,), float(r)), got[r]) for r in (0, 1)])
+    out = run_all([lambda r=r: ex[r].all_reduce_mean("mix2/2", torch.full((8,), float(r)), got[r]) for r in (0, 1)])
     assert all(torch.equal(o, torch.full((8,), 0.5)) for o in out)
 
 
@@ -320,8 +321,9 @@ def test_peers_whose_views_name_different_leaders_never_mix_up():
     ex = [ZmqExchange(r, views[r], "views", 10.0, grace_s=0.5) for r in range(3)]
     try:
         assert wait_until(lambda: ex[0].connected() == [1, 2] and ex[1].connected() == [0, 2] and ex[2].connected() == [1])
-        assert ex[2].members(2) == [1, 2] and ex[0].members(2) == ex[1].members(2) == [0, 1, 2]
-        got = run_all([lambda r=r: _outcome(lambda: ex[r].group("mix1/2", 2)) for r in range(3)])
+        assert ex[2].members(9) == [1, 2] and ex[0].members(9) == ex[1].members(9) == [0, 1, 2]
+        # key "mix1/9": peer 0 leads it in a view of 0, 1, 2 and peer 1 in rank 2's view of 1, 2 (``groups.leader_of``)
+        got = run_all([lambda r=r: _outcome(lambda: ex[r].group("mix1/9", 9)) for r in range(3)])
         assert got[0] == got[1] == [0, 1], got
         assert isinstance(got[2], PeerFailed) and "does not lead" in str(got[2]), got[2]
     finally:
@@ -333,16 +335,17 @@ def test_a_leader_that_never_comes_costs_a_bounded_wait_and_then_fails_fast(grou
     g = groups(3, grace_s=0.3)
     ex = g.exchanges
     start = time.monotonic()
-    got = run_all([lambda r=r: _outcome(lambda: ex[r].group("mix1/5", 5)) for r in (1, 2)])
+    # (key "mix1/6": peer 0 leads it, ``groups.leader_of``)
+    got = run_all([lambda r=r: _outcome(lambda: ex[r].group("mix1/6", 6)) for r in (1, 2)])
     assert all(isinstance(res, ExchangeTimeout) for res in got), got
     assert time.monotonic() - start < 4.0  # 2 * grace + the control-send allowance
     # The late leader still sees their ``ready``s, but they abandoned the key: it goes on alone
     # (identity), and an exchange with them would fail at once.
-    assert wait_until(lambda: ex[0].inspect(lambda node: node.aborted.get("mix1/5")) == {1, 2})
-    assert ex[0].group("mix1/5", 5) == [0]
+    assert wait_until(lambda: ex[0].inspect(lambda node: node.aborted.get("mix1/6")) == {1, 2})
+    assert ex[0].group("mix1/6", 6) == [0]
     start = time.monotonic()
     with pytest.raises(PeerFailed, match="abandoned"):
-        ex[0].all_reduce_mean("mix1/5", torch.ones(10), [0, 1, 2])
+        ex[0].all_reduce_mean("mix1/6", torch.ones(10), [0, 1, 2])
     assert time.monotonic() - start < 2.0
 
 
@@ -562,3 +565,24 @@ def test_a_peer_that_knows_others_but_reaches_none_fails_its_mixes_as_isolated()
         assert alone.isolated_mixes == 1
     finally:
         alone.close()
+
+
+def test_a_large_view_exchanges_in_buckets_over_real_sockets(groups):
+    """The buckets of ``protocol.groups`` on the real transport: six peers, group size 2 (four buckets): every
+    peer's agreed group is its whole bucket, nobody waits for a peer of another bucket, and a Mix1 is the bucket's
+    exact mean."""
+    from gossiploco.protocol.groups import group_of
+    g = groups(6, grace_s=5.0)
+    for ex in g.exchanges:
+        ex.set_grouping(11, 2)
+    start = time.monotonic()
+    got = run_all([lambda r=r: g.exchanges[r].group("mix1/3", 3) for r in range(6)])
+    assert time.monotonic() - start < 2.0, "all ready: nobody waits for the grace window"
+    for r in range(6):
+        assert sorted(got[r]) == group_of(11, "mix1/3", list(range(6)), r, 2)
+    assert len({tuple(sorted(x)) for x in got}) > 1  # split into several buckets
+    values = [torch.full((5,), float(r)) for r in range(6)]
+    out = run_all([lambda r=r: g.exchanges[r].all_reduce_mean("mix1/3", values[r], got[r]) if len(got[r]) > 1
+                   else values[r] for r in range(6)])
+    for r in range(6):
+        assert torch.equal(out[r], torch.full((5,), sum(got[r]) / len(got[r])))

@@ -5,9 +5,11 @@ leader is the bucket's lowest lead score (``protocol.groups``: buckets of at mos
 average, a leader no one can choose; a view of at most ``group_size`` members is one bucket).
 
 * Followers send it ``Ready(key, r)`` and wait for its ``Decision``.
-* The leader (``Lead``) waits until every candidate is ready or has failed, at most ``grace_s``, then sends
-  the group (itself plus the ready followers, at most ``groups.cap``) to each of them. Nobody waits for a
-  peer outside its bucket: a late or dead peer costs its own group one grace window at most.
+* The leader (``Lead``) waits until every candidate is ready or has failed, at most ``grace_s`` from its start or
+  from the first follower's ``Ready`` if that came earlier, then sends the group (itself plus the ready followers,
+  at most ``groups.cap``) to each of them. Nobody waits for a peer outside its bucket: a late or dead member costs
+  its own group one grace window at most; a late leader costs its followers its lateness, at most their deadline
+  (two windows and a control send), after which they do identity.
 * Everyone in the group then runs the exchange over exactly that list. Every peer of a group
   holds the same list, so gossip pairings computed from it are mutual.
 * A straggler whose ``Ready`` comes after the decision is told at once and does identity.
@@ -74,9 +76,12 @@ class _GroupCall(Call):
 class Lead(_GroupCall):
     """This peer leads ``key``: wait for its bucket's followers (``view``; at most ``grace_s``), then decide."""
 
-    def __init__(self, key: str, view: list[int], began: float, grace_s: float):
+    def __init__(self, key: str, view: list[int], began: float, grace_s: float, buckets: int = 1):
         super().__init__(key, began, began + grace_s)
         self.view = view
+        self.buckets = buckets
+        """How many buckets the view split into (``groups.bucket_count``): every member it waits for or decides on
+        shares this peer's bucket of that many (the simulator checks it)."""
         self.what = f"group {key!r} (leading {view})"
 
     def start(self, node: PeerNode) -> list[Send]:
@@ -88,11 +93,19 @@ class Lead(_GroupCall):
             return Step(error=error)
         ready = node.ready.get(self.key, set())
         waiting = [p for p in self.view if p != node.rank and p not in node.peers.failed and p not in ready]
+        first = node.first_ready.get(self.key)
+        if first is not None and first < self.began:  # followers were waiting already: one window from the first
+            self.deadline = min(self.deadline, max(self.began, first + node.grace_s))
         if waiting and now < self.deadline:
             return Step(wait_until=self.deadline)
         ready = node.ready.pop(self.key, set())
         gave_up = node.aborted.get(self.key, set())  # an early follower whose wait ran out: it does identity
         chosen = {node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up}
+        # A Ready accepted while this peer's view had another size (a member came or went meanwhile) may come from
+        # outside the bucket this call leads: told "not leading", as any peer asking the wrong leader is.
+        strangers = sorted(p for p in chosen if not groups.in_bucket(node.group_seed, self.key, self.buckets,
+                                                                     node.rank, p))
+        chosen -= set(strangers)
         limit = groups.cap(node.group_size)
         if len(chosen) > limit:  # a bucket far above its mean (Binomial): the lowest lead scores go on
             chosen = set(groups.lead_order(node.group_seed, self.key, chosen)[:limit])
@@ -104,7 +117,9 @@ class Lead(_GroupCall):
             node.note(f"{self.key} goes on without {left_out} (not ready within {self.deadline - self.began:.1f}s)")
         decision = Decision(self.key, node.current_round, tuple(group))
         self.finished, self.group = True, group
-        return Step(done=True, sends=[Send(p, decision) for p in group if p != node.rank])
+        refusal = Decision(self.key, node.current_round, ())
+        return Step(done=True, sends=[Send(p, decision) for p in group if p != node.rank]
+                    + [Send(p, refusal) for p in strangers])
 
 
 class Follow(_GroupCall):
@@ -185,6 +200,8 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
     own = peers.joined.get(node.rank)  # None: this peer has not decided yet (starting up)
     if own is not None and (own > message.round or not node.leads(key, message.round, sender)):
         return [Send(sender, Decision(key, node.current_round, ()))]
+    if key not in node.ready:
+        node.first_ready.put(key, now)
     node.ready.put(key, node.ready.get(key, set()) | {sender})
     return []
 

@@ -88,10 +88,14 @@ def group_of(seed: int, key: str, view: Sequence[int], me: int, size: int) -> li
 
 def same_bucket(seed: int, key: str, view_size: int, a: int, b: int, size: int) -> bool:
     """Whether ``a`` and ``b`` share a bucket of ``key`` in a view of ``view_size`` members."""
-    n = bucket_count(view_size, size)
-    if n == 1:
+    return in_bucket(seed, key, bucket_count(view_size, size), a, b)
+
+
+def in_bucket(seed: int, key: str, buckets: int, a: int, b: int) -> bool:
+    """Whether ``a`` and ``b`` share a bucket of ``key`` when the view splits into ``buckets``."""
+    if buckets == 1:
         return True
-    both = scores(seed, key, "bucket", [a, b]) % np.uint64(n)
+    both = scores(seed, key, "bucket", [a, b]) % np.uint64(buckets)
     return bool(both[0] == both[1])
 
 

@@ -103,6 +103,9 @@ class PeerNode:
         self.group_size = groups.DEFAULT_SIZE
         """Views larger than this split into buckets (``groups``); every peer of a run holds the same."""
         self.ready: Records[str, set[int]] = Records()
+        self.first_ready: Records[str, float] = Records()
+        """key -> when the first follower's ``Ready`` for it came: a leader waits one grace window from then, not from
+        its own (possibly later) start."""
         self.decided: Records[str, tuple[list[int], float]] = Records()  # key -> (group, when decided)
         self.told: Records[str, tuple[int, tuple[int, ...]]] = Records()
         self.aborted: Records[str, set[int]] = Records()
@@ -272,10 +275,12 @@ class PeerNode:
         """The agreement call for ``key`` of round ``round_index``; None when this peer takes no part in that round."""
         if not self.peers.takes_part(round_index):
             return None
-        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
+        view = self.members(round_index)
+        candidates = groups.group_of(self.group_seed, key, view, self.rank, self.group_size)
         leader = groups.leader_of(self.group_seed, key, candidates)
         if leader == self.rank:
-            return agreement.Lead(key, candidates, now, self.grace_s)
+            buckets = groups.bucket_count(len(set(view) | {self.rank}), self.group_size)
+            return agreement.Lead(key, candidates, now, self.grace_s, buckets)
         return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
 
     def leads(self, key: str, round_index: int, sender: int) -> bool:

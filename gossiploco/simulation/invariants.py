@@ -7,6 +7,8 @@
     agreement.group_mismatch   two peers completed the same exchange with different member lists (a ring's
                                order included: the leader's order keeps peers behind NAT apart)
     agreement.not_mutual       a peer completed a swap with a partner that was not swapping with it
+    agreement.outside_bucket   a leader waited for, or put in its group, a peer outside its own bucket of that exchange
+                               (``protocol.groups``): an exchange waited on a peer of another group
     correctness.mean           a completed all-reduce did not give the mean of its group's inputs
     correctness.swap           a completed swap did not hand over the partner's input (the pair's sum is not kept)
     correctness.identity       a failed exchange changed the value it was given
@@ -21,9 +23,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gossiploco.protocol.agreement import CONTROL_SEND_S, Follow, Lead
+from gossiploco.protocol import groups
 from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap
 from gossiploco.protocol.node import MAX_KEYS
 from gossiploco.protocol.peer_table import FAILED_GRACE_S
@@ -45,8 +49,9 @@ class Violation:
 class Checker:
     """Collects what peers did and reports every broken property once."""
 
-    def __init__(self, grace_s: float, mailbox_bytes: int, incarnation=lambda peer: 0):
+    def __init__(self, grace_s: float, mailbox_bytes: int, incarnation=lambda peer: 0, group_seed: int = 0):
         self.grace_s, self.mailbox_bytes = grace_s, mailbox_bytes
+        self.group_seed = group_seed
         self.incarnation = incarnation
         """peer -> its current incarnation (a restart makes a new one)."""
         self.violations: list[Violation] = []
@@ -78,6 +83,8 @@ class Checker:
             self.flag("liveness.call_overran", now, sim_peer.pid, f"{call.what} ended {now - limit:.3f}s after its deadline")
         self.completed += ok
         self.failed += not ok
+        if isinstance(call, Lead):
+            self._check_bucket(sim_peer.pid, call, now, ok)
         if ok and isinstance(call, RingAllReduce):
             self.check_mean(sim_peer.pid, call.key, call.members, call.acc, now)
         if ok and isinstance(call, Swap):
@@ -116,6 +123,16 @@ class Checker:
         if not torch.allclose(result, mean, atol=TOLERANCE):
             self.flag("correctness.mean", now, peer, f"{key} over {members}: max error "
                       f"{(result - mean).abs().max().item():.3g}")
+
+    def _check_bucket(self, peer: int, call: Lead, now: float, ok: bool) -> None:
+        """Everyone a leader waited for or decided on shares its bucket (with the bucket count of its view)."""
+        members = sorted(set(call.view) | (set(call.group) if ok else set()) | {peer})
+        buckets = (groups.scores(self.group_seed, call.key, "bucket", members) % np.uint64(call.buckets)).tolist()
+        mine = buckets[members.index(peer)]
+        outside = [m for m, b in zip(members, buckets) if b != mine]
+        if outside:
+            self.flag("agreement.outside_bucket", now, peer, f"{call.key}: led {call.view} -> "
+                      f"{call.group if ok else 'failed'}; {outside} are not in its bucket of {call.buckets}")
 
     def _check_swap(self, peer: int, call: Swap, now: float) -> None:
         partner = call.partner

@@ -98,7 +98,7 @@ class SimSwarm:
                                  settings.relay_time_limit_s)
         self.ids = list(range(settings.peers))
         self.checker = Checker(settings.grace_s, settings.mailbox_bytes,
-                               incarnation=lambda p: self.peers[p].incarnation if p in self.peers else -1)
+                               incarnation=lambda p: self.peers[p].incarnation if p in self.peers else -1, group_seed=seed)
         self.peers: dict[int, SimPeer] = {}
         self.crashed: set[int] = set()
         self.gave_up: set[int] = set()  # stopped with an error because every other peer was done or gone

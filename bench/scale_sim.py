@@ -1,0 +1,102 @@
+"""The scaling curve in the simulator: what one peer's rounds cost as the swarm grows from 4 to 1,000 peers.
+
+    python bench/scale_sim.py [--peers 4 16 64 256 1000] [--seeds 2] [--rounds 5] [--out bench/results/scale-sim]
+
+Every run is ``gossiploco.simulation.simulate_scale``: the real protocol (``PeerNode``, its agreement in buckets
+of ``[groups] size`` = 16, ring all-reduce Mix1 on a background task, gossip Mix2) on consumer links (50 Mbit/s to
+1 Gbit/s, 20 to 100 ms between two peers), compute times within 5% of each other, 1% of the peers crashing in each
+round and coming back 10 s later (join, catch-up), a real run's clock ratios (20 s rounds, 2 s grace window).
+Side by side in the same run: the same swarms with no churn (what membership changes cost), and one group for
+everyone (``--one-group-up-to``: the design before buckets, a global barrier and one ring through every member).
+
+Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
+compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
+sent, control messages sent (everything but data chunks), and connections (up at the end; opened over the run).
+Writes ``OUT.json`` and ``OUT.md`` (with this command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from gossiploco.simulation.swarm import simulate_scale
+
+COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_per_round", "messages_per_round",
+           "control_per_round", "connections_live", "connections_opened"]
+
+
+def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int) -> dict:
+    began = time.perf_counter()
+    result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size)
+    return {"peers": peers, "seed": seed, "churn": churn, "group_size": group_size,
+            "violations": [str(v) for v in result.violations], "wall_s": round(time.perf_counter() - began, 1),
+            "finished": sum(1 for k in result.finished.values() if k >= rounds), **result.stats["per_peer"]}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Medians over seeds of each column."""
+    out = {c: round(statistics.median(r[c] for r in rows), 4) for c in COLUMNS}
+    out["wall_s"] = round(statistics.median(r["wall_s"] for r in rows), 1)
+    out["violations"] = sum(len(r["violations"]) for r in rows)
+    out["finished"] = min(r["finished"] for r in rows)
+    return out
+
+
+def table(title: str, entries: list[tuple[int, dict]]) -> list[str]:
+    lines = [f"### {title}", "", "| M | round s | blocking s (p90) | Mix1 done | bytes/round | msgs/round | control/round | "
+             "conns up | conns opened | finished | violations | sim wall s |", "|" + "---|" * 12]
+    for m, s in entries:
+        lines.append(f"| {m} | {s['round_s']:.2f} | {s['blocking_s']:.2f} ({s['blocking_p90_s']:.2f}) | "
+                     f"{s['mix1_completion']:.3f} | {s['bytes_per_round']:.0f} | {s['messages_per_round']:.1f} | "
+                     f"{s['control_per_round']:.1f} | {s['connections_live']} | {s['connections_opened']} | "
+                     f"{s['finished']}/{m} | {s['violations']} | {s['wall_s']} |")
+    return lines + [""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, nargs="+", default=[4, 16, 64, 256, 1000])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--churn", type=float, default=0.01)
+    parser.add_argument("--group-size", type=int, default=16)
+    parser.add_argument("--one-group-up-to", type=int, default=256,
+                        help="also run one group for everyone at sizes up to this (0: never)")
+    parser.add_argument("--out", default="bench/results/scale-sim")
+    args = parser.parse_args(argv)
+    variants = [("groups of 16, 1% churn", args.churn, args.group_size, args.peers),
+                ("groups of 16, no churn", 0.0, args.group_size, args.peers),
+                ("one group (the former global barrier), 1% churn", args.churn, None,
+                 [m for m in args.peers if m <= args.one_group_up_to])]
+    results: dict[str, dict[int, dict]] = {}
+    rows = []
+    for title, churn, size, sizes in variants:
+        results[title] = {}
+        for m in sizes:
+            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2)) for seed in range(1, args.seeds + 1)]
+            rows += runs
+            results[title][m] = summarize(runs)
+            print(f"{title}: M={m} {json.dumps(results[title][m])}", flush=True)
+    command = "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": platform.platform(),
+                                                    "summary": {t: {str(m): s for m, s in v.items()}
+                                                                for t, v in results.items()},
+                                                    "runs": rows}, indent=1))
+    lines = [f"Command: `{command}` ({args.seeds} seeds per cell, medians; {args.rounds} rounds)", ""]
+    for title, entries in results.items():
+        lines += table(title, sorted(entries.items()))
+    out.with_suffix(".md").write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 1 if any(s["violations"] for v in results.values() for s in v.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -178,3 +178,22 @@ def test_unreachable_peers_are_the_known_ones_with_no_connection_that_did_not_le
     table.on_connected(3)
     table.on_disconnected(3, now=2.0)  # dropped without a goodbye: cut off, not gone
     assert table.unreachable() == [2, 3]
+
+
+def test_a_leader_takes_at_most_twice_the_group_size_and_tells_the_rest_they_were_left_out():
+    from gossiploco.protocol.agreement import Lead
+    from gossiploco.protocol.groups import lead_order
+    node = PeerNode(0, range(7), grace_s=1.0, chunk_elems=4, mailbox_bytes=1 << 20)
+    for p in range(1, 7):
+        node.connected(p, 0.0)
+    r = next(r for r in range(100) if leader_of(0, f"mix2/{r}", range(7)) == 0)  # an exchange peer 0 leads
+    key = f"mix2/{r}"
+    lead = Lead(key, list(range(7)), 0.0, 1.0, buckets=1)  # one bucket of seven (group size 16)...
+    for p in range(1, 7):
+        assert node.receive(p, Ready(key, r), 0.1) == []
+    node.group_size = 2  # ... far above a group size of 2: at most 4 go on
+    step = lead.poll(node, 0.2)
+    order = lead_order(0, key, range(7))
+    assert step.done and sorted(lead.outcome()) == sorted(order[:4])
+    told = {s.peer: s.message.group for s in step.sends}
+    assert set(told) == set(range(1, 7)) and all(g == tuple(lead.outcome()) for g in told.values())

@@ -106,9 +106,10 @@ class Lead(_GroupCall):
         strangers = sorted(p for p in chosen if not groups.in_bucket(node.group_seed, self.key, self.buckets,
                                                                      node.rank, p))
         chosen -= set(strangers)
-        limit = groups.cap(node.group_size)
+        limit, over = groups.cap(node.group_size), []
         if len(chosen) > limit:  # a bucket far above its mean (Binomial): the lowest lead scores go on
-            chosen = set(groups.lead_order(node.group_seed, self.key, chosen)[:limit])
+            order = groups.lead_order(node.group_seed, self.key, chosen)
+            chosen, over = set(order[:limit]), order[limit:]
         group = ring_order(chosen, node.behind_nat if node.order_rings else set())
         node.decided.put(self.key, (group, now))
         node.grouped.put(self.key, frozenset(group))
@@ -118,7 +119,7 @@ class Lead(_GroupCall):
         decision = Decision(self.key, node.current_round, tuple(group))
         self.finished, self.group = True, group
         refusal = Decision(self.key, node.current_round, ())
-        return Step(done=True, sends=[Send(p, decision) for p in group if p != node.rank]
+        return Step(done=True, sends=[Send(p, decision) for p in group + over if p != node.rank]
                     + [Send(p, refusal) for p in strangers])
 
 

@@ -327,3 +327,22 @@ def test_a_late_peer_costs_others_at_most_one_grace_window_and_those_outside_its
     near = {p for label in ("mix1", "mix2") for p in groups.group_of(7, f"{label}/0", list(range(64)), 5, 16)}
     assert all(slow[(p, 0)] <= calm[(p, 0)] + slack for p in range(64) if p not in near)
     assert max(slow[(p, 0)] - calm[(p, 0)] for p in near if p != 5) > 0.5 * grace  # its group did wait
+
+
+@pytest.mark.slow
+def test_what_one_peer_sends_per_round_stays_flat_from_16_to_128_peers():
+    """Scale as a property: on consumer links, in buckets of 16, one peer's bytes, messages and control messages
+    per round at 128 peers are within 2x of 16 peers' (the agreement and the mixes are bounded by the bucket, not the
+    swarm), every peer finishes, and Mix1 completes in nearly every round (a global ring through 128 consumer
+    links would not finish within the exchange deadline). Without churn: what membership changes cost over a
+    full mesh grows with the swarm (bench/results/scale.md)."""
+    from gossiploco.simulation.swarm import simulate_scale
+
+    small, large = (simulate_scale(3, m, rounds=4, churn=0.0) for m in (16, 128))
+    for result in (small, large):
+        assert result.violations == [] and all(k >= 4 for k in result.finished.values())
+        assert result.stats["per_peer"]["mix1_completion"] >= 0.95, result.stats["per_peer"]
+    a, b = small.stats["per_peer"], large.stats["per_peer"]
+    for column in ("bytes_per_round", "messages_per_round", "control_per_round"):
+        assert b[column] <= 2 * a[column], (column, a[column], b[column])
+    assert b["blocking_s"] <= 1.5 * a["blocking_s"], (a["blocking_s"], b["blocking_s"])  # the issue's bound

@@ -4,6 +4,12 @@ connections and memory per peer, against M.
     nice -n 5 python -m bench.scale_real --peers 4,16,32,64 --rounds 8 --out runs/scale-real \\
         --json bench/results/scale-real.json --markdown bench/results/scale.md
     python -m bench.scale_real --peers 64 --group-size 64 ...   # one group: everyone waits for everyone
+    python -m bench.scale_real --peers 64 --heartbeat-s 30 ...  # a timeout changed (also --grace-s)
+    python -m bench.scale_real --json ... --markdown ... --markdown-only  # rewrite the table from the JSON
+
+``--json`` keeps one summary per (M, group size, timeouts changed, ``--label``): a new run replaces its own and keeps
+the others; ``--markdown`` rewrites the generated part of the file's "Real processes" section (between its markers)
+and keeps the rest. Run outputs (logs with timestamps, per-peer records) go to ``--out``/m{M}-g{size}[-hb..][-label].
 
 What runs. For each M, M OS processes (``python -m bench.scale_real peer``, started by the test bed's process
 manager ``gossiploco.runtime.launch.ProcessGroup``, each in its own session, all killed on every exit path), each
@@ -39,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import resource
 import random
 import statistics
 import sys
@@ -74,6 +82,10 @@ class SwarmSettings:
     """How long a peer waits to connect to every other, and then for every peer at the start line."""
     finish_s: float = 120.0
     """How long a peer that finished waits for the others before closing."""
+    heartbeat_s: float | None = None
+    """``timeouts.heartbeat_s`` (None: the config's default, 5 s)."""
+    grace_s: float | None = None
+    """``timeouts.grace_s`` (None: the config's default, 10 s)."""
 
 
 def inner_seconds(seed: int, rank: int, low: float, high: float) -> float:
@@ -106,7 +118,6 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
     import torch
 
     from gossiploco.config_sections import TimeoutConfig
-    from gossiploco.mixing.operators import GlobalMix, GossipMix
     from gossiploco.security.swarm_key import SwarmKey
     from gossiploco.security.trust import Trust
     from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -115,10 +126,15 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
     from testbed.processes import resources
 
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
     out = Path(settings.out)
     record: dict = {"rank": rank, "inner_s": inner_seconds(settings.seed, rank, settings.inner_low_s,
                                                            settings.inner_high_s), "rounds": [], "error": None}
-    t = TimeoutConfig()
+    t = TimeoutConfig(**{k: v for k, v in (("heartbeat_s", settings.heartbeat_s), ("grace_s", settings.grace_s))
+                         if v is not None})
+    record["timeouts"] = {"grace_s": t.grace_s, "heartbeat_s": t.heartbeat_s, "exchange_s": t.exchange_s,
+                          "min_exchange_s": t.min_exchange_s}
     trust = Trust.static(SwarmKey.load(settings.swarm_key), rank, settings.peers)
     began = time.monotonic()
     exchange = ZmqExchange(rank, settings.endpoints, settings.run_id, t.exchange_s, grace_s=t.grace_s,
@@ -133,7 +149,7 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
         if not start.wait(settings.connect_s):
             raise RuntimeError(f"only {start.arrived()} of {settings.peers} peers reached the start line")
         record["start_resources"] = resources()
-        rounds(settings, rank, exchange, record, torch, GlobalMix, GossipMix, resources)
+        run_rounds(settings, rank, exchange, record)
         finish = FileBarrier(out / "finish", settings.peers)
         finish.arrive(rank)
         record["all_finished"] = finish.wait(settings.finish_s)
@@ -147,9 +163,13 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
     return record
 
 
-def rounds(settings: SwarmSettings, rank: int, exchange, record: dict, torch, GlobalMix, GossipMix,
-           resources) -> None:
+def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> None:
     """The rounds of Algorithm 1's schedule with synthetic compute; one entry per round into ``record["rounds"]``."""
+    import torch
+
+    from gossiploco.mixing.operators import GlobalMix, GossipMix
+    from testbed.processes import resources
+
     recorder = GroupRecorder(exchange)
     mix1 = GlobalMix("mix1", ["z"], settings.seed)
     mix2 = GossipMix("mix2", ["delta"], settings.seed)
@@ -167,14 +187,14 @@ def rounds(settings: SwarmSettings, rank: int, exchange, record: dict, torch, Gl
     try:
         for r in range(settings.rounds):
             before = (traffic.payload_sent, traffic.wire_sent, exchange.bytes_received, traffic.control_sent,
-                      traffic.control_counts())
+                      traffic.control_counts(), cpu_seconds())
             t_round = time.perf_counter()
             exchange.current_round = r
-            pending = pool.submit(timed_mix1, {"z": z.clone()}, r)  # line 4: Mix1 launched, non-blocking
+            pending = pool.submit(timed_mix1, {"z": z.clone()}, r)  # Mix1 launched at the round's start, non-blocking
             time.sleep(inner_s)  # the inner steps (synthetic compute)
             delta = torch.randn(settings.payload, generator=gen).mul_(0.01)
             t_mix2 = time.perf_counter()
-            res2 = mix2.mix([{"delta": delta}], r, recorder)  # blocking Mix2
+            res2 = mix2.mix([{"delta": delta}], r, recorder)  # blocking Mix2 of the pseudo-gradient
             mix2_s = time.perf_counter() - t_mix2
             t_wait = time.perf_counter()
             res1, mix1_s = pending.result()  # join Mix1
@@ -192,12 +212,18 @@ def rounds(settings: SwarmSettings, rank: int, exchange, record: dict, torch, Gl
                 "bytes_received": exchange.bytes_received - before[2],
                 "control_sent": traffic.control_sent - before[3],
                 "control_kinds": {k: n - before[4].get(k, 0) for k, n in kinds.items() if n - before[4].get(k, 0)},
-                "connected": len(exchange.connected()),
+                "cpu_s": cpu_seconds() - before[5], "connected": len(exchange.connected()),
                 "dealers": len(exchange.sockets.dealers) + len(exchange.sockets.controls),
                 **resources(), "finite": bool(torch.isfinite(z).all()),
             })
     finally:
         pool.shutdown(wait=True)
+
+
+def cpu_seconds(who: int = resource.RUSAGE_SELF) -> float:
+    """User + system CPU seconds of this process (every thread), or of its waited-for children."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
 
 
 def write_json(path: Path, data) -> None:
@@ -218,7 +244,8 @@ def mem_available() -> int:
 
 
 def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, inner: tuple[float, float] = (1.0, 2.0),
-              group_size: int = 16, seed: int = 0, timeout_s: float | None = None) -> dict:
+              group_size: int = 16, seed: int = 0, timeout_s: float | None = None, heartbeat_s: float | None = None,
+              grace_s: float | None = None, label: str = "") -> dict:
     """Start ``peers`` peer processes, wait for them (at most ``timeout_s``), stop them; returns the run's
     summary (``summarize``) with every peer's record under ``records``."""
     from gossiploco.runtime.launch import free_ports
@@ -233,21 +260,24 @@ def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, i
         SwarmKey.generate().save(key)
     settings = SwarmSettings(peers, [f"tcp://127.0.0.1:{p}" for p in free_ports(peers)], f"scale-{os.urandom(4).hex()}",
                              str(key), str(out), rounds=rounds, payload=payload, inner_low_s=inner[0],
-                             inner_high_s=inner[1], group_size=group_size, seed=seed)
+                             inner_high_s=inner[1], group_size=group_size, seed=seed, heartbeat_s=heartbeat_s,
+                             grace_s=grace_s)
     write_json(out / "swarm.json", asdict(settings))
     timeout_s = timeout_s or settings.connect_s * 2 + rounds * (inner[1] + 30) + settings.finish_s
     env = child_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     low_memory = before = mem_available()
+    high_load = 0.0
     stop_sampling = threading.Event()
 
     def sample() -> None:
-        nonlocal low_memory
+        nonlocal low_memory, high_load
         while not stop_sampling.wait(0.5):
             low_memory = min(low_memory, mem_available())
+            high_load = max(high_load, os.getloadavg()[0])
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    began = time.monotonic()
+    began, cpu_before = time.monotonic(), cpu_seconds(resource.RUSAGE_CHILDREN)
     group = ProcessGroup(env=env, cwd=ROOT, grace_s=10)
     try:
         procs = [group.start([sys.executable, "-m", "bench.scale_real", "peer", "--settings", str(out / "swarm.json"),
@@ -257,7 +287,7 @@ def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, i
         group.stop()
         stop_sampling.set()
         sampler.join()
-    wall_s = time.monotonic() - began
+    wall_s, peers_cpu_s = time.monotonic() - began, cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_before
     records, problems = [], []
     for rank, code in enumerate(codes):
         path = out / f"peer-{rank}.json"
@@ -267,7 +297,7 @@ def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, i
             problems.append(f"rank {rank}: exit {code}, {rec.get('error')}; log tail:\n{tail(out / f'peer-{rank}.log', 5)}")
         records.append(rec)
     summary = summarize(records, settings)
-    summary.update(wall_s=wall_s, mem_available_before=before, mem_lost_max=before - low_memory, problems=problems,
+    summary.update(label=label, wall_s=wall_s, peers_cpu_s=peers_cpu_s, load_max=high_load, mem_available_before=before, mem_lost_max=before - low_memory, problems=problems,
                    records=records)
     return summary
 
@@ -296,13 +326,15 @@ def summarize(records: list[dict], settings: SwarmSettings) -> dict:
     kinds = {kind: [row["control_kinds"].get(kind, 0) for row in rows]
              for kind in sorted({k for row in rows for k in row["control_kinds"]})}
     return {
-        "peers": settings.peers, "group_size": settings.group_size, "rounds": settings.rounds,
+        "peers": settings.peers, "group_size": settings.group_size, "heartbeat_s": settings.heartbeat_s,
+        "grace_s": settings.grace_s, "rounds": settings.rounds,
         "payload_floats": settings.payload, "inner_s": [settings.inner_low_s, settings.inner_high_s],
         "peers_done": done, "peer_rounds": len(rows),
         "round_s": median(r["round_s"] for r in rows), "round_s_p90": p90(r["round_s"] for r in rows),
         "blocking_s": median(r["blocking_s"] for r in rows), "blocking_s_p90": p90(r["blocking_s"] for r in rows),
         "mix2_s": median(r["mix2_s"] for r in rows), "mix1_wait_s": median(r["mix1_wait_s"] for r in rows),
-        "mix1_s": median(r["mix1_s"] for r in rows),
+        "mix1_s": median(r["mix1_s"] for r in rows), "cpu_s": median(r.get("cpu_s") for r in rows),
+        "connected_min": min((r["connected"] for r in rows), default=None),
         "mix1_completion": sum(r["mix1_ok"] for r in rows) / len(rows) if rows else None,
         "mix2_completion": sum(r["mix2_ok"] for r in rows) / len(rows) if rows else None,
         "failures": causes,
@@ -330,13 +362,13 @@ def table(runs: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "-" if v is None else fmt.format(v)
 
-    head = ("| M | group size | peers done | round s (p50 / p90) | blocking s (p50 / p90) | Mix2 s | Mix1 wait s "
+    head = ("| M | group size | variant | peers done | round s (p50 / p90) | blocking s (p50 / p90) | Mix2 s | Mix1 wait s "
             "| Mix1 s | Mix1 ok | Mix1 / Mix2 group | payload sent KiB | all sent KiB | received KiB | control msgs (p50 / mean / max) "
             "| connected | DEALERs | fds (sockets) | RSS MiB | PSS MiB | threads | machine memory used GiB |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for s in runs:
         rows.append(
-            f"| {s['peers']} | {s['group_size']} | {s['peers_done']}/{s['peers']} "
+            f"| {s['peers']} | {s['group_size']} | {variant_name(s)} | {s['peers_done']}/{s['peers']} "
             f"| {f(s['round_s'])} / {f(s['round_s_p90'])} | {f(s['blocking_s'])} / {f(s['blocking_s_p90'])} "
             f"| {f(s['mix2_s'])} | {f(s['mix1_wait_s'])} | {f(s['mix1_s'])} | {f(s['mix1_completion'], '{:.0%}')} "
             f"| {f(s['mix1_group'], '{:.0f}')} / {f(s['mix2_group'], '{:.0f}')} | {f(s['bytes_sent'] / kib, '{:.0f}')} "
@@ -347,25 +379,46 @@ def table(runs: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def variant_name(s: dict) -> str:
+    """What sets a run apart from the default settings: its label, and timeouts it changed."""
+    parts = [s.get("label") or ""] + [f"{k.removesuffix('_s')} {s[k]:g} s" for k in ("heartbeat_s", "grace_s")
+                                      if s.get(k) is not None]
+    return ", ".join(p for p in parts if p) or "default"
+
+
+def default_run(s: dict) -> bool:
+    return s.get("heartbeat_s") is None and s.get("grace_s") is None
+
+
 def criterion(runs: list[dict]) -> str:
-    """The done criterion of issue 26: blocking per round at 64 peers within 1.5x of 4 peers' (default grouping)."""
-    by_m = {s["peers"]: s for s in runs if s["group_size"] == 16}
-    if 4 not in by_m or 64 not in by_m:
-        return "Blocking criterion: not measured (needs M = 4 and M = 64 with group size 16)."
-    a, b = by_m[4]["blocking_s"], by_m[64]["blocking_s"]
-    ratio = b / a if a else float("inf")
-    verdict = "met" if ratio <= 1.5 and by_m[64]["peers_done"] == 64 else "MISSED"
-    return (f"Blocking criterion (median blocking per round at 64 peers within 1.5x of 4 peers'): {verdict}: "
-            f"{b:.2f} s / {a:.2f} s = {ratio:.2f}x; 64 of 64 peers done: {by_m[64]['peers_done'] == 64}.")
+    """The done criterion of issue 26: the median blocking per round of each 64-peer run with the default grouping
+    and timeouts within 1.5x of the 4-peer run's, with every peer done."""
+    base = [s for s in runs if s["peers"] == 4 and s["group_size"] == 16 and default_run(s) and not s.get("label")]
+    at_64 = [s for s in runs if s["peers"] == 64 and s["group_size"] == 16 and default_run(s)]
+    if not base or not at_64:
+        return "Blocking criterion: not measured (needs M = 4 and M = 64 with group size 16 and default timeouts)."
+    a = base[0]["blocking_s"]
+    lines = []
+    for s in at_64:
+        ratio = s["blocking_s"] / a if a else float("inf")
+        verdict = "met" if ratio <= 1.5 and s["peers_done"] == 64 else "MISSED"
+        lines.append(f"{variant_name(s)}: {verdict}: {s['blocking_s']:.2f} s / {a:.2f} s = {ratio:.2f}x, "
+                     f"{s['peers_done']} of 64 peers done")
+    others = [f"M={s['peers']}, group size {s['group_size']}, {variant_name(s)}: {s['blocking_s'] / a:.2f}x"
+              for s in runs if s not in base and s not in at_64]
+    return ("Blocking criterion (median blocking per round at 64 peers within 1.5x of 4 peers', group size 16, "
+            "default timeouts): " + "; ".join(lines) + "."
+            + (" Other runs against the same 4-peer median, for information: " + "; ".join(others) + "." if others else ""))
 
 
 def write_markdown(path: Path, runs: list[dict]) -> None:
     """Replace the generated part of the "Real processes" section of ``path`` (between ``BEGIN`` and ``END``;
     appended with a heading when absent), keeping everything else of the file."""
     commands = sorted({s["command"] for s in runs})
-    kinds = "; ".join(f"M={s['peers']}/g{s['group_size']}: " + ", ".join(f"{k} {v:.2f}" for k, v in s["control_kinds"].items())
-                      for s in runs)
-    failures = "; ".join(f"M={s['peers']}/g{s['group_size']}: {s['failures']}" for s in runs if s["failures"]) or "none"
+    kinds = "; ".join(f"M={s['peers']}/g{s['group_size']} ({variant_name(s)}): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in s["control_kinds"].items()) for s in runs)
+    failures = "; ".join(f"M={s['peers']}/g{s['group_size']} ({variant_name(s)}): {s['failures']}"
+                         for s in runs if s["failures"]) or "none"
     body = "\n\n".join([BEGIN, table(runs), criterion(runs),
                          f"Control messages sent per peer per round, mean by kind: {kinds}.",
                          f"Failed exchanges (peer-rounds, by cause): {failures}.",
@@ -391,16 +444,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inner", default="1.0,2.0", help="LOW,HIGH seconds of synthetic compute per round")
     ap.add_argument("--group-size", type=int, default=16, help="[groups] size")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--heartbeat-s", type=float, default=None, help="timeouts.heartbeat_s (default: the config's)")
+    ap.add_argument("--grace-s", type=float, default=None, help="timeouts.grace_s (default: the config's)")
     ap.add_argument("--min-free-gb", type=float, default=4.0,
                     help="skip an M when MemAvailable is below this plus 0.15 GB per peer")
+    ap.add_argument("--label", default="", help="names this run in the results (a repetition, a variant)")
     ap.add_argument("--out", default="runs/scale-real")
     ap.add_argument("--json", default=None, help="write the summaries here (appends to a list keyed by M and size)")
     ap.add_argument("--markdown", default=None, help="write the 'Real processes' section of this file")
+    ap.add_argument("--markdown-only", action="store_true", help="only rewrite --markdown from --json; run nothing")
     ap.add_argument("--record-command", default=None, help="the command line to record (default: this one)")
     args = ap.parse_args(argv)
     if args.command == "peer":
         settings = SwarmSettings(**json.loads(Path(args.settings).read_text()))
         return 0 if run_peer(settings, args.rank)["error"] is None else 1
+    if args.markdown_only:
+        write_markdown(Path(args.markdown), json.loads(Path(args.json).read_text())["runs"])
+        return 0
     low, high = (float(v) for v in args.inner.split(","))
     results = []
     for m in (int(v) for v in args.peers.split(",")):
@@ -408,18 +468,23 @@ def main(argv: list[str] | None = None) -> int:
         if mem_available() < need:
             print(f"M={m}: skipped, MemAvailable {mem_available() / 2**30:.1f} GB < {need / 2**30:.1f} GB", flush=True)
             continue
-        summary = run_swarm(m, Path(args.out) / f"m{m}-g{args.group_size}", rounds=args.rounds, payload=args.payload,
-                            inner=(low, high), group_size=args.group_size, seed=args.seed)
+        name = "-".join(filter(None, [f"m{m}-g{args.group_size}", args.heartbeat_s and f"hb{args.heartbeat_s:g}",
+                                      args.grace_s and f"grace{args.grace_s:g}", args.label]))
+        summary = run_swarm(m, Path(args.out) / name, rounds=args.rounds, payload=args.payload,
+                            inner=(low, high), group_size=args.group_size, seed=args.seed,
+                            heartbeat_s=args.heartbeat_s, grace_s=args.grace_s, label=args.label)
         print(json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=1), flush=True)
         results.append(summary)
     command = args.record_command or "python -m bench.scale_real " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         path = Path(args.json)
         kept = json.loads(path.read_text())["runs"] if path.exists() else []
-        new = {(s["peers"], s["group_size"]) for s in results}
-        kept = [s for s in kept if (s["peers"], s["group_size"]) not in new]
+        variant = lambda s: (s["peers"], s["group_size"], s.get("heartbeat_s"), s.get("grace_s"), s.get("label", ""))  # noqa: E731
+        new = {variant(s) for s in results}
+        kept = [s for s in kept if variant(s) not in new]
         runs = sorted(kept + [{**{k: v for k, v in s.items() if k != "records"}, "command": command} for s in results],
-                      key=lambda s: (s["group_size"], s["peers"]))
+                      key=lambda s: (s["group_size"] != 16, s["group_size"], s.get("heartbeat_s") or 0, s.get("grace_s") or 0,
+                                     s.get("label", ""), s["peers"]))
         write_json(path, {"runs": runs})
         if args.markdown:
             write_markdown(Path(args.markdown), runs)

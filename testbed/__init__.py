@@ -7,7 +7,9 @@ product code never imports it; it imports gossiploco.
     probes.py     link probes run inside namespaces (ring all-reduce, swap, raw TCP, byte counters)
     peers.py      gossiploco's DHT nodes and peers in namespaces; what a measured run reports
     processes.py  the process manager (``gossiploco.runtime.launch.ProcessGroup``), waits with deadlines, /proc
+                  (a process table; ``resources``: memory, threads, file descriptors)
     spawned.py    Python functions as a group of spawned processes (the all-reduce benchmarks)
+    file_barrier.py ``FileBarrier``: many processes begin (or end) together, through files
     outsider.py   an attacker's tools: raw ZMTP, keyless sockets, a DHT node without a validator
     overrides.py  config overrides as ``--set`` arguments (the inverse of ``cli_options.parse_sets``)
 

@@ -5,8 +5,9 @@ leads its own session, ``stop()`` interrupts, waits a bounded time, kills, and t
 left in the children's process groups. ``testbed.spawned`` drives ``multiprocessing`` children with it.
 
 Here besides: ``wait_until`` (a condition with a deadline, never a fixed sleep), ``shielded`` (a clean-up
-that a second Ctrl+C cannot cut short), the environment children get, and a process table read from
-/proc (Linux) to find what a process left behind (``descendants``).
+that a second Ctrl+C cannot cut short), the environment children get, a process table read from
+/proc (Linux) to find what a process left behind (``descendants``), and what one process holds
+(``resources``: memory, threads, file descriptors).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from gossiploco.runtime.launch import ProcessGroup, signal_group
 
-__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "process_table",
+__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "process_table", "resources",
            "shielded", "signal_group", "signal_pid", "tail", "wait_until"]
 
 
@@ -141,3 +142,30 @@ def cmdline(pid: int, limit: int = 160) -> str:
     except OSError:
         return ""
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def resources(pid: int | str = "self") -> dict[str, int]:
+    """What process ``pid`` holds now, from /proc (Linux; fields it cannot read are absent): ``rss`` (bytes
+    resident, shared library pages included), ``pss`` (its proportional share of them: what the processes of a
+    swarm on one machine add up to), ``threads``, ``fds`` (open file descriptors) and ``sockets`` (those that are
+    sockets: TCP connections, listeners, and ZeroMQ's internal signalling pairs)."""
+    out: dict[str, int] = {}
+    base = f"/proc/{pid}"
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"{base}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out["rss"] = int(line.split()[1]) * 1024
+            elif line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"{base}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                out["pss"] = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError):
+        fds, sockets = 0, 0
+        for fd in os.listdir(f"{base}/fd"):
+            fds += 1
+            with contextlib.suppress(OSError):
+                sockets += os.readlink(f"{base}/fd/{fd}").startswith("socket:")
+        out["fds"], out["sockets"] = fds, sockets
+    return out

@@ -2,7 +2,9 @@
 
 ``payload_sent`` counts the data chunks' values (``Exchange.bytes_sent``: what the mixing moved);
 ``wire_sent`` every message's codec frames (headers and payloads, control messages and state
-uploads included; not the transport's own framing, encryption or TCP/IP headers); ``dropped`` the
+uploads included; not the transport's own framing, encryption or TCP/IP headers); ``control_sent``
+the messages other than data chunks (hellos, readies, decisions, aborts, state requests; ZMTP
+heartbeats are the transport's own and not counted), by kind in ``control_kinds``; ``dropped`` the
 control messages the service thread's full queue refused. Bytes received are counted where chunks
 arrive, by the protocol (``PeerNode.bytes_received``). Thread-safe: any sending thread counts.
 """
@@ -23,6 +25,9 @@ class Traffic:
         self.payload_sent = 0
         self.wire_sent = 0
         self.dropped = 0
+        self.control_sent = 0
+        self.control_kinds: dict[str, int] = {}
+        """Messages other than ``Data`` sent, by class name (``Ready``, ``Decision``, ``Hello``...)."""
 
     def sent(self, message: Message, frames: Sequence) -> None:
         """``message`` went out as ``frames`` (bytes, buffers or zmq frames)."""
@@ -31,6 +36,15 @@ class Traffic:
         with self._lock:
             self.wire_sent += wire
             self.payload_sent += payload
+            if not isinstance(message, Data):
+                self.control_sent += 1
+                kind = type(message).__name__
+                self.control_kinds[kind] = self.control_kinds.get(kind, 0) + 1
+
+    def control_counts(self) -> dict[str, int]:
+        """A copy of ``control_kinds`` (read from any thread)."""
+        with self._lock:
+            return dict(self.control_kinds)
 
     def drop(self) -> None:
         """A message could not even be queued."""

@@ -20,7 +20,7 @@ import itertools
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gossiploco.simulation.paths import RELAYED, SETUP_LATENCIES, Connection, Relays, pair_path
 

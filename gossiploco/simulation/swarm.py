@@ -12,8 +12,15 @@ Small tensors stand in for the model; the mixing math is the protocol's own. Som
 behind NAT (``Settings.behind_nat``): their connections are reverse or go through relays, which
 can go down and reset connections at their limits; peers see all of it as disconnects.
 
+Exchanges run in the buckets of ``protocol.groups`` (``Settings.group_size``; the chaos seeds draw 2 to 16, so even
+small swarms split). Links are one LAN value or per peer (``links="consumer"``), compute may be unequal
+(``inner_spread``) and peers may churn (``churn``: crash and restart each round with that probability); the
+per-peer costs of a run (round and blocking time, Mix1 completion, bytes, messages, connections) are in
+``SimResult.stats["per_peer"]``.
+
 ``simulate(seed, ...)`` returns a ``SimResult`` with the violations and, if asked, the event log;
-the same arguments give the same result, bit for bit.
+the same arguments give the same result, bit for bit. ``simulate_scale`` is the scaling curve's run
+(``bench/scale_sim.py``).
 """
 
 from __future__ import annotations

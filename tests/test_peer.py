@@ -131,11 +131,17 @@ def test_the_monitors_send_no_parameters_when_mix1_is_global(preset, tmp_path):
 def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **overrides) -> None:
     assert_exit(peers, codes, range(4))
     reference = VirtualSwarm(tiny_config(preset, **overrides)).run()
+    # A measurement due while another still ran in the background is postponed to a later inner step
+    # (runtime.peer_monitor): then its group measured another state of the swarm than the virtual one did.
+    postponed = {(r["round"], r["h"]) for rank in range(4) for r in records(peers, rank) if "cd_step" in r}
+    assert (reference.records[-1]["round"], 0) not in postponed  # the final measurement blocks: always compared
     for rank in range(4):
         assert relative_error(model(peers, rank), reference.final_params) <= 1e-4
         mine = records(peers, rank)
         assert [(r["round"], r["h"]) for r in mine] == [(r["round"], r["h"]) for r in reference.records]
         for got, want in zip(mine, reference.records):
+            if (got["round"], got["h"]) in postponed:
+                continue
             assert got["cd_l2"] == pytest.approx(want["cd_l2"], rel=1e-3, abs=1e-6)
             assert got["cd_js"] == pytest.approx(want["cd_js"], rel=1e-3, abs=1e-6)
             assert got["compute_s"] >= 0 and got["monitor_s"] >= 0 and got["members"] == 4

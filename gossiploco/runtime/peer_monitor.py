@@ -7,7 +7,8 @@ ticked, its byte counters and, when a measurement is due, CD_L2, CD_L2^2 and CD_
 the measuring group is the peer's whole view, ``cd_scope = "swarm"``; estimated from its bucket above ``[groups]
 size``, ``cd_scope = "group"``) and the validation loss.
 
-**Off the critical path.** A measurement never holds the peer's round back waiting for slower peers: the main
+**Off the critical path.** A measurement does not hold the peer's round back waiting for slower peers (up to the
+bound below): the main
 thread takes a snapshot of its parameters (one fp32 CPU copy) and hands it to a background thread
 (``BackgroundSlot``), which agrees the group, all-reduces the snapshot, computes this peer's terms and the
 averaged model's JS term and validation loss on the scratch model, and all-reduces the terms; the main thread goes
@@ -16,9 +17,15 @@ blocking measurement held). A measurement that comes due while another runs is *
 snapshot is taken at the first inner step after the running one finished (``poll``), and its record says so
 (``cd_step``, the step the parameters are from; counted as ``monitor_late``). Postponing keeps every peer running
 every measurement key in the same order: a peer that skipped one would leave its group's leader or members
-waiting a grace window for it, in the background, and so postpone or fail their next ones in turn. A postponed
-measurement of a round two rounds back is dropped (``monitor_dropped``, logged: the exchange no longer takes that
-round's chunks). Records are still written in (round, h) order: a record waits, in order, for its own
+waiting a grace window for it, in the background, so they would postpone or fail their next ones in turn (seen
+on 4 tiny-model peers: a cascade of 21 s agreement timeouts). At most one measurement waits behind the running
+one: when a third comes due, the main thread waits for the running one (``monitor_waits``, its time in
+``monitor_s``), so a peer runs at most one measurement ahead of its group. That wait comes only when measurements
+take longer than the steps between them (the tiny test models on a loaded machine) or when a peer is about two
+measurement intervals ahead of its group's slowest member; a run whose measurements take less than
+``monitor.every`` inner steps, with peers of similar speed, never waits. A measurement still queued two rounds later is dropped
+(``monitor_dropped``, logged: the exchange no longer takes that round's chunks; only after a wait timed out).
+Records are still written in (round, h) order: a record waits, in order, for its own
 measurement, and finished measurements are applied on the main thread (``poll``, at every inner step and record),
 so nothing else the peer owns is touched from the background thread.
 
@@ -188,6 +195,7 @@ class PeerMonitor:
                                                                    swarm=entry.record["members"],
                                                                    adaptive_size=self._adaptive_size())))
         else:
+            self._make_room()
             self._queue.append(entry)
             self._start_next()
         self.clock.tick("monitor_s", time.perf_counter() - t)
@@ -219,6 +227,7 @@ class PeerMonitor:
             return own, avg
 
         entry.values, entry.ready = values, True
+        self._make_room()
         self._queue.append(entry)
         if self.waits:
             self._drain()
@@ -321,6 +330,19 @@ class PeerMonitor:
                 record["monitor_cause"] = "not measured: the monitor is closed"
                 entry.done = True
             return
+
+    def _make_room(self) -> None:
+        """A new measurement is due: if one runs and another waits behind it already, wait for the running one
+        (counted as ``monitor_waits``; the time is ``monitor_s``). So a peer runs at most one measurement ahead of
+        its group, and every peer starts every measurement, in order: none is dropped for being late."""
+        if not (self._slot.busy and self._queue):
+            return
+        self.progress.count("monitor_waits")
+        t = self.cfg.timeouts
+        bound = 2 * t.exchange_s + 2 * t.grace_s + 60.0
+        if not self._slot.wait_idle(bound):
+            log.warning("rank %d: a measurement still runs after %.0f s", self.rank, bound)
+        self._poll()
 
     def _drain(self) -> None:
         """Wait until every measurement due has run (each bounded by its exchanges' deadlines) and apply them."""

@@ -18,13 +18,14 @@ snapshot is taken at the first inner step after the running one finished (``poll
 (``cd_step``, the step the parameters are from; counted as ``monitor_late``). Postponing keeps every peer running
 every measurement key in the same order: a peer that skipped one would leave its group's leader or members
 waiting a grace window for it, in the background, so they would postpone or fail their next ones in turn (seen
-on 4 tiny-model peers: a cascade of 21 s agreement timeouts). At most one measurement waits behind the running
-one: when a third comes due, the main thread waits for the running one (``monitor_waits``, its time in
-``monitor_s``), so a peer runs at most one measurement ahead of its group. That wait comes only when measurements
-take longer than the steps between them (the tiny test models on a loaded machine) or when a peer is about two
-measurement intervals ahead of its group's slowest member; a run whose measurements take less than
-``monitor.every`` inner steps, with peers of similar speed, never waits. A measurement still queued two rounds later is dropped
-(``monitor_dropped``, logged: the exchange no longer takes that round's chunks; only after a wait timed out).
+on 4 tiny-model peers: a cascade of 21 s agreement timeouts). Queued measurements hold no parameters (the
+snapshot is taken when one starts), so the queue costs no memory; it is bounded in time instead: at the end of
+round r the main thread waits until every measurement of the rounds before r has started (``monitor_waits``, its
+time in ``monitor_s``), because the exchange stops taking a round's chunks two rounds later. A fast peer under a
+steps budget therefore waits in the monitor only when its measurements fall more than a round behind (it waits
+for the slow ones at Mix2 anyway, while its measurements run), and under a time budget (measured at h = 0 only)
+practically never. A measurement still queued two rounds later (after a wait timed out) is dropped
+(``monitor_dropped``, logged).
 Records are still written in (round, h) order: a record waits, in order, for its own
 measurement, and finished measurements are applied on the main thread (``poll``, at every inner step and record),
 so nothing else the peer owns is touched from the background thread.
@@ -33,7 +34,8 @@ When the monitor reuses Mix1's average (``monitor_reuses_mix1``, and the view is
 measurement is taken at the round's end against that average (``defer``, then ``record_deferred``: the wait for
 Mix1 counts as the round's Mix1 wait; the terms' all-reduce runs in the background). It holds z_{m,r} and Mix1's
 average (no copies: the outer step makes new tensors), so when it waits behind a running measurement it measures
-the same values, at the price of those two buffers kept until it ran.
+the same values, at the price of those two buffers kept until it ran; a round's end waits until the previous
+round's such measurement has started, so at most one pair is held.
 
 Two measurements still block, by design: the final one (``final=True``: the averaged model at the end of the run
 is the run's result, so it waits for the measurements in flight and then measures on the main thread), and, with
@@ -170,9 +172,13 @@ class PeerMonitor:
     def take_round_js(self) -> list[float]:
         """The CD_JS values measured this round; the next round starts an empty list. With adaptive Mix2 it first
         waits for the measurements in flight."""
+        t = time.perf_counter()
         if self.waits:
             self._drain()
-        self.poll()
+        round_now = self._at[0]
+        self._wait_until_started(lambda queued: queued.record["round"] < round_now)
+        self._poll()
+        self.clock.tick("monitor_s", time.perf_counter() - t)
         taken, self._round_js = self._round_js, []
         return taken
 
@@ -195,7 +201,6 @@ class PeerMonitor:
                                                                    swarm=entry.record["members"],
                                                                    adaptive_size=self._adaptive_size())))
         else:
-            self._make_room()
             self._queue.append(entry)
             self._start_next()
         self.clock.tick("monitor_s", time.perf_counter() - t)
@@ -227,7 +232,7 @@ class PeerMonitor:
             return own, avg
 
         entry.values, entry.ready = values, True
-        self._make_room()
+        self._wait_until_started(lambda queued: queued.values is not None)  # one held pair of z and x at most
         self._queue.append(entry)
         if self.waits:
             self._drain()
@@ -331,18 +336,20 @@ class PeerMonitor:
                 entry.done = True
             return
 
-    def _make_room(self) -> None:
-        """A new measurement is due: if one runs and another waits behind it already, wait for the running one
-        (counted as ``monitor_waits``; the time is ``monitor_s``). So a peer runs at most one measurement ahead of
-        its group, and every peer starts every measurement, in order: none is dropped for being late."""
-        if not (self._slot.busy and self._queue):
-            return
-        self.progress.count("monitor_waits")
+    def _wait_until_started(self, behind: Callable[[_Entry], bool]) -> None:
+        """Wait (counted once as ``monitor_waits``; the time is ``monitor_s``) for the running measurements until
+        no queued one is ``behind``: every peer starts every measurement, in order, none dropped for being late."""
         t = self.cfg.timeouts
         bound = 2 * t.exchange_s + 2 * t.grace_s + 60.0
-        if not self._slot.wait_idle(bound):
-            log.warning("rank %d: a measurement still runs after %.0f s", self.rank, bound)
-        self._poll()
+        counted = False
+        while any(behind(queued) for queued in self._queue):
+            if not counted:
+                self.progress.count("monitor_waits")
+                counted = True
+            if not self._slot.wait_idle(bound):
+                log.warning("rank %d: a measurement still runs after %.0f s", self.rank, bound)
+                return
+            self._poll()
 
     def _drain(self) -> None:
         """Wait until every measurement due has run (each bounded by its exchanges' deadlines) and apply them."""

@@ -268,6 +268,7 @@ class NetworkPeer:
                 self._checkpoint_interrupted(checkpoints)
             raise
         self.close(linger_s=LEAVE_LINGER_S)
+        self.monitor.write_held("the run ended before this measurement finished")  # one stuck on a frozen peer
         wall = time.perf_counter() - start
         summary = make_summary(self.cfg, self.sink.records, final.get("val_loss"), wall)
         summary.update(self._peer_summary(wall), reach=reach)

@@ -38,7 +38,9 @@ the same values, at the price of those two buffers kept until it ran; a round's 
 round's such measurement has started, so at most one pair is held.
 
 Two measurements still block, by design: the final one (``final=True``: the averaged model at the end of the run
-is the run's result, so it waits for the measurements in flight and then measures on the main thread), and, with
+is the run's result; it waits for the measurements in flight, at most ``grace_s + min_exchange_s``, then measures on
+the main thread with the peer's own model, training being over; one still in flight then, stuck on a frozen peer,
+ends when the peer closes its exchange, and ``write_held`` writes its record), and, with
 adaptive Mix2, the round's measurements are awaited before the round's end (``take_round_js``) and never
 postponed: every member of a group must decide Mix2's blocks from the same CD_JS values.
 """
@@ -191,15 +193,21 @@ class PeerMonitor:
         t = time.perf_counter()
         self._at = (r, h)
         self._poll()
-        if final or self.waits:
+        if final:
+            # The measurements in flight, for as long as a healthy group takes to agree and exchange: one stuck
+            # on a frozen peer is left to end with the exchange (``write_held`` after ``close`` writes it).
+            timeouts = self.cfg.timeouts
+            self._drain(timeouts.grace_s + timeouts.min_exchange_s)
+        elif self.waits:
             self._drain()
         entry = _Entry(self._record_start(r, h, val_loss))
         self._entries.append(entry)
-        if final:
+        if final:  # on this thread, with the peer's own model (training is over; the scratch one may be in use)
             entry.started = True
             self._apply(entry, Finished(entry, value=self._measure(r, h, val_loss=val_loss, final=True,
                                                                    swarm=entry.record["members"],
-                                                                   adaptive_size=self._adaptive_size())))
+                                                                   adaptive_size=self._adaptive_size(),
+                                                                   model=self.trainer)))
         else:
             self._queue.append(entry)
             self._start_next()
@@ -351,15 +359,19 @@ class PeerMonitor:
                 return
             self._poll()
 
-    def _drain(self) -> None:
-        """Wait until every measurement due has run (each bounded by its exchanges' deadlines) and apply them."""
+    def _drain(self, bound_s: float | None = None) -> bool:
+        """Wait until every measurement due has run and apply them, for at most ``bound_s`` in all (default: each
+        bounded by its exchanges' deadlines); True when none is left."""
         t = self.cfg.timeouts
-        bound = 2 * t.exchange_s + 2 * t.grace_s + 60.0
+        step_bound = 2 * t.exchange_s + 2 * t.grace_s + 60.0
+        end = None if bound_s is None else time.monotonic() + bound_s
         while self._queue or any(e.started and not e.done for e in self._entries):
-            if not self._slot.wait_idle(bound):
-                log.warning("rank %d: a measurement still runs after %.0f s; its record waits", self.rank, bound)
-                return
+            wait = step_bound if end is None else max(end - time.monotonic(), 0.0)
+            if not self._slot.wait_idle(wait):
+                log.warning("rank %d: a measurement still runs after %.0f s; its record waits", self.rank, wait)
+                return False
             self._poll()
+        return True
 
     def _apply(self, entry: _Entry, finished: Finished) -> None:
         """A finished measurement, on the main thread: into its record, the round's CD_JS and the counters."""
@@ -402,8 +414,8 @@ class PeerMonitor:
                                  self.robust.ledger, r, judge=False)[0]
 
     def _measure(self, r: int, h: int, *, val_loss: bool, final: bool, swarm: int, adaptive_size: float | None,
-                 at: tuple[TensorDict, TensorDict | None] | None = None, own: TensorDict | None = None
-                 ) -> Measurement:
+                 at: tuple[TensorDict, TensorDict | None] | None = None, own: TensorDict | None = None,
+                 model: LocalTrainer | None = None) -> Measurement:
         """Consensus of this peer's group from per-peer terms (``runtime.peer``'s docstring), as estimates of the
         swarm's (``consensus_sample``, M = ``swarm``); own values if the group fails. Runs on the background
         thread (the final measurement: on the main thread, nothing in flight); touches only the exchange and the
@@ -414,6 +426,7 @@ class PeerMonitor:
         parameters are exchanged, and the group's terms average over the peers that had an average (each sends a
         validity weight with its terms)."""
         ex = self.exchange
+        model = model or self.eval_trainer
         params = at[0] if at is not None else own if own is not None else self.trainer.params_cpu()
         key = f"monitor/{r}/{h}"
         result = Measurement()
@@ -429,10 +442,10 @@ class PeerMonitor:
                 avg = at[1]
             valid = avg is not None
             terms = consensus.l2_term(params, avg if valid else params, self.groups)
-            self.eval_trainer.load_params(params)
-            own_logits = self.eval_trainer.logits(self.heldout)
-            self.eval_trainer.load_params(avg if valid else params)
-            js = consensus.js_term(own_logits, self.eval_trainer.logits(self.heldout), self.cfg.monitor.js_top_k)
+            model.load_params(params)
+            own_logits = model.logits(self.heldout)
+            model.load_params(avg if valid else params)
+            js = consensus.js_term(own_logits, model.logits(self.heldout), self.cfg.monitor.js_top_k)
             blocks = list(terms)
             total = sum(terms.values())
             extra = [adaptive_size] if adaptive_size is not None else []
@@ -462,7 +475,7 @@ class PeerMonitor:
             return result
         except ExchangeError as exc:
             result.failure = out["monitor_cause"] = f"{type(exc).__name__}: {exc}"
-            self.eval_trainer.load_params(params)  # validation loss of this peer's own model
+            model.load_params(params)  # validation loss of this peer's own model
         if val_loss:
-            out["val_loss"] = self.eval_trainer.evaluate(self.val_batches)
+            out["val_loss"] = model.evaluate(self.val_batches)
         return result

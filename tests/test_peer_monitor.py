@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, wait_until
+from gossiploco import consensus_sample as cs
 from gossiploco.data import heldout_batch, validation_batches
 from gossiploco.mixing.exchange import MemoryHub
 from gossiploco.runtime.common import build_trainer
@@ -107,3 +108,32 @@ def test_the_final_measurement_blocks_and_keeps_the_averaged_model(corpus):
     params = [m.trainer.params_cpu() for m in monitors]
     for name, value in monitors[0].final_params.items():
         assert torch.allclose(value, (params[0][name] + params[1][name]) / 2, atol=1e-6)
+
+
+@pytest.mark.slow  # eight tiny models
+@pytest.mark.timeout(120)
+def test_above_the_group_size_each_peer_reports_its_groups_estimate_of_the_swarm(corpus):
+    """4 peers in buckets of at most 2 on average (seed 0 puts 0, 1, 2 together and 3 alone for ``monitor/0/0``):
+    the group of 3 writes ``consensus_sample.estimate`` of its members' parameters (g = 3 of M = 4), the peer alone
+    writes no value and says why."""
+    cfg = tiny_config("diloco", workers=4)
+    hub = MemoryHub(4, HUB_DEADLINE_S, seed=0, group_size=2)
+    outs: list[list[dict]] = [[] for _ in range(4)]
+    monitors = [make_monitor(cfg, corpus, hub, rank, outs[rank]) for rank in range(4)]
+    try:
+        for monitor in monitors:
+            monitor.record(0, 0, val_loss=False)
+        assert wait_until(lambda: written(monitors, outs, 1), HUB_DEADLINE_S)
+    finally:
+        for m in monitors:
+            m.exchange.close()
+            m.close()
+    points = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.trainer.model.parameters()]) for m in monitors])
+    want = cs.group_estimate(points, [0, 1, 2])
+    for rank in (0, 1, 2):
+        got = outs[rank][0]
+        assert (got["cd_scope"], got["cd_group_size"], got["cd_swarm_size"]) == ("group", 3, 4)
+        assert got["cd_l2_sq"] == pytest.approx(want["cd_l2_sq"], rel=1e-4)
+        assert got["cd_l2"] == pytest.approx(want["cd_l2"], rel=1e-4)
+    alone = outs[3][0]
+    assert alone["cd_scope"] == "none" and "cd_l2" not in alone and "alone in its group" in alone["monitor_cause"]

@@ -91,7 +91,7 @@ def test_over_the_buckets_protocol_groups_draws_for_32_members_the_mean_estimate
     assert n == 4
     sd = {g: math.sqrt(cs.variance_sq(x, g)) for g in range(2, 33)}
     per_key, uncorrected, key_variances = [], [], []
-    keys = 300
+    keys = 200
     for k in range(keys):
         key = f"monitor/{k}/0"
         buckets = groups.scores(7, key, "bucket", members) % np.uint64(n)

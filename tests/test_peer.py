@@ -111,31 +111,41 @@ def test_peers_with_compressed_mixes_train_like_the_virtual_swarm(preset, compre
 def test_the_monitors_send_no_parameters_when_mix1_is_global(preset, tmp_path):
     """Measured once a round (h = 0): with a global Mix1 the measurement takes Mix1's average, so a round
     sends Mix1's and Mix2's bytes and a few floats of terms; without one (diloco) it all-reduces the
-    parameters: 2 (M - 1) / M of them in fp32 more per round."""
+    parameters: 2 (M - 1) / M of them in fp32 more per measurement. Counted over the whole run (the final
+    record's cumulative bytes, after the final measurement, which all-reduces the parameters in both): the
+    measurements run in the background, so one round's may end after the next round's record is stamped."""
     overrides = {"monitor.every": 0, "rounds": 4}
     with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
         peers.start()
         codes = peers.wait(180)
     assert_matches_virtual_swarm(peers, codes, preset, **overrides)
     params = sum(p.numel() for p in model(peers, 0).values())
+    full = 2 * 3 * params * 4 // 4  # one all-reduce of the parameters among 4 peers
     for rank in range(4):
-        mine = [r for r in records(peers, rank) if r["h"] == 0]
-        for before, after in zip(mine, mine[1:-1]):  # round r's record to round r + 1's: round r's traffic
-            extra = after["bytes_sent"] - before["bytes_sent"] - after["mix1_bytes"] - after["mix2_bytes"]
-            if preset == "diloco":
-                assert extra >= 2 * 3 * params * 4 // 4, (extra, params)
-            else:
-                assert 0 <= extra < 4096, (extra, params)  # the terms: a few dozen floats
+        mine = records(peers, rank)
+        measured = sum("cd_l2" in r for r in mine)
+        assert measured == len(mine) == overrides["rounds"] + 1
+        extra = mine[-1]["bytes_sent"] - sum(r.get("mix1_bytes", 0) + r.get("mix2_bytes", 0) for r in mine)
+        if preset == "diloco":
+            assert extra >= measured * full, (extra, params)
+        else:
+            assert full <= extra < full + measured * 4096, (extra, params)  # the final's, then a few dozen floats each
 
 
 def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **overrides) -> None:
     assert_exit(peers, codes, range(4))
     reference = VirtualSwarm(tiny_config(preset, **overrides)).run()
+    # A measurement due while another still ran in the background is postponed to a later inner step
+    # (runtime.peer_monitor): then its group measured another state of the swarm than the virtual one did.
+    postponed = {(r["round"], r["h"]) for rank in range(4) for r in records(peers, rank) if "cd_step" in r}
+    assert (reference.records[-1]["round"], 0) not in postponed  # the final measurement blocks: always compared
     for rank in range(4):
         assert relative_error(model(peers, rank), reference.final_params) <= 1e-4
         mine = records(peers, rank)
         assert [(r["round"], r["h"]) for r in mine] == [(r["round"], r["h"]) for r in reference.records]
         for got, want in zip(mine, reference.records):
+            if (got["round"], got["h"]) in postponed:
+                continue
             assert got["cd_l2"] == pytest.approx(want["cd_l2"], rel=1e-3, abs=1e-6)
             assert got["cd_js"] == pytest.approx(want["cd_js"], rel=1e-3, abs=1e-6)
             assert got["compute_s"] >= 0 and got["monitor_s"] >= 0 and got["members"] == 4

@@ -28,12 +28,15 @@ leader that the swarm is already in a later round. Peers that never connected ar
 they say hello.
 
 Consensus monitors over the network (same schedule and definitions as the virtual swarm):
-the peers all-reduce their current parameters (key ``monitor/r/h``) to get the average, each
+the peers of the group of exchange ``monitor/r/h`` all-reduce their parameters to get the average, each
 computes its own terms (sqrt of its squared L2 distance in total and per block, the squared
 distance, and its JS term against the averaged model's output on the shared held-out batch),
 and a second, tiny all-reduce averages the terms: CD_L2 (eq. 34), CD_L2^2 (eq. 40) and CD_JS
-(eq. 46) are exactly these means. Every peer logs the same swarm-wide values. The averaged
-parameters after the last round are the final model (Algorithm 1, line 15).
+(eq. 46) are exactly these means when the group is the whole view, and estimates of the swarm's from the
+group above ``[groups] size`` (``consensus_sample``: the corrections and their stated error). Every peer of a
+group logs the same values. The measurement runs on a background thread against a snapshot of the parameters,
+so a peer never waits for slower peers to measure (``peer_monitor``). The averaged parameters after the last
+round (a blocking measurement) are the final model (Algorithm 1, line 15).
 
 A round runs H inner steps, or with ``round.budget = "time"`` as many as fit before the round's deadline
 (``round_budget``; the deadline counts from the agreed start, where the previous Mix2 released every
@@ -259,12 +262,13 @@ class NetworkPeer:
             final = self.monitor.record(cfg.rounds, 0, val_loss=True, final=True)
             reach = self._reach_summary()
         except BaseException as exc:
-            self.monitor.write_held(f"the run stopped before Mix1's average ({type(exc).__name__})")
+            self.monitor.write_held(f"the run stopped before its measurement ({type(exc).__name__})")
             self.close()
             if checkpoints is not None and isinstance(exc, KeyboardInterrupt):
                 self._checkpoint_interrupted(checkpoints)
             raise
         self.close(linger_s=LEAVE_LINGER_S)
+        self.monitor.write_held("the run ended before this measurement finished")  # one stuck on a frozen peer
         wall = time.perf_counter() - start
         summary = make_summary(self.cfg, self.sink.records, final.get("val_loss"), wall)
         summary.update(self._peer_summary(wall), reach=reach)
@@ -330,6 +334,7 @@ class NetworkPeer:
         if self.discovery is not None:
             self.discovery.stop()
         self.exchange.leave(linger_s=linger_s)  # first: the others drop this peer at once, no deadline to wait out
+        self.monitor.close()  # a measurement in flight ends with the exchange
         self.algo.close()
         if self.directory is not None:
             self.directory.close()  # withdraws this peer's announcement (bounded; it expires anyway)
@@ -362,9 +367,10 @@ class NetworkPeer:
         self.budget.begin(time.perf_counter())  # the agreed start: the previous Mix2 released every member here
         h = 0
         while self.budget.another(h, time.perf_counter()):
+            self.monitor.poll(r, h)  # a measurement that finished is written; a postponed one starts
             due, val_loss = measure_due(cfg, h)
             measuring = time.perf_counter()
-            if due and h == 0 and self.monitor.reuses_mix1:
+            if due and h == 0 and self.monitor.defers(r):
                 self.monitor.defer(r, h, val_loss=val_loss)  # measured against Mix1's average at the round's end
             elif due:
                 self._finish_compute()

@@ -11,7 +11,8 @@ from gossiploco.runtime.common import mean_loss, merge_stats
 
 TensorDict = dict[str, torch.Tensor]
 
-COUNTS = ("mix1_failures", "mix2_failures", "grad_failures", "monitor_failures", "catchups")
+COUNTS = ("mix1_failures", "mix2_failures", "grad_failures", "monitor_failures", "monitor_late", "monitor_waits", "monitor_dropped",
+          "catchups")
 """What a peer counts over its run (its summary reports them)."""
 
 

@@ -117,43 +117,38 @@ def test_a_lying_leader_costs_failed_exchanges_never_a_mixed_up_one(monkeypatch)
     assert sum(r.stats["failed_calls"] for r in results) > 0
 
 
+class _FakePeer:
+    """What the checker reads of a simulated peer: it runs, was never frozen, and its node keeps nothing."""
+
+    running, thawed_at = True, -1.0
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    class node:
+        @staticmethod
+        def pending_state():
+            return {}
+
+
 def test_the_checks_catch_overlapping_groups_and_a_non_mutual_swap():
     from gossiploco.simulation.invariants import Checker
-
-    class FakePeer:
-        pid, running, thawed_at = 1, True, -1.0
-
-        class node:
-            @staticmethod
-            def pending_state():
-                return {}
 
     checker = Checker(grace_s=1.0, mailbox_bytes=1 << 20)
     for members, peer in (([0, 1, 2], 0), ([1, 2], 1)):
         for m in members:
             checker.started("mix1/0", m, torch.ones(3))
         ring = collectives.RingAllReduce("mix1/0", peer, members, torch.ones(3), 8, 0.0, 10.0)
-        checker.call_ended(FakePeer, ring, 0.0, 1.0, ok=True)
+        checker.call_ended(_FakePeer(1), ring, 0.0, 1.0, ok=True)
     checker.started("mix2/0", 1, torch.ones(3), partner=2)
     checker.started("mix2/0", 2, torch.ones(3), partner=3)
-    checker.call_ended(FakePeer, collectives.Swap("mix2/0", 1, 2, torch.ones(3), 8, 0.0, 10.0), 0.0, 1.0, ok=True)
+    checker.call_ended(_FakePeer(1), collectives.Swap("mix2/0", 1, 2, torch.ones(3), 8, 0.0, 10.0), 0.0, 1.0, ok=True)
     assert {v.name for v in checker.violations} == {"agreement.group_mismatch", "agreement.not_mutual"}
 
 
 def test_the_checks_catch_one_group_in_two_ring_orders():
     """The same members in another ring order are another group (the order is the leader's to decide)."""
     from gossiploco.simulation.invariants import Checker
-
-    class FakePeer:
-        running, thawed_at = True, -1.0
-
-        def __init__(self, pid):
-            self.pid = pid
-
-        class node:
-            @staticmethod
-            def pending_state():
-                return {}
 
     checker = Checker(grace_s=1.0, mailbox_bytes=1 << 20)
     orders = {0: [0, 1, 2], 1: [0, 2, 1]}
@@ -162,7 +157,7 @@ def test_the_checks_catch_one_group_in_two_ring_orders():
     checker.started("mix1/0", 2, torch.ones(3))
     for peer, order in orders.items():
         ring = collectives.RingAllReduce("mix1/0", peer, order, torch.ones(3), 8, 0.0, 10.0)
-        checker.call_ended(FakePeer(peer), ring, 0.0, 1.0, ok=True)
+        checker.call_ended(_FakePeer(peer), ring, 0.0, 1.0, ok=True)
     assert [v.name for v in checker.violations] == ["agreement.group_mismatch"]
 
 
@@ -268,27 +263,16 @@ def test_the_checks_catch_a_leader_waiting_for_a_peer_of_another_bucket():
     from gossiploco.protocol.agreement import Lead
     from gossiploco.simulation.invariants import Checker
 
-    class FakePeer:
-        running, thawed_at = True, -1.0
-
-        def __init__(self, pid):
-            self.pid = pid
-
-        class node:
-            @staticmethod
-            def pending_state():
-                return {}
-
     view = list(range(64))
     mine = groups.group_of(3, "mix2/0", view, 0, 16)
     stranger = next(p for p in view if p not in mine)
     checker = Checker(grace_s=1.0, mailbox_bytes=1 << 20, group_seed=3)
     honest = Lead("mix2/0", mine, 0.0, 1.0, buckets=groups.bucket_count(64, 16))
     honest.group = mine
-    checker.call_ended(FakePeer(0), honest, 0.0, 1.0, ok=True)
+    checker.call_ended(_FakePeer(0), honest, 0.0, 1.0, ok=True)
     assert checker.violations == []
     wrong = Lead("mix2/0", mine + [stranger], 0.0, 1.0, buckets=groups.bucket_count(64, 16))
-    checker.call_ended(FakePeer(0), wrong, 0.0, 1.0, ok=False)
+    checker.call_ended(_FakePeer(0), wrong, 0.0, 1.0, ok=False)
     assert [v.name for v in checker.violations] == ["agreement.outside_bucket"]
 
 

@@ -217,3 +217,39 @@ def test_the_analytic_rhos_of_the_bench_configurations(world, size):
     assert groups.mean_rho(world, world) == 0.0 and groups.gossip_rho(world, world) == pytest.approx(uniform)
     assert 0.5 / size < groups.mean_rho(world, size) < 2.0 / size
     assert groups.gossip_rho(world, size) > uniform
+
+
+@pytest.mark.slow
+def test_the_virtual_swarms_round_start_consensus_is_against_every_workers_average_when_mix1_is_in_groups(
+        make_config):
+    """eq. 34 at h = 0, written out: CD_L2 = (1/M) sum_m ||z_m - z_bar||, z_bar = (1/M) sum_m z_m over all M
+    workers. A Mix1 in groups gives each worker its bucket's mean, so the monitor must not take it for z_bar (a
+    global Mix1's result is z_bar, and the monitor reuses it). z_bar is rounded to fp32 (u |z_bar| per value), which
+    moves each norm by at most u ||z_bar||: the tolerance. (With 4 workers in pairs, gossip makes partners' z equal
+    and a bucket's mean can be z_bar exactly; 8 workers in buckets of 4 do not.)"""
+    from gossiploco.runtime.virtual import VirtualSwarm
+
+    workers, size = 8, 4
+    cfg = make_config("globalm1-localm2", workers=workers, rounds=2, inner_steps=2,
+                      **{"groups.size": size, "monitor.every": 0})
+    swarm = VirtualSwarm(cfg)
+    checked, apart = [], []
+
+    def check(_, record):
+        if record is None or not 0 < record["round"] < cfg.rounds:
+            return
+        zs = [t.params_cpu() for t in swarm.trainers]
+        names = list(zs[0])
+        flat = torch.stack([torch.cat([z[n].double().reshape(-1) for n in names]) for z in zs])
+        mean = flat.mean(0)
+        tolerance = EPS * float(mean.norm())
+        want = float((flat - mean).norm(dim=1).mean())
+        assert record["cd_l2"] == pytest.approx(want, rel=0, abs=tolerance), record["round"]
+        bucket = groups.group_of(cfg.seed, f"mix1/{record['round']}", range(workers), 0, size)
+        wrong = float((flat - flat[bucket].mean(0)).norm(dim=1).mean())  # against worker 0's bucket mean
+        apart.append(abs(wrong - want) > 100 * tolerance)
+        checked.append(record["round"])
+
+    swarm.run(on_step=check)
+    assert checked == list(range(1, cfg.rounds))
+    assert any(apart)  # the bucket's mean would have measured something else: the test can fail

@@ -163,6 +163,25 @@ def markdown(args: argparse.Namespace, command: str, runs: list[Run], table: lis
     return lines
 
 
+def configurations(workers: int, sizes: list[int]) -> list[int]:
+    """The ``[groups] size`` values run at ``workers``: the global Mix1 (``workers``) first, then the group sizes below it."""
+    return [workers, *sorted({s for s in sizes if s < workers}, reverse=True)]
+
+
+def write_results(args: argparse.Namespace, command: str, runs: list[Run], planned: int, wall_s: float) -> None:
+    """``--results`` (Markdown) and its JSON twin from the runs so far (of ``planned``)."""
+    table = [row for workers in args.workers for row in summarize(runs, workers, configurations(workers, args.sizes))]
+    lines = markdown(args, command, runs, table, wall_s)
+    if len(runs) < planned:
+        lines += ["", f"Incomplete: {len(runs)} of {planned} runs so far."]
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text("\n".join(lines) + "\n")
+    args.results.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "preset": PRESET, "rounds": args.rounds, "inner_steps": args.inner_steps,
+         "last": args.last, "complete": len(runs) == planned, "summary": table, "runs": [asdict(r) for r in runs],
+         "wall_s": wall_s}, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[16, 32])
@@ -179,23 +198,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sizes at least 2; --rounds, --inner-steps and --last at least 1")
     began = time.perf_counter()
     runs: list[Run] = []
-    table: list[dict] = []
+    planned = len(args.seeds) * sum(len(configurations(w, args.sizes)) for w in args.workers)
     for workers in args.workers:
-        sizes = [workers, *sorted({s for s in args.sizes if s < workers}, reverse=True)]
         for seed in args.seeds:
-            for size in sizes:  # one seed's configurations side by side
+            for size in configurations(workers, args.sizes):  # one seed's configurations side by side
                 runs.append(run_one(workers, size, seed, args.rounds, args.inner_steps, args.last))
                 r = runs[-1]
                 print(f"M={workers} {label(workers, size)} seed {seed}: final val loss {r.final_val_loss:.4f}, "
                       f"CD_L2 last {r.cd_l2_last:.4f}, final {r.cd_l2_final:.4f} ({r.wall_s:.0f} s)", flush=True)
-        table += summarize(runs, workers, sizes)
-    wall = time.perf_counter() - began
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text("\n".join(markdown(args, command, runs, table, wall)) + "\n")
-    args.results.with_suffix(".json").write_text(json.dumps(
-        {"command": command,
-         "preset": PRESET, "rounds": args.rounds, "inner_steps": args.inner_steps, "last": args.last,
-         "summary": table, "runs": [asdict(r) for r in runs], "wall_s": wall}, indent=1) + "\n")
+                write_results(args, command, runs, planned, time.perf_counter() - began)  # a stopped run keeps its rows
     return 0
 
 

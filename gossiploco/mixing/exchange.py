@@ -100,7 +100,7 @@ class MemoryHub:
         self.seed, self.group_size = seed, group_size
         self._cond = threading.Condition()
         self._deposits: dict[tuple[str, int], torch.Tensor] = {}
-        self._results: dict[str, list] = {}  # key -> [mean tensor, readers left]
+        self._results: dict[tuple[str, tuple[int, ...]], list] = {}  # (key, members) -> [mean, readers left]
         self._failed: set[int] = set()
         self._closed: set[int] = set()
 
@@ -135,26 +135,28 @@ class MemoryHub:
 
     def _all_reduce_mean(self, rank: int, key: str, flat: torch.Tensor, members: Sequence[int]) -> torch.Tensor:
         members = sorted(members)
+        # One result per group: with ``group_size`` the buckets of one exchange share its key.
+        slot = (key, tuple(members))
         with self._cond:
             self._check_open(rank)
             self._deposits[(key, rank)] = flat
             self._cond.notify_all()
             try:
-                self._wait(rank, lambda: key in self._results or all((key, m) in self._deposits for m in members),
+                self._wait(rank, lambda: slot in self._results or all((key, m) in self._deposits for m in members),
                            [m for m in members if m != rank], f"all-reduce {key!r}")
             except Exception:
                 self._deposits.pop((key, rank), None)
                 raise
-            if key not in self._results:
+            if slot not in self._results:
                 # The first member to see every contribution computes the mean, summing in rank order.
                 total = self._deposits.pop((key, members[0])).to(torch.float32).clone()
                 for m in members[1:]:
                     total += self._deposits.pop((key, m))
-                self._results[key] = [total / len(members), len(members)]
-            entry = self._results[key]
+                self._results[slot] = [total / len(members), len(members)]
+            entry = self._results[slot]
             entry[1] -= 1
             if entry[1] == 0:
-                del self._results[key]
+                del self._results[slot]
             return entry[0].clone()
 
     def _swap(self, rank: int, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:

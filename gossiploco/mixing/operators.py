@@ -256,7 +256,8 @@ class GlobalMix(Mixer):
     (``start_reference``); a worker that downloads its state has none (``forget_reference``). In a swarm split
     into groups (``protocol.groups``) the groups change every round, so a reference is only used by a group of
     exactly the members that made it (x_0 by any group): otherwise every member sends fp32, as every one of them
-    sees the group differ from its reference's, and nothing fails."""
+    sees the group differ from its reference's, and nothing fails. A worker alone in its group drops its reference
+    (its next group-mates have moved on from it)."""
 
     kind = "global"
 
@@ -313,10 +314,17 @@ class GlobalMix(Mixer):
         mean, mean_weight = weighted_all_reduce(key, flat, weight, members, exchange)
         return mean, None, 2 * (len(members) - 1) * (flat.numel() + 1) * 4 // len(members), mean_weight
 
+    def _alone(self) -> None:
+        """This worker's group is itself: it mixes nothing, and holds no reference its next group shares (its
+        group-mates there moved on from x_0 or from the group that made its reference): fp32 next time."""
+        if self.referenced:
+            self._failed()
+
     def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
         key = self.key(round_index)
         members = exchange.group(key, round_index)
         if len(members) <= 1:
+            self._alone()
             return flat, None, None, 0, weight
         scale, new_weight, sent = 1.0, None, 0
         if weight is not None:
@@ -344,6 +352,7 @@ class GlobalMix(Mixer):
         key = self.key(round_index)
         members = exchange.group(key, round_index)  # an excluded member still takes part, with weight 0
         if len(members) <= 1:
+            self._alone()
             return flat, None, None, 0, weight
         codec = self.codec or Float32Codec()
         if self.error_feedback:

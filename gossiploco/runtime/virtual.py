@@ -33,6 +33,7 @@ from gossiploco.data import Corpus, heldout_batch, load_corpus, validation_batch
 from gossiploco.factored import FactoredDiLoCo, RoundReport, SyncDP
 from gossiploco.metrics import MetricsSink
 from gossiploco.mixing import MemoryHub
+from gossiploco.protocol.groups import bucket_count
 from gossiploco.round_budget import RoundBudget
 from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1, robust_summary,
                                        round_reached)
@@ -72,7 +73,9 @@ class VirtualSwarm:
         # A scratch model that holds averaged parameters for the JS monitor and validation.
         self.eval_trainer = build_trainer(cfg, self.corpus, self.device, -1)
         self.groups = group_by_block(self.trainers[0].names)
-        self.reuse_mix1 = monitor_reuses_mix1(cfg, self.trainers[0].names)
+        # Mix1 in buckets (more workers than ``groups.size``) gives each worker its bucket's mean, not the average
+        self.reuse_mix1 = (monitor_reuses_mix1(cfg, self.trainers[0].names)
+                           and bucket_count(cfg.workers, cfg.groups.size) == 1)
         self.heldout = heldout_batch(self.corpus, cfg.data, cfg.seed)
         self.val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="virtual-worker")
@@ -99,8 +102,9 @@ class VirtualSwarm:
 
     def measure(self, r: int, h: int, *, val_loss: bool) -> dict:
         """Consensus (CD_L2 eqs. 34/40 per block, CD_JS eq. 46) of the workers' current parameters: against
-        their average or, at h = 0 of a round whose Mix1 is global (``monitor_reuses_mix1``), against Mix1's
-        result over the workers whose Mix1 succeeded, as network peers measure."""
+        their average or, at h = 0 of a round whose Mix1 is global (``monitor_reuses_mix1``) and one group (at most
+        ``groups.size`` workers), against Mix1's result over the workers whose Mix1 succeeded, as network peers
+        measure."""
         params = [t.params_cpu() for t in self.trainers]
         avg, measured = consensus.average([params[m] for m in self.honest]), list(self.honest)
         if h == 0 and r < self.cfg.rounds and self.reuse_mix1:

@@ -38,6 +38,9 @@ from gossiploco.protocol.state_limit import StateRequestLimit, refusal
 
 log = logging.getLogger(__name__)
 
+MONITOR_ROUNDS_KEPT = 3
+"""Early chunks of a measurement up to this many rounds back are kept (a background measurement's second exchange,
+its terms, may start a round or two after the peers that sent them moved on); other exchanges: one round."""
 MAX_KEYS = 4096
 """How many exchange keys each agreement record remembers (oldest forgotten first)."""
 
@@ -215,9 +218,12 @@ class PeerNode:
 
     def _unexpected(self, key: str) -> bool:
         """Chunks of ``key`` can never be used: a state reply nobody asked for (replies find their
-        download running), or an exchange of a round before the previous one (those are over)."""
+        download running), or an exchange of a round before the previous one (those are over), or for a
+        consensus measurement (which runs in the background and may trail: ``runtime.peer_monitor``) before
+        ``MONITOR_ROUNDS_KEPT`` rounds back."""
         op, round_index = op_and_round(key)
-        return op == "state" or (self.current_round >= 1 and round_index < self.current_round - 1)
+        kept = MONITOR_ROUNDS_KEPT if op == "monitor" else 1
+        return op == "state" or (self.current_round >= kept and round_index < self.current_round - kept)
 
     def _hello(self, sender: int, message: Hello, now: float) -> list[Action]:
         if message.join_round == LEAVING:

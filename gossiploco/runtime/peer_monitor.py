@@ -21,7 +21,8 @@ waiting a grace window for it, in the background, so they would postpone or fail
 on 4 tiny-model peers: a cascade of 21 s agreement timeouts). Queued measurements hold no parameters (the
 snapshot is taken when one starts), so the queue costs no memory; it is bounded in time instead: at the end of
 round r the main thread waits until every measurement of the rounds before r has started (``monitor_waits``, its
-time in ``monitor_s``), because the exchange stops taking a round's chunks two rounds later. A fast peer under a
+time in ``monitor_s``), because the exchange stops taking a measurement's early chunks three rounds later
+(``protocol.node.MONITOR_ROUNDS_KEPT``). A fast peer under a
 steps budget therefore waits in the monitor only when its measurements fall more than a round behind (it waits
 for the slow ones at Mix2 anyway, while its measurements run), and under a time budget (measured at h = 0 only)
 practically never. A measurement still queued two rounds later (after a wait timed out) is dropped

@@ -20,12 +20,12 @@ not train and the loss comparison is void). Timeouts are small so faults cost se
 config's defaults. Extra ``--set KEY=VALUE`` go to every peer.
 
 Runs, in order: one fault-free baseline per (config, peers) used, the named scenario
-``leader-kill-mid-mix2`` (always: 4 peers, ``globalm1-localm2``, rank 1, the lowest id and so the
-group-agreement leader, SIGKILLs itself just before sending chunk 0 of round 0's Mix2, through
+``leader-kill-mid-mix2`` (always: 4 peers, ``globalm1-localm2``, rank 1, whose identity is chosen so that it
+leads round 0's Mix2 (leaders are drawn per exchange: ``protocol.groups``), SIGKILLs itself just before sending chunk 0 of round 0's Mix2, through
 ``GOSSIPLOCO_FAULT=KILL:mix2/0:0``), then ``--trials`` random trials. Each random trial draws from
 ``--seed`` and its index one fault:
 
-- ``kill``: SIGKILL of the peer process of a random rank (the lowest, the leader, included); not restarted;
+- ``kill``: SIGKILL of the peer process of a random rank (the leader of that round's Mix2 included); not restarted;
 - ``stop``: SIGSTOP of a random peer's whole process group (a frozen machine: its DHT node too),
   SIGCONT 2-10 s later; it must catch up and finish;
 - ``restart``: SIGKILL of a random rank, started again 0.5-2 s later with the same rank (new output
@@ -348,19 +348,30 @@ class Life:
                     self.records.append((now, {"unparsable": line[:200].decode(errors="replace")}))
 
 
-def ordered_rank_identities(run_dir: Path, ranks: Iterable[int]) -> dict[int, Path]:
-    """An identity file ``run_dir/peer-I/identity.key`` per rank I, peer ids increasing with the rank (a
-    peer's id comes from its identity now, and the lowest id leads group agreement: rank 1 stays the
-    leader, as the scenario and the reports assume). Existing files are kept."""
+def ordered_rank_identities(run_dir: Path, ranks: Iterable[int], seed: int) -> dict[int, Path]:
+    """An identity file ``run_dir/peer-I/identity.key`` per rank I, such that the lowest rank leads round 0's Mix2
+    (a peer's id comes from its identity, and the leader of each exchange is drawn from the run's ``seed``, the
+    exchange's key and the ids: ``protocol.groups.leader_of``; rank 1 is the scenario's leader, as the scenario and
+    the reports assume). Existing files are kept."""
+    from gossiploco.protocol.groups import lead_order
     from gossiploco.security.identity import Identity
 
     ranks = sorted(ranks)
     paths = {rank: run_dir / f"peer-{rank}" / "identity.key" for rank in ranks}
     if not all(path.exists() for path in paths.values()):
-        identities = sorted((Identity.generate() for _ in ranks), key=lambda identity: identity.peer_id)
-        for rank, identity in zip(ranks, identities):
-            identity.save(paths[rank])
+        made = {identity.peer_id: identity for identity in (Identity.generate() for _ in ranks)}
+        for rank, peer_id in zip(ranks, lead_order(seed, "mix2/0", made)):
+            made[peer_id].save(paths[rank])
     return paths
+
+
+def leads(identities: dict[int, Path], rank: int, live: Iterable[int], key: str, seed: int) -> bool:
+    """Whether ``rank`` leads exchange ``key`` among the ``live`` ranks (one bucket: the chaos runs have 4 peers)."""
+    from gossiploco.protocol.groups import leader_of
+    from gossiploco.security.identity import Identity
+
+    ids = {r: Identity.load_or_create(identities[r]).peer_id for r in live}
+    return leader_of(seed, key, ids.values()) == ids[rank]
 
 
 class Swarm:
@@ -374,7 +385,7 @@ class Swarm:
         self.lives: list[Life] = []
         self.overrides = overrides_for(ctx.args, spec.peers)
         self._last_tree = 0.0
-        self.identities = ordered_rank_identities(run_dir, range(1, spec.peers + 1))
+        self.identities = ordered_rank_identities(run_dir, range(1, spec.peers + 1), ctx.args.seed)
         self.group = ProcessGroup(ctrl_c=True, grace_s=STOP_GRACE_S)
 
     def identity(self, rank: int) -> Path:
@@ -651,7 +662,8 @@ def run_one(ctx: Context, spec: RunSpec) -> dict:
         net = ctx.net
         if kind in PROCESS_FAULTS:
             life = swarm.current(fault["target"])
-            fault["leader"] = fault["target"] == min(l.rank for l in swarm.live())
+            fault["leader"] = leads(swarm.identities, fault["target"], [l.rank for l in swarm.live()],
+                                    f"mix2/{fault.get('round', 0)}", ctx.args.seed)  # of the round it is hit in
             if kind in ("kill", "restart"):
                 swarm.kill(life, now)
                 note(now, f"SIGKILL {life.name} (pid {life.pid})")

@@ -31,7 +31,8 @@ def test_chaos_real_bench_runs_the_scenario_and_a_trial_and_reports_them(tmp_pat
         assert r["injected_at_s"] is not None, r["events"]  # the fault fired
         assert len(r["orphan_checks"]) == 1  # the killed peer's process tree was looked for
         assert sum(p["role"] == "survivor" for p in r["peers"]) == 3
-        assert all(p["records"] > 0 for p in r["peers"])
+        # (a peer killed in round 0 may have written none: its first record waits for round 0's Mix1 average)
+        assert all(p["records"] > 0 for p in r["peers"] if p["role"] == "survivor")
     assert runs[1]["fault"]["target"] == 1 and runs[1]["fault"]["leader"]
     assert (run.returncode == 1) == any(not r["pass"] for r in runs)  # exit code = the target
     assert len(run.stdout.strip().splitlines()) >= 5 and run.stdout.startswith("command: ")

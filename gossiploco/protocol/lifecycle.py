@@ -286,8 +286,9 @@ def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Pro
     deadline = now + s.boundary_s
     newest_peers = sorted(p for p, k in ahead.items() if k == latest)
     shift = node.rank % len(newest_peers)
-    sample = (newest_peers[shift:] + newest_peers[:shift])[:BOUNDARY_SAMPLE]  # their next round is the boundary
+    rotated = newest_peers[shift:] + newest_peers[:shift]  # their next round is the boundary
     while now < deadline:
+        sample = [p for p in rotated if p in node.peers.connected][:BOUNDARY_SAMPLE]  # the live ones, asked each time
         rounds = yield from ask_rounds(node, s, sample)
         newest = max(rounds.values(), default=-1)
         if newest > latest:

@@ -29,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -84,11 +85,8 @@ def run_one(workers: int, size: int, seed: int, rounds: int, inner_steps: int, l
     cfg = load_config(PRESET, {**TINY_OVERRIDES, "workers": workers, "rounds": rounds, "inner_steps": inner_steps,
                                "seed": seed, "monitor.every": 0, "groups.size": size})
     began = time.perf_counter()
-    swarm = VirtualSwarm(cfg)
-    try:
+    with closing(VirtualSwarm(cfg)) as swarm:
         result = swarm.run()
-    finally:
-        swarm.close()
     wall = time.perf_counter() - began
     at_round_start = [r for r in result.records if r.get("h") == 0 and "cd_l2" in r]
     tail = at_round_start[-last:]

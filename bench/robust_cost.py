@@ -18,6 +18,7 @@ import platform
 import statistics
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +34,8 @@ def final_loss(preset: str, mode: str, seed: int, rounds: int, workers: int) -> 
     cfg = load_config(preset, {**TINY_OVERRIDES, "workers": workers, "rounds": rounds, "inner_steps": 8, "seed": seed,
                                "round.weights": "tokens", "robust.mode": mode, "monitor.every": 0})
     began = time.perf_counter()
-    swarm = VirtualSwarm(cfg)
-    try:
+    with closing(VirtualSwarm(cfg)) as swarm:
         result = swarm.run()
-    finally:
-        swarm.close()
     return float(result.summary["final_val_loss"]), time.perf_counter() - began
 
 

@@ -281,30 +281,31 @@ class PeerNode:
         """The agreement call for ``key`` of round ``round_index``; None when this peer takes no part in that round."""
         if not self.peers.takes_part(round_index):
             return None
-        view = self.members(round_index)
-        candidates = groups.group_of(self.group_seed, key, view, self.rank, self.group_size)
+        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
         leader = groups.leader_of(self.group_seed, key, candidates)
         if leader == self.rank:
-            buckets = groups.bucket_count(len(set(view) | {self.rank}), self.group_size)
-            return agreement.Lead(key, candidates, now, self.grace_s, buckets)
+            return agreement.Lead(key, candidates, now, self.grace_s, self._buckets(round_index))
         return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
 
     def leads(self, key: str, round_index: int, sender: int) -> bool:
         """Whether this peer leads ``sender``'s bucket of exchange ``key`` in round ``round_index`` (by its own view)."""
-        view = self.members(round_index)
-        candidates = groups.group_of(self.group_seed, key, view, self.rank, self.group_size)
+        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
         if groups.leader_of(self.group_seed, key, candidates) != self.rank:
             return False
-        return sender in candidates or groups.same_bucket(self.group_seed, key, len(set(view) | {self.rank}), self.rank,
-                                                          sender, self.group_size)
+        return sender in candidates or groups.in_bucket(self.group_seed, key, self._buckets(round_index), self.rank,
+                                                        sender)
+
+    def _buckets(self, round_index: int | None) -> int:
+        """How many buckets this peer's view of round ``round_index`` (itself included) splits into."""
+        return groups.bucket_count(len(set(self.members(round_index)) | {self.rank}), self.group_size)
 
     def isolated(self, group: list[int], key: str = "", round_index: int | None = None) -> str | None:
         """Why a group of this peer alone is not a mix (it knows peers it cannot reach), counted; None when it is
         not alone or knows nobody else (a swarm of one mixes with nobody, rightly)."""
         cut_off = self.peers.unreachable() if group == [self.rank] else []
         if cut_off and key:  # only those that would share this peer's bucket: the others were never its candidates
-            size = len(set(self.members(round_index)) | {self.rank})
-            cut_off = [p for p in cut_off if groups.same_bucket(self.group_seed, key, size, self.rank, p, self.group_size)]
+            buckets = self._buckets(round_index)
+            cut_off = [p for p in cut_off if groups.in_bucket(self.group_seed, key, buckets, self.rank, p)]
         if not cut_off:
             return None
         self.isolated_mixes += 1

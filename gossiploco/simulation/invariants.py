@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from gossiploco.protocol.agreement import CONTROL_SEND_S, Follow, Lead
@@ -126,10 +125,8 @@ class Checker:
 
     def _check_bucket(self, peer: int, call: Lead, now: float, ok: bool) -> None:
         """Everyone a leader waited for or decided on shares its bucket (with the bucket count of its view)."""
-        members = sorted(set(call.view) | (set(call.group) if ok else set()) | {peer})
-        buckets = (groups.scores(self.group_seed, call.key, "bucket", members) % np.uint64(call.buckets)).tolist()
-        mine = buckets[members.index(peer)]
-        outside = [m for m, b in zip(members, buckets) if b != mine]
+        members = sorted(set(call.view) | (set(call.group) if ok else set()))
+        outside = [m for m in members if not groups.in_bucket(self.group_seed, call.key, call.buckets, peer, m)]
         if outside:
             self.flag("agreement.outside_bucket", now, peer, f"{call.key}: led {call.view} -> "
                       f"{call.group if ok else 'failed'}; {outside} are not in its bucket of {call.buckets}")

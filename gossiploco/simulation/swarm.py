@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -402,8 +403,8 @@ class SimSwarm:
     def per_peer_stats(self) -> dict:
         """Medians over peers, per round each peer finished: what one peer costs as the swarm grows."""
         def median(values) -> float:
-            values = sorted(values)
-            return values[len(values) // 2] if values else 0.0
+            values = list(values)
+            return statistics.median_high(values) if values else 0.0
         rounds = {p: max(1, self.finished.get(p, 0)) for p in self.ids}
         live = self.net.live_connections()
         mix1 = [ok for *_, ok in self.timings]

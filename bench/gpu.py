@@ -210,9 +210,12 @@ def run_peers(preset: str, args: argparse.Namespace, out: Path) -> dict:
     with LocalPeers(args.peers, out / preset, cli, env={"OMP_NUM_THREADS": str(args.threads)}) as peers:
         peers.start()
         codes = peers.wait(args.timeout_s)
-    if any(code != 0 for code in codes.values()):
         failed = {r: c for r, c in codes.items() if c != 0}
-        raise SystemExit(f"error: {preset}: peers {failed} failed; logs in {out / preset}")
+        tails = {r: peers.log(r)[-3000:] for r in failed}
+    if failed:  # the logs live in a temporary folder: show their ends before it goes
+        for rank, tail in tails.items():
+            print(f"--- peer {rank} (exit {failed[rank]}), the end of its log:\n{tail}", file=sys.stderr)
+        raise SystemExit(f"error: {preset}: peers {failed} failed")
     per_peer = []
     for rank in range(args.peers):
         summary = json.loads((peers.peer_dir(rank) / "summary.json").read_text())

@@ -51,7 +51,8 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
 def test_a_killed_peer_and_a_frozen_peer_while_the_rest_finish(tmp_path, bootstrap):
     args = tiny_peer_args("globalm1-localm2", rounds=5, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0})
     with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
-        peers.start(env={1: {FAULT_ENV: "KILL:mix1/1:2"}, 2: {FAULT_ENV: "STOP:mix2/2:0"}})
+        # Mix1 is global (every member sends its chunk 0); Mix2 pairs 3 live members, so one sits a round out
+        peers.start(env={1: {FAULT_ENV: "KILL:mix1/1:2"}, 2: {FAULT_ENV: "STOP:mix1/2:0"}})
         codes = peers.wait(180, ranks=[0, 1, 3])
         assert wait_stopped(peers.procs[2].pid, 1), "the frozen peer must still exist, stopped"
     assert codes[1] == -signal.SIGKILL

@@ -388,6 +388,9 @@ class NetworkPeer:
             self.progress.add_loss(loss)
             h += 1
         self._finish_compute()
+        # The parameters are now those after h steps: a postponed measurement that starts at the round's end
+        # (below) must say so (``cd_step``), not pass for one of the step it was due at.
+        self.monitor.poll(r, h)
         if factored:
             if self.monitor.deferring:
                 self.monitor.record_deferred(algo)

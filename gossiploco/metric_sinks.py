@@ -8,8 +8,8 @@ global inner step). Texts are not scalars and are left out; booleans are 0 or 1;
 (NaN, inf: ``metrics.jsonl`` writes null for it) is dropped, logged once per metric name and counted.
 
 - ``tensorboard``: ``torch.utils.tensorboard.SummaryWriter`` writing event files into the run directory itself
-  (``tensorboard --logdir runs/swarm`` shows one run per peer directory). A resumed run purges the events at
-  and after the step it continues from, as ``metrics.jsonl`` is cut there.
+  (``tensorboard --logdir runs/swarm`` shows one run per peer directory), flushed at every record. A resumed run
+  purges the events at and after the step it continues from, as ``metrics.jsonl`` is cut there.
 - ``wandb``: one W&B run per run directory (``simulate``: one; ``swarm``/``peer``: one per peer), its files in
   ``DIR/wandb/``, grouped by the run id and named after the directory. Records are logged with ``step`` as their
   x-axis metric (``define_metric``), so a peer's records written out of step order (a postponed measurement)
@@ -141,19 +141,27 @@ class TensorBoardSink:
     kind = "tensorboard"
 
     def __init__(self, run_dir: Path, purge_step: int | None = None):
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
+        self._summary = Summary
         self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step, flush_secs=30)
         self._last_step = 0
 
+    def _add(self, step: int, values: dict[str, float]) -> None:
+        """One event holding every value (what ``add_scalar`` writes per value: a ``simple_value``; built here in one
+        protobuf, ~50x cheaper than a call per scalar), flushed: a live TensorBoard sees it, a crash loses none."""
+        Value = self._summary.Value
+        summary = self._summary(value=[Value(tag=name, simple_value=value) for name, value in values.items()])
+        self.writer.file_writer.add_summary(summary, global_step=step)
+        self.writer.flush()
+
     def write(self, step: int, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            self.writer.add_scalar(name, value, global_step=step)
+        self._add(step, values)
         self._last_step = max(self._last_step, step)
 
     def write_summary(self, values: dict[str, float]) -> None:
-        for name, value in values.items():
-            self.writer.add_scalar(f"summary/{name}", value, global_step=self._last_step)
+        self._add(self._last_step, {f"summary/{name}": value for name, value in values.items()})
 
     def close(self) -> None:
         self.writer.close()  # flushes

@@ -31,7 +31,7 @@ __all__ = ["MIX_KINDS", "MODES", "PRESETS_DIR", "TINY_OVERRIDES", "AdaptiveConfi
            "DataConfig", "GroupConfig", "InnerOptConfig", "LoggingConfig", "MixConfig", "ModelConfig", "MonitorConfig", "OuterOptConfig", "RobustConfig", "RoundConfig",
            "RunConfig", "TimeoutConfig", "TransportConfig", "config_from_dict", "load_config", "preset_names",
            "resolve_preset"]
-"""The sections are defined in ``gossiploco.config_sections`` and imported from here."""
+"""The sections are defined in ``gossiploco.config_sections`` (``[logging]``: ``gossiploco.metric_sinks``) and imported from here."""
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "peers"
 MODES = ("factored", "sync-dp")

@@ -19,10 +19,11 @@ global inner step). Texts are not scalars and are left out; booleans are 0 or 1;
   is configured (``WANDB_API_KEY`` or ``~/.netrc``), else offline. ``wandb`` is an extra: without it the run is
   refused at start with the ``pip install`` line.
 
-Sinks open lazily, at the first record, so a peer refused before its first record leaves none of their files.
-A sink that fails (disk full, a W&B error) never stops training: ``MetricSinks`` logs the cause (the first
-failure of each sink with its traceback), counts it, and goes on with the other sinks and the next record; the
-counts go into ``summary.json`` (``metric_sinks``). Everything is flushed on ``close``.
+Sinks are written by a background thread and open lazily, at the first record, so a slow sink never holds up
+training and a peer refused before its first record leaves none of their files. A sink that fails (disk full, a
+W&B error) never stops training: ``MetricSinks`` logs the cause (the first failure of each sink with its
+traceback), counts it, and goes on with the other sinks and the next record; the counts go into ``summary.json``
+(``metric_sinks``). Everything is flushed on ``close``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import importlib.util
 import logging
 import math
 import os
+import queue
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,8 +121,8 @@ def scalars(record: dict) -> tuple[dict[str, float], list[str]]:
 
 
 class MetricSink(Protocol):
-    """One destination of the records. Called by ``MetricSinks`` only, from one thread at a time (it holds a
-    lock); any method may raise, which ``MetricSinks`` counts and logs."""
+    """One destination of the records. Built and called by ``MetricSinks``'s thread only; any method may raise,
+    which ``MetricSinks`` counts and logs."""
 
     kind: str
 
@@ -235,38 +237,152 @@ class SinkTarget:
 
 
 class MetricSinks:
-    """The sinks of one run: each record goes to every one of them, opened at the first record. Never raises from
-    ``write``/``write_summary``/``close``: a failure (opening included) is logged with its cause and counted in
-    ``failures``; a sink that failed to open is not tried again. Thread-safe (one lock)."""
+    """The sinks of one run, fed by one background thread (``metric-sinks``), so neither opening them (``wandb.init``
+    takes 0.3 to 2 s offline, longer online) nor writing to them ever holds up training. ``write``/``write_summary``
+    turn the record into scalars on the caller's thread (a snapshot: the caller may change the dict afterwards) and
+    queue it; the thread opens the sinks at the first item and writes each item to every sink, in order.
 
-    def __init__(self, cfg: LoggingConfig, target: SinkTarget):
+    Never raises from ``write``/``write_summary``/``drain``/``close``: a failure (opening included) is logged with its
+    cause and counted in ``failures``; a sink that failed to open is not tried again; a record that finds the queue
+    full (``backlog`` items waiting: a sink stuck) is dropped and counted (``backlog_dropped``). Thread-safe."""
+
+    def __init__(self, cfg: LoggingConfig, target: SinkTarget, *, backlog: int = 10_000, close_timeout_s: float = 60.0):
         if "wandb" in cfg.sinks:
             require_wandb()
         self.cfg = cfg
         self.target = target
-        self._sinks: list[MetricSink] | None = None
+        self.close_timeout_s = close_timeout_s
+        """How long ``drain`` and ``close`` wait for the thread to write what is queued (then they log and go on)."""
+        self._sinks: list[MetricSink] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=backlog)
+        self._thread: threading.Thread | None = None
+        self._closed = False
         self._lock = threading.Lock()
         self.records = {kind: 0 for kind in cfg.sinks}
-        """Records each sink took without failing."""
+        """Records each sink took without failing (written by the thread)."""
         self.failures = {kind: 0 for kind in cfg.sinks}
-        """Calls to each sink that raised (opening, writing, closing)."""
+        """Calls to each sink that raised (opening, writing, closing; written by the thread)."""
         self.non_finite_dropped = 0
         """Values left out because they were NaN or infinite."""
+        self.backlog_dropped = 0
+        """Records and summaries dropped because the queue was full."""
         self._non_finite_names: set[str] = set()
 
     @property
     def kinds(self) -> list[str]:
         return list(self.cfg.sinks)
 
-    def _open(self) -> list[MetricSink]:
-        if self._sinks is None:
-            self._sinks = []
-            for kind in self.cfg.sinks:
+    # -- the caller's side ----------------------------------------------------------------------------------
+
+    def write(self, record: dict) -> None:
+        """Queue ``record`` (as written to metrics.jsonl) for every sink, at its ``step``."""
+        values, dropped = scalars(record)
+        step = int(record.get("step", 0))
+        self._count_dropped(dropped, step)
+        self._submit(("record", step, values))
+
+    def write_summary(self, summary: dict) -> None:
+        """Queue the numeric leaves of ``summary`` for every sink (as ``summary/NAME``)."""
+        values, dropped = scalars(summary)
+        self._count_dropped(dropped, None)
+        self._submit(("summary", 0, values))
+
+    def drain(self) -> bool:
+        """Wait (at most ``close_timeout_s``) until everything queued so far is written; False (logged) if not."""
+        if self._thread is None:
+            return True
+        done = threading.Event()
+        if not self._submit(done):
+            return False
+        if not done.wait(self.close_timeout_s):
+            log.warning("metric sinks %s: still writing after %.0f s (%d items queued); going on without waiting",
+                        ", ".join(self.kinds), self.close_timeout_s, self._queue.qsize())
+            return False
+        return True
+
+    def stats(self) -> dict:
+        """What ``summary.json`` says of the sinks (after ``drain``, complete): records taken and failures per
+        sink, values and records dropped."""
+        return {"records": dict(self.records), "failures": dict(self.failures),
+                "non_finite_dropped": self.non_finite_dropped, "backlog_dropped": self.backlog_dropped}
+
+    def close(self) -> None:
+        """Write what is queued, flush and close every opened sink, stop the thread (waiting at most
+        ``close_timeout_s``; a sink still stuck then is logged and left to the daemon thread). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        if thread is None:
+            return
+        self._queue.put(None)  # blocks while the queue is full: the thread is taking items off it
+        thread.join(self.close_timeout_s)
+        if thread.is_alive():
+            log.warning("metric sinks %s: not closed after %.0f s (%d items queued); their last records may be "
+                        "lost", ", ".join(self.kinds), self.close_timeout_s, self._queue.qsize())
+
+    def _submit(self, item: Any) -> bool:
+        with self._lock:
+            if self._closed:
+                log.debug("metric sinks closed: %s not written", type(item).__name__)
+                return False
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="metric-sinks", daemon=True)
+                self._thread.start()
+            try:
+                self._queue.put_nowait(item)
+                return True
+            except queue.Full:
+                self.backlog_dropped += 1
+                if self.backlog_dropped == 1:
+                    log.warning("metric sinks %s: %d items wait to be written (a sink is stuck); dropping new "
+                                "records, counted in summary.json (metric_sinks.backlog_dropped)",
+                                ", ".join(self.kinds), self._queue.maxsize)
+                return False
+
+    def _count_dropped(self, names: list[str], step: int | None) -> None:
+        with self._lock:
+            self.non_finite_dropped += len(names)
+            new = [name for name in names if name not in self._non_finite_names]
+            self._non_finite_names.update(new)
+        for name in new:
+            log.warning("metric %s is not finite%s: left out of %s (metrics.jsonl has null; further ones are "
+                        "counted in summary.json, metric_sinks.non_finite_dropped)", name,
+                        f" at step {step}" if step is not None else " in the summary", ", ".join(self.kinds))
+
+    # -- the thread's side ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """The ``metric-sinks`` thread: open the sinks, then write each queued item until the closing ``None``."""
+        for kind in self.cfg.sinks:
+            try:
+                self._sinks.append(self._build(kind))
+            except Exception as exc:  # noqa: BLE001 - a dashboard never stops training
+                self._failed(kind, "could not be opened", exc)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            what, step, values = item
+            for sink in self._sinks:
                 try:
-                    self._sinks.append(self._build(kind))
+                    if what == "record":
+                        sink.write(step, values)
+                        self.records[sink.kind] += 1
+                    else:
+                        sink.write_summary(values)
                 except Exception as exc:  # noqa: BLE001 - a dashboard never stops training
-                    self._failed(kind, "could not be opened", exc)
-        return self._sinks
+                    self._failed(sink.kind, f"could not write the {what}" + (f" of step {step}" if what == "record"
+                                                                              else ""), exc)
+        for sink in self._sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001
+                self._failed(sink.kind, "could not be closed (its last records may be lost)", exc)
 
     def _build(self, kind: str) -> MetricSink:
         t = self.target
@@ -287,51 +403,3 @@ class MetricSinks:
                         "(metric_sinks)", kind, what, type(exc).__name__, exc, exc_info=exc)
         else:
             log.debug("metric sink %s %s again (%d failures): %s", kind, what, self.failures[kind], exc)
-
-    def write(self, record: dict) -> None:
-        """``record`` (as written to metrics.jsonl) to every sink, at its ``step``."""
-        values, dropped = scalars(record)
-        step = int(record.get("step", 0))
-        with self._lock:
-            self._count_dropped(dropped, step)
-            for sink in self._open():
-                try:
-                    sink.write(step, values)
-                    self.records[sink.kind] += 1
-                except Exception as exc:  # noqa: BLE001 - a dashboard never stops training
-                    self._failed(sink.kind, f"could not write the record of step {step}", exc)
-
-    def write_summary(self, summary: dict) -> None:
-        """The numeric leaves of ``summary`` to every sink (as ``summary/NAME``)."""
-        values, dropped = scalars(summary)
-        with self._lock:
-            self._count_dropped(dropped, None)
-            for sink in self._open():
-                try:
-                    sink.write_summary(values)
-                except Exception as exc:  # noqa: BLE001
-                    self._failed(sink.kind, "could not write the summary", exc)
-
-    def _count_dropped(self, names: list[str], step: int | None) -> None:
-        self.non_finite_dropped += len(names)
-        for name in names:
-            if name not in self._non_finite_names:
-                self._non_finite_names.add(name)
-                log.warning("metric %s is not finite%s: left out of %s (metrics.jsonl has null; further ones are "
-                            "counted in summary.json, metric_sinks.non_finite_dropped)", name,
-                            f" at step {step}" if step is not None else " in the summary", ", ".join(self.kinds))
-
-    def stats(self) -> dict:
-        """What ``summary.json`` says of the sinks: records taken and failures per sink, values dropped."""
-        return {"records": dict(self.records), "failures": dict(self.failures),
-                "non_finite_dropped": self.non_finite_dropped}
-
-    def close(self) -> None:
-        """Flush and close every opened sink (idempotent); a sink never opened stays unopened."""
-        with self._lock:
-            sinks, self._sinks = self._sinks or [], []
-            for sink in sinks:
-                try:
-                    sink.close()
-                except Exception as exc:  # noqa: BLE001
-                    self._failed(sink.kind, "could not be closed (its last records may be lost)", exc)

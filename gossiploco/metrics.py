@@ -79,6 +79,7 @@ class MetricsSink:
         ``metric_sinks``)."""
         if self.forward is not None:
             self.forward.write_summary({k: v for k, v in summary.items() if k != "run_config"})
+            self.forward.drain()  # the counters complete
             summary = {**summary, "metric_sinks": self.forward.stats()}
         if self.out_dir:
             from gossiploco.files import atomic_write_bytes

@@ -12,6 +12,7 @@ import json
 import logging
 import struct
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,8 @@ def test_every_record_reaches_tensorboard_with_its_step_and_the_summary_counts_i
     assert_tensorboard_holds(tmp_path / "run", records)
     assert tensorboard_scalars(tmp_path / "run")["summary/final_val_loss"] == [(8, float(np.float32(records[-1]["val_loss"])))]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["metric_sinks"] == {"records": {"tensorboard": 5}, "failures": {"tensorboard": 0}, "non_finite_dropped": 0}
+    assert summary["metric_sinks"] == {"records": {"tensorboard": 5}, "failures": {"tensorboard": 0}, "non_finite_dropped": 0,
+                                       "backlog_dropped": 0}
 
 
 def test_a_resumed_run_replaces_the_events_from_its_first_step_on(tmp_path, make_config):
@@ -241,6 +243,44 @@ def test_a_failing_sink_is_logged_once_counted_and_the_records_still_reach_the_f
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "No space left on device" in warnings[0] and "step 0" in warnings[0], warnings
     assert json.loads((tmp_path / "summary.json").read_text())["metric_sinks"]["failures"] == {"tensorboard": 4}
+
+
+class Stuck:
+    """A sink whose writes hang until ``release`` (a W&B server that does not answer)."""
+
+    kind = "tensorboard"
+
+    def __init__(self):
+        self.entered, self.release, self.steps = threading.Event(), threading.Event(), []
+
+    def write(self, step, values):
+        self.entered.set()
+        assert self.release.wait(30)
+        self.steps.append(step)
+
+    def write_summary(self, values):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_stuck_sink_never_holds_up_the_writer_and_a_full_backlog_is_dropped_and_counted(tmp_path, make_config,
+                                                                                        monkeypatch, caplog):
+    stuck = Stuck()
+    monkeypatch.setattr(MetricSinks, "_build", lambda self, kind: stuck)
+    sinks = MetricSinks(make_config("globalm1-localm2", **{"logging.sinks": ["tensorboard"]}).logging,
+                        SinkTarget(tmp_path, group="g", name="run", config={}), backlog=2)
+    sinks.write(record(0))
+    assert stuck.entered.wait(10)  # the sinks' thread is inside the first write, stuck
+    with caplog.at_level(logging.WARNING, logger="gossiploco.metric_sinks"):
+        for s in (4, 8, 12, 16):  # returns at once: 2 wait in the queue, 2 find it full
+            sinks.write(record(s))
+    assert sinks.backlog_dropped == 2 and any("dropping new records" in r.getMessage() for r in caplog.records)
+    stuck.release.set()
+    sinks.close()
+    assert stuck.steps == [0, 4, 8] and sinks.records == {"tensorboard": 3}
 
 
 def test_a_sink_that_cannot_open_is_counted_and_not_tried_again(tmp_path, make_config, caplog):

@@ -206,7 +206,7 @@ class WandbSink:
         import wandb
 
         self.run = wandb.init(project=project, entity=entity or None, mode=mode, dir=str(run_dir), group=group,
-                              name=name, config=config, reinit="create_new",
+                              name=name, config=config,
                               settings=wandb.Settings(console="off"))  # the command's own output stays the terminal's
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")

@@ -49,8 +49,8 @@ TensorDict = dict[str, torch.Tensor]
 FORMAT = "gossiploco-checkpoint-1"
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6,})\.json$")
-NOT_IDENTITY = ("device", "compute", "checkpoint")
-"""Config fields a resumed run may change: where and how it computes, how it checkpoints."""
+NOT_IDENTITY = ("device", "compute", "checkpoint", "logging")
+"""Config fields a resumed run may change: where and how it computes, how it checkpoints, where its metrics go."""
 DEFAULT_ROUND = dataclasses.asdict(RoundConfig())
 """The ``[round]`` section of a run that does not set one (left out of the identity)."""
 

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INNER_STEPS, MODEL, RESUME, ROUNDS, SEED, SETS, WORKERS, console,
+from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INNER_STEPS, LOG, MODEL, RESUME, ROUNDS, SEED, SETS, WORKERS, console,
                                     fail, training_overrides)
 from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_summary, progress_line, progress_table,
                                    slowest_round)
@@ -34,6 +34,7 @@ def simulate(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: metrics.jsonl, summary.json, model, checkpoints/ (default runs/simulate, or runs/simulate-N when that holds a run)."),
     resume: bool = RESUME,
     set_: Optional[list[str]] = SETS,
+    log: Optional[list[str]] = LOG,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
@@ -44,7 +45,7 @@ def simulate(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_))
+                                                     model=model, device=device, data=data, sets=set_, log=log))
         run = RunLifecycle.open(cfg, out, Path("runs/simulate"), resume=resume, say=console.print,
                                 command="simulate")
         swarm = VirtualSwarm(cfg)
@@ -112,6 +113,7 @@ def peer(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default runs/peer-RANK)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: preset name + digest of the config)."),
     set_: Optional[list[str]] = SETS,
+    log: Optional[list[str]] = LOG,
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the final table."),
 ) -> None:
     """Run one peer: it joins a run through a DHT bootstrap address (--join) or a static list (--peers) and mixes over ZeroMQ."""
@@ -142,7 +144,7 @@ def peer(
         fault_hook = hook_from_env()  # GOSSIPLOCO_FAULT (tests): read here, where the process is built
         adversary = adversary_from_env()  # GOSSIPLOCO_ATTACK (the attack bench), likewise
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_))
+                                                     model=model, device=device, data=data, sets=set_, log=log))
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
@@ -304,6 +306,7 @@ def swarm(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model, checkpoints) and peer-I.log (default runs/swarm, or runs/swarm-N when that holds a run)."),
     resume: bool = typer.Option(False, "--resume", help="Restart a stopped swarm: every peer continues from its newest checkpoint in --out (default: the newest runs/swarm*)."),
     set_: Optional[list[str]] = SETS,
+    log: Optional[list[str]] = LOG,
     dashboard: bool = typer.Option(False, "--dashboard", help="Also serve a live web dashboard of the swarm (gossiploco dashboard) and print its URL."),
     dashboard_port: int = typer.Option(8080, "--dashboard-port", help="With --dashboard: TCP port of the page (on 127.0.0.1)."),
 ) -> None:
@@ -321,7 +324,7 @@ def swarm(
         if peers < 1:
             raise ConfigError("--peers", f"must be at least 1, got {peers}")
         cfg = load_config(config, training_overrides(workers=peers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_))
+                                                     model=model, device=device, data=data, sets=set_, log=log))
         from gossiploco.runtime.run_dir import output_dir
 
         out = output_dir(out, Path("runs/swarm"), resume)
@@ -336,6 +339,8 @@ def swarm(
         args += ["--data", path]
     for item in set_ or []:
         args += ["--set", item]
+    for item in log or []:  # each peer logs its own records into its own directory (peer-I/)
+        args += ["--log", item]
     console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
                   f"{cfg.model.size}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
     local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)

@@ -8,7 +8,7 @@ and raises ``ConfigError`` naming the offending field (``mix2.blocks: no block m
 TOML layout: run-level keys at the top (``name``, ``mode``, ``workers``, ``inner_steps``,
 ``rounds``, ``seed``, ``device``) and one table per component: ``[model]``, ``[compute]``, ``[data]``,
 ``[inner]``, ``[outer]``, ``[mix1]``, ``[mix2]``, ``[monitor]``, ``[timeouts]``, ``[transport]``,
-``[adaptive]``, ``[checkpoint]``, ``[round]``.
+``[adaptive]``, ``[checkpoint]``, ``[round]``, ``[logging]``.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from gossiploco.config_sections import (
     MIX_KINDS, AdaptiveConfig, CheckpointConfig, ComputeConfig, DataConfig, InnerOptConfig, MixConfig, ModelConfig,
     GroupConfig, MonitorConfig, OuterOptConfig, RobustConfig, RoundConfig, TimeoutConfig, TransportConfig, _choice, _positive)
 from gossiploco.errors import ConfigError
+from gossiploco.metric_sinks import LoggingConfig
 
 __all__ = ["MIX_KINDS", "MODES", "PRESETS_DIR", "TINY_OVERRIDES", "AdaptiveConfig", "CheckpointConfig", "ComputeConfig",
-           "DataConfig", "GroupConfig", "InnerOptConfig", "MixConfig", "ModelConfig", "MonitorConfig", "OuterOptConfig", "RobustConfig", "RoundConfig",
+           "DataConfig", "GroupConfig", "InnerOptConfig", "LoggingConfig", "MixConfig", "ModelConfig", "MonitorConfig", "OuterOptConfig", "RobustConfig", "RoundConfig",
            "RunConfig", "TimeoutConfig", "TransportConfig", "config_from_dict", "load_config", "preset_names",
            "resolve_preset"]
-"""The sections are defined in ``gossiploco.config_sections`` and imported from here."""
+"""The sections are defined in ``gossiploco.config_sections`` (``[logging]``: ``gossiploco.metric_sinks``) and imported from here."""
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "peers"
 MODES = ("factored", "sync-dp")
@@ -85,6 +86,7 @@ class RunConfig:
     round: RoundConfig = field(default_factory=RoundConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
     groups: GroupConfig = field(default_factory=GroupConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -96,7 +98,7 @@ class RunConfig:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         for name in ("model", "compute", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive",
-                     "checkpoint", "round", "robust", "groups"):
+                     "checkpoint", "round", "robust", "groups", "logging"):
             getattr(self, name).check(name)
         micro = self.compute.micro_batch_size
         if micro and self.data.batch_size % micro:

@@ -1,13 +1,17 @@
-"""Metrics output: one JSON object per measurement in ``metrics.jsonl``, and ``summary.json``."""
+"""Metrics output: one JSON object per measurement in ``metrics.jsonl``, and ``summary.json``; each also goes to
+the run's other metric sinks (TensorBoard, W&B: ``gossiploco.metric_sinks``) when it has some."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gossiploco.errors import GossiplocoError
+
+if TYPE_CHECKING:
+    from gossiploco.metric_sinks import MetricSinks
 
 
 class MetricsError(GossiplocoError):
@@ -30,10 +34,15 @@ class MetricsSink:
 
     ``resume_bytes``: continue a run whose checkpoint was taken when the file was that long: what was
     written after it (the records of a round cut short) is cut off, the records before it are read
-    back, and new ones are appended. None: a new file."""
+    back, and new ones are appended. None: a new file.
 
-    def __init__(self, out_dir: str | Path | None, resume_bytes: int | None = None):
+    ``forward``: the run's other sinks; every record written (not those read back) and the summary go to them
+    after the file has them, and ``close`` closes them (their failures never raise: ``MetricSinks``)."""
+
+    def __init__(self, out_dir: str | Path | None, resume_bytes: int | None = None,
+                 forward: MetricSinks | None = None):
         self.records: list[dict] = []
+        self.forward = forward
         self.out_dir = Path(out_dir) if out_dir else None
         self._file = None
         if self.out_dir:
@@ -62,8 +71,16 @@ class MetricsSink:
         if self._file:
             self._file.write(json.dumps(_clean(record), sort_keys=True) + "\n")
             self._file.flush()
+        if self.forward is not None:
+            self.forward.write(record)
 
     def write_summary(self, summary: dict) -> None:
+        """``summary.json`` (and the summary's figures to the other sinks, whose counters it then holds as
+        ``metric_sinks``)."""
+        if self.forward is not None:
+            self.forward.write_summary({k: v for k, v in summary.items() if k != "run_config"})
+            self.forward.drain()  # the counters complete
+            summary = {**summary, "metric_sinks": self.forward.stats()}
         if self.out_dir:
             from gossiploco.files import atomic_write_bytes
 
@@ -71,6 +88,9 @@ class MetricsSink:
             atomic_write_bytes(self.out_dir / "summary.json", text.encode())
 
     def close(self) -> None:
+        """Close the file and the other sinks (flushing them). Idempotent."""
         if self._file:
             self._file.close()
             self._file = None
+        if self.forward is not None:
+            self.forward.close()

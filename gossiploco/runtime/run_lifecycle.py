@@ -1,6 +1,7 @@
 """One run's life on disk, the same for ``gossiploco simulate`` (the virtual swarm) and ``gossiploco peer`` (one
 network peer): the output directory (never over a run without ``--resume``: ``run_dir``), the checkpoint
-``--resume`` continues from, the tokenizer's copy, the metrics sink, the checkpoint writer, stopping on SIGTERM
+``--resume`` continues from, the tokenizer's copy, the metrics sink (and the run's TensorBoard / W&B sinks:
+``metric_sinks``), the checkpoint writer, stopping on SIGTERM
 as on Ctrl+C, and at the end the summary and the final model. In order::
 
     run = RunLifecycle.open(cfg, out, default, resume=resume, say=console.print)  # directory, checkpoint
@@ -30,6 +31,7 @@ import torch
 from gossiploco.checkpoint import Checkpoint, CheckpointWriter, checkpoint_files, run_checkpoints
 from gossiploco.config import RunConfig
 from gossiploco.errors import GossiplocoError
+from gossiploco.metric_sinks import MetricSinks, SinkTarget
 from gossiploco.metrics import MetricsSink
 from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
 from gossiploco.runtime.stopping import exit_stopped
@@ -97,18 +99,32 @@ class RunLifecycle:
 
     def start(self, runner: Runner) -> None:
         """Resume ``runner`` from the checkpoint, open the metrics (a resumed file is cut where its checkpoint
-        was taken), start the checkpoint writer (and ``dump_stacks_on_sigusr1``)."""
+        was taken; the other sinks of ``[logging]`` are opened at the first record, grouped by the runner's
+        ``run_id`` when it has one, else the config's), start the checkpoint writer (and
+        ``dump_stacks_on_sigusr1``). ``ConfigError`` when a sink's package is missing."""
         self._runner = runner
         checkpoint = self.checkpoint
         if checkpoint is not None:
             runner.resume(checkpoint)
             self.say(f"resuming {self.out} at round {checkpoint.round} from {checkpoint.path.name}")
         self.sink = MetricsSink(self.out, resume_bytes=checkpoint.meta["metrics_bytes"] if checkpoint
-                                else (0 if self.resume else None))
+                                else (0 if self.resume else None), forward=self._metric_sinks(runner))
         cfg = self.cfg
         if cfg.checkpoint.enabled:
             self.writer = CheckpointWriter(run_checkpoints(self.out), cfg.to_dict(), cfg.checkpoint.keep)
         dump_stacks_on_sigusr1()
+
+    def _metric_sinks(self, runner: Runner) -> MetricSinks | None:
+        """The ``[logging]`` sinks of this run directory (None without any)."""
+        cfg = self.cfg
+        if not cfg.logging.sinks:
+            return None
+        from gossiploco.checkpoint import config_digest
+
+        run_id = getattr(runner, "run_id", None) or f"{cfg.name}-{config_digest(cfg.to_dict())[:12]}"  # runtime.peer.run_id_for
+        first_step = self.checkpoint.round * cfg.inner_steps if self.checkpoint else (0 if self.resume else None)
+        return MetricSinks(cfg.logging, SinkTarget(self.out, group=run_id, name=self.out.resolve().name,
+                                                   config=cfg.to_dict(), first_step=first_step))
 
     def train(self, work: Callable[[MetricsSink, CheckpointWriter | None], R], *,
               before_report: Callable[[], None] | None = None) -> R:

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INNER_STEPS, MODEL, RESUME, ROUNDS, SEED, SETS, WORKERS, console,
-                                    fail, training_overrides)
+from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INIT, INNER_STEPS, MODEL, RESUME, ROUNDS, SEED, SETS, WORKERS,
+                                    console, fail, training_overrides)
 from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_summary, progress_line, progress_table,
                                    slowest_round)
 from gossiploco.cli_tokenizer import tokenizer_app
@@ -31,6 +31,7 @@ def simulate(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
+    init: Optional[str] = INIT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: metrics.jsonl, summary.json, model, checkpoints/ (default runs/simulate, or runs/simulate-N when that holds a run)."),
     resume: bool = RESUME,
     set_: Optional[list[str]] = SETS,
@@ -44,7 +45,8 @@ def simulate(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_))
+                                                     model=model, device=device, data=data, init=init,
+                                                     sets=set_))
         run = RunLifecycle.open(cfg, out, Path("runs/simulate"), resume=resume, say=console.print,
                                 command="simulate")
         swarm = VirtualSwarm(cfg)
@@ -109,6 +111,7 @@ def peer(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
+    init: Optional[str] = INIT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default runs/peer-RANK)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: preset name + digest of the config)."),
     set_: Optional[list[str]] = SETS,
@@ -142,7 +145,8 @@ def peer(
         fault_hook = hook_from_env()  # GOSSIPLOCO_FAULT (tests): read here, where the process is built
         adversary = adversary_from_env()  # GOSSIPLOCO_ATTACK (the attack bench), likewise
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_))
+                                                     model=model, device=device, data=data, init=init,
+                                                     sets=set_))
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
@@ -301,6 +305,7 @@ def swarm(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
+    init: Optional[str] = INIT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model, checkpoints) and peer-I.log (default runs/swarm, or runs/swarm-N when that holds a run)."),
     resume: bool = typer.Option(False, "--resume", help="Restart a stopped swarm: every peer continues from its newest checkpoint in --out (default: the newest runs/swarm*)."),
     set_: Optional[list[str]] = SETS,
@@ -321,7 +326,8 @@ def swarm(
         if peers < 1:
             raise ConfigError("--peers", f"must be at least 1, got {peers}")
         cfg = load_config(config, training_overrides(workers=peers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_))
+                                                     model=model, device=device, data=data, init=init,
+                                                     sets=set_))
         from gossiploco.runtime.run_dir import output_dir
 
         out = output_dir(out, Path("runs/swarm"), resume)
@@ -329,7 +335,7 @@ def swarm(
         fail(exc)
     args = ["--config", config, "--run-id", run_id_for(cfg), "--quiet"] + (["--resume"] if resume else [])
     for flag, value in (("--inner-steps", inner_steps), ("--rounds", rounds), ("--seed", seed), ("--model", model),
-                        ("--device", device)):
+                        ("--device", device), ("--init", init)):
         if value is not None:
             args += [flag, str(value)]
     for path in data or []:

@@ -55,7 +55,7 @@ def simulate(
         fail(exc)
     console.print(
         f"[bold]{cfg.name}[/]: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, "
-        f"model {cfg.model.size}, {swarm.corpus.description}, device {swarm.device}"
+        f"model {cfg.model.describe()}, {swarm.corpus.description}, device {swarm.device}"
     )
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     # A terminal gets a bar redrawn in place; a pipe or a log file a line at least every PLAIN_EVERY_S seconds
@@ -175,7 +175,7 @@ def peer(
         node.close()
         fail(exc)
     console.print(f"[bold]{cfg.name}[/] peer {rank} at {node.endpoint}: {cfg.rounds} rounds x "
-                  f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
+                  f"{cfg.inner_steps} inner steps, model {cfg.model.describe()}, device {node.device}, run {node.run_id}")
 
     def on_record(record: dict) -> None:
         if quiet:
@@ -343,7 +343,7 @@ def swarm(
     for item in set_ or []:
         args += ["--set", item]
     console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
-                  f"{cfg.model.size}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
+                  f"{cfg.model.describe()}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
     local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)
     # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
     # at least every PLAIN_EVERY_S seconds

@@ -35,6 +35,10 @@ class ModelConfig:
             raise ConfigError(f"{p}.size", f"unknown size {self.size!r}; choose one of {sorted(MODEL_SIZES)}")
         _choice(f"{p}.precision", self.precision, ("fp32", "bf16"))
 
+    def describe(self) -> str:
+        """How messages name the model: its size, or the checkpoint it starts from."""
+        return f"from {self.init}" if self.init else self.size
+
     def architecture(self, seq_len: int, vocab_size: int = 256):
         """The model's ``ModelArgs`` for a context of ``seq_len``: the checkpoint's with ``init`` (its own
         vocabulary; ``ConfigError`` on ``model.init`` for a folder it cannot use), else ``MODEL_SIZES[size]``

@@ -113,15 +113,16 @@ def checkpoint_args(config: dict, seq_len: int, where: Path | str = CONFIG_FILE)
     if window is not None and int(window) < seq_len:
         raise _fail(f"{where}: Mistral's sliding window of {window} tokens is shorter than data.seq_len = {seq_len}, "
                     "and our attention has no window: use data.seq_len <= the window")
+    theta, scaling = _rope(config, where)
     try:
         dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         args = ModelArgs(dim=dim, n_layers=int(config["num_hidden_layers"]), n_heads=heads,
                          n_kv_heads=int(config.get("num_key_value_heads") or heads),
                          ffn_dim=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                         max_seq_len=max(int(seq_len), 1), rope_theta=_rope(config, where)[0],
+                         max_seq_len=max(int(seq_len), 1), rope_theta=theta,
                          norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                          tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-                         rope_scaling=_rope(config, where)[1])
+                         rope_scaling=scaling)
     except KeyError as exc:
         raise _fail(f"{where}: no {exc.args[0]!r}") from exc
     except (TypeError, ValueError) as exc:

@@ -177,6 +177,10 @@ def read_model_file(path: Path) -> tuple[TensorDict, dict, dict]:
     except (KeyError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{path}: its metadata holds no run config") from exc
     if is_hf_layout(tensors):
+        if (config.get("model") or {}).get("init") and (path.parent / "config.json").is_file():
+            # an export of a run started from a checkpoint is a checkpoint folder itself: its config.json gives the
+            # shape, so it loads after the checkpoint it started from is gone
+            config = {**config, "model": {**config["model"], "init": str(path.parent)}}
         args = model_args(config, int(tensors["model.embed_tokens.weight"].shape[0]))
         try:
             tensors = from_hf(tensors, args)

@@ -226,12 +226,16 @@ def test_the_run_id_names_the_checkpoint_by_its_weights(tmp_path, llama_folder):
 @pytest.mark.slow
 def test_train_from_the_checkpoint_export_and_reload_in_transformers(tmp_path, llama_folder):
     """``simulate --init``: two workers train two rounds from the checkpoint, on text tokenized by its tokenizer;
-    the model moved; the export is a tied Llama 3 folder that transformers loads with our logits."""
+    the model moved; the export is a tied Llama 3 folder that transformers loads with our logits, and that
+    gossiploco loads after the checkpoint it started from is gone."""
+    import shutil
+
     from typer.testing import CliRunner
 
     from gossiploco.cli import app
 
-    folder = llama_folder[0]
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(llama_folder[0], folder)
     text = tmp_path / "corpus.txt"
     text.write_text(TEXT)
     run = tmp_path / "run"
@@ -251,3 +255,6 @@ def test_train_from_the_checkpoint_export_and_reload_in_transformers(tmp_path, l
     assert config["tie_word_embeddings"] is True and config["rope_parameters"]["rope_type"] == "llama3"
     hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     assert logits_diff(loaded.model, hf) < FP32_TOLERANCE
+    shutil.rmtree(folder)
+    again = load_model_source(hf_dir)
+    assert again.model.args == loaded.model.args and logits_diff(again.model, hf) < FP32_TOLERANCE

@@ -104,7 +104,7 @@ class DataConfig:
     max_corpus_mb: float = 0.0
     """Read at most this many MB of text (0: no limit)."""
     tokenizer: str = ""
-    """Tokenizer of text data: "" (or "bytes") byte-level, 256 ids; else the path of a tokenizer JSON file trained with `gossiploco tokenizer train`. Its SHA-256, not its path, is part of the run id."""
+    """Tokenizer of text data: "" (or "bytes") byte-level, 256 ids; else the path of a tokenizer JSON file trained with `gossiploco tokenizer train` (or any with an end-of-text token; with model.init and "", the checkpoint's tokenizer.json). Its SHA-256, not its path, is part of the run id."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.seq_len", self.seq_len)

@@ -79,7 +79,7 @@ def _rope(config: dict, where: Path) -> tuple[float, Llama3RopeScaling | None]:
         raise _fail(f"{where}: rope type {rope_type!r} is not supported (only {', '.join(ROPE_TYPES)})")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise _fail(f"{where}: partial_rotary_factor {params['partial_rotary_factor']} is not supported (only 1)")
-    theta = float(params.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     if rope_type == "default":
         return theta, None
     try:

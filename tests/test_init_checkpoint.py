@@ -106,7 +106,7 @@ def mistral_folder(tmp_path_factory):
     """Mistral-shaped: untied, default rope, a sliding window longer than the context, one file."""
     folder = tmp_path_factory.mktemp("mistral")
     config = transformers.MistralConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-                                        num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-6, sliding_window=4096,
+                                        num_key_value_heads=2, vocab_size=VOCAB, rms_norm_eps=1e-6, sliding_window=64,
                                         tie_word_embeddings=False)
     hf = save_checkpoint(folder, config, transformers.MistralForCausalLM, seed=1)
     return folder, hf
@@ -159,6 +159,16 @@ def test_the_llama3_scaling_matters_here(llama_folder):
     assert torch.allclose(scaled_cos[:, 1], torch.cos(positions * ((1 - smooth) * freqs[1] / 8 + smooth * freqs[1])),
                           atol=1e-6)
     assert (plain_cos[:, 1:] - scaled_cos[:, 1:]).abs().amax(0).min() > 0.01
+
+
+def test_a_transformers_4_config_gives_the_same_shape(tmp_path, llama_folder):
+    """transformers 4.x wrote the rotary settings as rope_theta + rope_scaling (no rope_parameters)."""
+    config = json.loads((llama_folder[0] / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert folder_args(tmp_path, SEQ_LEN) == folder_args(llama_folder[0], SEQ_LEN)
 
 
 def test_mistral_checkpoint_gives_transformers_logits(mistral_folder):

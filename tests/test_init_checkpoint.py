@@ -206,6 +206,14 @@ def test_unsupported_models_and_settings_are_refused_by_name(tmp_path, llama_fol
         weight_files(tmp_path / "case-2")
 
 
+def test_a_tied_checkpoint_has_no_lm_head_block(llama_folder):
+    """Its LM head is the embedding: a preset mixing "lm_head" on its own is refused, naming the blocks there are."""
+    init = {"model.init": str(llama_folder[0]), "data.seq_len": SEQ_LEN}
+    assert tiny_config("globalm1", **init).model.architecture(SEQ_LEN).tie_embeddings
+    with pytest.raises(ConfigError, match="mix2.blocks: no block matches 'lm_head'; blocks are embed, .*, norm$"):
+        tiny_config("globalm1-localm2-subset", **init)
+
+
 def test_the_run_id_names_the_checkpoint_by_its_weights(tmp_path, llama_folder):
     """Same weights elsewhere: same run id; one changed weight: another run id; no --init: the id of before."""
     import shutil

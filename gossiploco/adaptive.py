@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass
 
 from gossiploco.blocks import block_names, select_blocks
 from gossiploco.config import RunConfig
-from gossiploco.model import MODEL_SIZES
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,8 @@ class AdaptiveMix2:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg.adaptive
-        names = block_names(MODEL_SIZES[cfg.model.size].n_layers)
+        shape = cfg.model.architecture(cfg.data.seq_len)
+        names = block_names(shape.n_layers, tied=shape.tie_embeddings)
         self.floor = select_blocks(names, cfg.mix2.blocks, "mix2.blocks")
         if self.cfg.order:
             ordered: list[str] = []

@@ -38,12 +38,13 @@ def block_of(param_name: str) -> str:
     raise ValueError(f"parameter {param_name!r} belongs to no known block")
 
 
-def block_names(n_layers: int) -> list[str]:
-    """All block names of a model with ``n_layers`` transformer layers, in model order."""
+def block_names(n_layers: int, tied: bool = False) -> list[str]:
+    """All block names of a model with ``n_layers`` transformer layers, in model order. A model with tied
+    embeddings has no ``lm_head`` block: its LM head is the ``embed`` block's matrix."""
     names = ["embed"]
     for i in range(n_layers):
         names += [f"layers.{i}.attention", f"layers.{i}.mlp"]
-    return names + ["norm", "lm_head"]
+    return names + ["norm"] + ([] if tied else ["lm_head"])
 
 
 def pattern_matches(pattern: str, block: str) -> bool:

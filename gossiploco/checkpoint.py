@@ -91,8 +91,19 @@ def shared_config(config: dict) -> dict:
     before the field existed (their checkpoints still resume). The one definition behind the run id
     (``runtime.peer.run_id_for``) and checkpoint compatibility; idempotent. ``ConfigError`` if the
     tokenizer file cannot be read. Likewise a ``round`` section at its defaults (steps budget, equal weights) is
-    left out: runs from before the section existed keep their identity."""
+    left out: runs from before the section existed keep their identity. A checkpoint to start from
+    (``model.init``) is named by its digest (``hf_checkpoint.checkpoint_digest``: its config and weights),
+    so peers holding other weights are in another run; without one, ``model.init`` is left out."""
     shared = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
+    model = shared.get("model")
+    if isinstance(model, dict) and "init" in model:
+        model = dict(model)
+        init = str(model.pop("init"))
+        if init:
+            from gossiploco.hf_checkpoint import checkpoint_digest
+
+            model["init"] = checkpoint_digest(init)
+        shared["model"] = model
     if shared.get("round") == DEFAULT_ROUND:
         del shared["round"]
     data = shared.get("data")

@@ -9,8 +9,8 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INNER_STEPS, LOG, MODEL, RESUME, ROUNDS, SEED, SETS, WORKERS, console,
-                                    fail, training_overrides)
+from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INIT, INNER_STEPS, LOG, MODEL, RESUME, ROUNDS, SEED, SETS,
+                                    WORKERS, console, fail, training_overrides)
 from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_summary, progress_line, progress_table,
                                    slowest_round)
 from gossiploco.cli_tokenizer import tokenizer_app
@@ -31,6 +31,7 @@ def simulate(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
+    init: Optional[str] = INIT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: metrics.jsonl, summary.json, model, checkpoints/ (default runs/simulate, or runs/simulate-N when that holds a run)."),
     resume: bool = RESUME,
     set_: Optional[list[str]] = SETS,
@@ -45,7 +46,8 @@ def simulate(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_, log=log))
+                                                     model=model, device=device, data=data, init=init,
+                                                     sets=set_, log=log))
         run = RunLifecycle.open(cfg, out, Path("runs/simulate"), resume=resume, say=console.print,
                                 command="simulate")
         swarm = VirtualSwarm(cfg)
@@ -54,7 +56,7 @@ def simulate(
         fail(exc)
     console.print(
         f"[bold]{cfg.name}[/]: {cfg.workers} workers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, "
-        f"model {cfg.model.size}, {swarm.corpus.description}, device {swarm.device}"
+        f"model {cfg.model.describe()}, {swarm.corpus.description}, device {swarm.device}"
     )
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     # A terminal gets a bar redrawn in place; a pipe or a log file a line at least every PLAIN_EVERY_S seconds
@@ -110,6 +112,7 @@ def peer(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
+    init: Optional[str] = INIT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory (default runs/peer-RANK)."),
     run_id: Optional[str] = typer.Option(None, "--run-id", help="Run id (default: preset name + digest of the config)."),
     set_: Optional[list[str]] = SETS,
@@ -144,7 +147,8 @@ def peer(
         fault_hook = hook_from_env()  # GOSSIPLOCO_FAULT (tests): read here, where the process is built
         adversary = adversary_from_env()  # GOSSIPLOCO_ATTACK (the attack bench), likewise
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_, log=log))
+                                                     model=model, device=device, data=data, init=init,
+                                                     sets=set_, log=log))
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
@@ -173,7 +177,7 @@ def peer(
         node.close()
         fail(exc)
     console.print(f"[bold]{cfg.name}[/] peer {rank} at {node.endpoint}: {cfg.rounds} rounds x "
-                  f"{cfg.inner_steps} inner steps, model {cfg.model.size}, device {node.device}, run {node.run_id}")
+                  f"{cfg.inner_steps} inner steps, model {cfg.model.describe()}, device {node.device}, run {node.run_id}")
 
     def on_record(record: dict) -> None:
         if quiet:
@@ -303,6 +307,7 @@ def swarm(
     model: Optional[str] = MODEL,
     device: Optional[str] = DEVICE,
     data: Optional[list[str]] = DATA,
+    init: Optional[str] = INIT,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output directory: summary.json plus peer-I/ (metrics, summary, model, checkpoints) and peer-I.log (default runs/swarm, or runs/swarm-N when that holds a run)."),
     resume: bool = typer.Option(False, "--resume", help="Restart a stopped swarm: every peer continues from its newest checkpoint in --out (default: the newest runs/swarm*)."),
     set_: Optional[list[str]] = SETS,
@@ -324,7 +329,8 @@ def swarm(
         if peers < 1:
             raise ConfigError("--peers", f"must be at least 1, got {peers}")
         cfg = load_config(config, training_overrides(workers=peers, inner_steps=inner_steps, rounds=rounds, seed=seed,
-                                                     model=model, device=device, data=data, sets=set_, log=log))
+                                                     model=model, device=device, data=data, init=init,
+                                                     sets=set_, log=log))
         from gossiploco.runtime.run_dir import output_dir
 
         out = output_dir(out, Path("runs/swarm"), resume)
@@ -332,7 +338,7 @@ def swarm(
         fail(exc)
     args = ["--config", config, "--run-id", run_id_for(cfg), "--quiet"] + (["--resume"] if resume else [])
     for flag, value in (("--inner-steps", inner_steps), ("--rounds", rounds), ("--seed", seed), ("--model", model),
-                        ("--device", device)):
+                        ("--device", device), ("--init", init)):
         if value is not None:
             args += [flag, str(value)]
     for path in data or []:
@@ -342,7 +348,7 @@ def swarm(
     for item in log or []:  # each peer logs its own records into its own directory (peer-I/)
         args += ["--log", item]
     console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
-                  f"{cfg.model.size}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
+                  f"{cfg.model.describe()}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
     local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)
     # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
     # at least every PLAIN_EVERY_S seconds

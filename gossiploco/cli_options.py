@@ -22,18 +22,20 @@ SEED = typer.Option(None, "--seed", help="Seed for init, data and matchings.")
 MODEL = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b.")
 DEVICE = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N.")
 DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources).")
+INIT = typer.Option(None, "--init", help="Start from a Hugging Face Llama-family checkpoint folder (config.json, safetensors, tokenizer.json): its shape, weights and tokenizer (model.init).")
 SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
 LOG = typer.Option(None, "--log", help="Also send the metrics to: tensorboard (event files in the output directory), wandb (a W&B run, offline unless you are logged in; --set logging.wandb_mode/wandb_project/wandb_entity). Repeatable or comma-separated.")
 RESUME = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint (same command otherwise); metrics are appended.")
 
 
 def training_overrides(*, workers=None, inner_steps=None, rounds=None, seed=None, model=None, device=None,
-                       data=None, sets=None, log=None) -> dict:
+                       data=None, init=None, sets=None, log=None) -> dict:
     """The dotted config overrides of the shared training options (None: keep the preset's)."""
     from gossiploco.metric_sinks import parse_sink_list
 
     overrides = {"workers": workers, "inner_steps": inner_steps, "rounds": rounds, "seed": seed,
-                 "model.size": model, "device": device, "data.paths": data, "logging.sinks": parse_sink_list(log)}
+                 "model.size": model, "device": device, "data.paths": data,
+                 "model.init": str(init) if init is not None else None, "logging.sinks": parse_sink_list(log)}
     overrides.update(parse_sets(sets or []))
     return overrides
 

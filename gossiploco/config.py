@@ -97,6 +97,7 @@ class RunConfig:
             raise ConfigError("seed", f"must be >= 0, got {self.seed}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        self._tokenizer_of_init()
         for name in ("model", "compute", "data", "inner", "outer", "mix1", "mix2", "monitor", "timeouts", "transport", "adaptive",
                      "checkpoint", "round", "robust", "groups", "logging"):
             getattr(self, name).check(name)
@@ -113,14 +114,31 @@ class RunConfig:
             if not self.monitor.enabled:
                 raise ConfigError("mix2.mode", "adaptive is driven by the monitors: monitor.enabled must be true")
         from gossiploco.blocks import block_names, select_blocks
-        from gossiploco.model import MODEL_SIZES
 
-        names = block_names(MODEL_SIZES[self.model.size].n_layers)
+        shape = self.model.architecture(self.data.seq_len)
+        names = block_names(shape.n_layers, tied=shape.tie_embeddings)
         for mix in ("mix1", "mix2"):
             select_blocks(names, getattr(self, mix).blocks, field=f"{mix}.blocks")
         if self.adaptive.order:
             select_blocks(names, self.adaptive.order, field="adaptive.order")
         self._check_round()
+
+    def _tokenizer_of_init(self) -> None:
+        """A run from a checkpoint (``model.init``) on text data with no ``data.tokenizer`` tokenizes with the
+        checkpoint's ``tokenizer.json``: ``data.tokenizer`` is set to it (.bin files and prepared folders are
+        already tokenized and are left alone)."""
+        if not self.model.init:
+            return
+        self.model.architecture(self.data.seq_len)  # a checkpoint it cannot use is the first thing to hear of
+        if self.data.tokenizer or any(p.endswith(".bin") or Path(p).is_dir() for p in self.data.paths):
+            return
+        from gossiploco.hf_checkpoint import tokenizer_path
+
+        path = tokenizer_path(self.model.init)
+        if not path.is_file():
+            raise ConfigError("model.init", f"{self.model.init} has no tokenizer.json for the text data; give "
+                                            "data.tokenizer (the checkpoint's tokenizer file) or tokenized data")
+        self.data.tokenizer = str(path)
 
     def _check_round(self) -> None:
         """The [round] combinations that cannot work (each error names the field to change)."""

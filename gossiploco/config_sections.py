@@ -23,6 +23,10 @@ class ModelConfig:
     """Named model size: tiny, small, 125m or 1.5b (see gossiploco.model.MODEL_SIZES)."""
     precision: str = "fp32"
     """Inner-step compute precision: fp32, or bf16 (autocast; CUDA only, ignored on CPU)."""
+    init: str = ""
+    """A Hugging Face Llama-family checkpoint folder (config.json + safetensors) to start from; "": random weights
+    of ``size``. Its config.json gives the model's shape (``size`` is then unused), its tokenizer.json the text
+    tokenizer; its digest, not its path, is part of the run id (gossiploco.hf_checkpoint)."""
 
     def check(self, p: str) -> None:
         from gossiploco.model import MODEL_SIZES
@@ -30,6 +34,22 @@ class ModelConfig:
         if self.size not in MODEL_SIZES:
             raise ConfigError(f"{p}.size", f"unknown size {self.size!r}; choose one of {sorted(MODEL_SIZES)}")
         _choice(f"{p}.precision", self.precision, ("fp32", "bf16"))
+
+    def describe(self) -> str:
+        """How messages name the model: its size, or the checkpoint it starts from."""
+        return f"from {self.init}" if self.init else self.size
+
+    def architecture(self, seq_len: int, vocab_size: int = 256):
+        """The model's ``ModelArgs`` for a context of ``seq_len``: the checkpoint's with ``init`` (its own
+        vocabulary; ``ConfigError`` on ``model.init`` for a folder it cannot use), else ``MODEL_SIZES[size]``
+        with ``vocab_size`` ids."""
+        from gossiploco.model import MODEL_SIZES, ModelArgs
+
+        if self.init:
+            from gossiploco.hf_checkpoint import folder_args
+
+            return folder_args(self.init, seq_len)
+        return ModelArgs(**{**MODEL_SIZES[self.size].__dict__, "vocab_size": vocab_size, "max_seq_len": max(seq_len, 1)})
 
 
 @dataclass
@@ -84,7 +104,7 @@ class DataConfig:
     max_corpus_mb: float = 0.0
     """Read at most this many MB of text (0: no limit)."""
     tokenizer: str = ""
-    """Tokenizer of text data: "" (or "bytes") byte-level, 256 ids; else the path of a tokenizer JSON file trained with `gossiploco tokenizer train`. Its SHA-256, not its path, is part of the run id."""
+    """Tokenizer of text data: "" (or "bytes") byte-level, 256 ids; else the path of a tokenizer JSON file trained with `gossiploco tokenizer train` (or any with an end-of-text token; with model.init and "", the checkpoint's tokenizer.json). Its SHA-256, not its path, is part of the run id."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.seq_len", self.seq_len)

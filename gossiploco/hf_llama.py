@@ -1,7 +1,8 @@
 """The Hugging Face Llama layout of our model: tensor names, the rotary layout, ``config.json``.
 
 ``transformers.LlamaForCausalLM`` computes exactly what ``gossiploco.model.Transformer`` computes
-(RMSNorm, SwiGLU, grouped-query attention, untied LM head, no biases) with three differences of form:
+(RMSNorm, SwiGLU, grouped-query attention, tied or untied LM head, Llama 3.1's rotary scaling, no biases) with
+three differences of form:
 
 * names: ``layers.{i}.attention.wq.weight`` is ``model.layers.{i}.self_attn.q_proj.weight`` and so
   on (``NAMES``; the MLP's w1, w2, w3 are gate_proj, down_proj, up_proj);
@@ -111,10 +112,23 @@ def is_hf_layout(names) -> bool:
     return HF_MARKER in set(names)
 
 
+def _rope_parameters(args: ModelArgs) -> dict:
+    """transformers 5's ``rope_parameters``: the base, and Llama 3.1's scaling when the model has it."""
+    scaling = args.rope_scaling
+    if scaling is None:
+        return {"rope_type": "default", "rope_theta": args.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": args.rope_theta, "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor, "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
 def hf_config(args: ModelArgs, special_id: int) -> dict:
     """``config.json`` of ``LlamaForCausalLM`` for ``args``. ``special_id``: the document separator, which
-    is end of text, padding and (when generating from nothing) beginning of text. The rotary base is
-    written both as transformers 5 reads it (``rope_parameters``) and as 4.x does (``rope_theta``)."""
+    is end of text, padding and (when generating from nothing) beginning of text. The rotary settings are
+    written both as transformers 5 reads them (``rope_parameters``) and as 4.x does (``rope_theta``,
+    ``rope_scaling``); a tied model (``args.tie_embeddings``) has no ``lm_head.weight`` tensor."""
+    rope = _rope_parameters(args)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} if args.rope_scaling is not None else None
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -128,10 +142,10 @@ def hf_config(args: ModelArgs, special_id: int) -> dict:
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
         "hidden_act": "silu",
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,

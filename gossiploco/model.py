@@ -5,6 +5,8 @@ peers or networks.
 Parameter names are stable and are what ``gossiploco.blocks`` groups into blocks:
 ``tok_embeddings.weight``, ``layers.{i}.attention_norm.weight``, ``layers.{i}.attention.w{q,k,v,o}.weight``,
 ``layers.{i}.mlp_norm.weight``, ``layers.{i}.mlp.w{1,2,3}.weight``, ``norm.weight``, ``lm_head.weight``.
+With tied embeddings (``ModelArgs.tie_embeddings``, as SmolLM and Llama 3.2 1B have) the LM head is the token
+embedding itself: one parameter, ``tok_embeddings.weight``, and no ``lm_head.weight`` among the parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's long-context rotary scaling (``rope_type: "llama3"``): wavelengths longer than
+    ``original_max_position_embeddings / low_freq_factor`` are stretched by ``factor``, those shorter than
+    ``original_max_position_embeddings / high_freq_factor`` kept, those between interpolated smoothly."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     dim: int
     n_layers: int
@@ -29,6 +43,10 @@ class ModelArgs:
     max_seq_len: int = 1024
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    """The LM head is the token embedding (one shared matrix)."""
+    rope_scaling: Llama3RopeScaling | None = None
+    """None: plain rotary frequencies theta^(-2i/d)."""
 
 
 MODEL_SIZES: dict[str, ModelArgs] = {
@@ -62,9 +80,27 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_scaled(freqs: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (Meta's ``apply_scaling``): with wavelength w = 2 pi / f and
+    L = original_max_position_embeddings, f stays for w < L / high_freq_factor, becomes f / factor for
+    w > L / low_freq_factor, and between them (1 - s) f / factor + s f with
+    s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling.factor, freqs)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float,
+                scaling: Llama3RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each (seq_len, head_dim // 2)."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        freqs = llama3_scaled(freqs, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -160,11 +196,23 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tie_embeddings()
+        self.reset_rope()
         self.checkpoint_activations = False
         """Training only: recompute each layer's activations in the backward pass instead of storing them."""
+
+    def tie_embeddings(self) -> None:
+        """With ``args.tie_embeddings``, make the LM head's weight the token embedding's (again, after
+        parameters were replaced, e.g. by ``load_state_dict(assign=True)``); a no-op otherwise."""
+        if self.args.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    def reset_rope(self) -> None:
+        """(Re)compute the rotary tables (non-persistent buffers) on the CPU: after building on the meta device."""
+        args = self.args
+        cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta, args.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def use_flash_gqa(self) -> None:
         """Let every attention layer pass its kv heads to the flash kernel in place, where it runs on the

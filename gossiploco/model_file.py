@@ -29,9 +29,10 @@ import torch
 
 from gossiploco.checkpoint import CheckpointError, checkpoint_files, load_model_params, run_checkpoints
 from gossiploco.files import atomic_write
-from gossiploco.errors import GossiplocoError
+from gossiploco.errors import ConfigError, GossiplocoError
+from gossiploco.hf_checkpoint import folder_args
 from gossiploco.hf_llama import EXPORT_FORMAT, from_hf, is_hf_layout
-from gossiploco.model import MODEL_SIZES, ModelArgs, Transformer, rope_tables
+from gossiploco.model import MODEL_SIZES, ModelArgs, Transformer
 from gossiploco.tokenizer import BPETokenizer, ByteTokenizer, run_tokenizer, save_tokenizer_copy, tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -106,11 +107,19 @@ def save_model(params: TensorDict, out_dir: Path, run_config: dict, tokenizer=No
 
 def model_args(config: dict, vocab_size: int) -> ModelArgs:
     """The architecture of a run's model: ``MODEL_SIZES[model.size]``, ``vocab_size`` ids, a context of
-    ``data.seq_len`` tokens."""
+    ``data.seq_len`` tokens; for a run started from a checkpoint (``model.init``), that checkpoint's
+    ``config.json`` (which must still be there)."""
     try:
         size, seq_len = config["model"]["size"], int(config["data"]["seq_len"])
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelFileError(f"the run config names no model.size and data.seq_len ({exc!r})") from exc
+    init = str(config["model"].get("init") or "")
+    if init:
+        try:
+            return folder_args(init, seq_len)
+        except ConfigError as exc:
+            raise ModelFileError(f"the run started from the checkpoint {init}, whose config.json gives the "
+                                 f"model's shape: {exc}") from exc
     if size not in MODEL_SIZES:
         raise ModelFileError(f"model.size {size!r} is not a size this version knows ({', '.join(MODEL_SIZES)})")
     return ModelArgs(**{**MODEL_SIZES[size].__dict__, "vocab_size": vocab_size, "max_seq_len": max(seq_len, 1)})
@@ -133,12 +142,13 @@ def build_loaded_model(params: TensorDict, config: dict, where: str) -> Transfor
     problems = [f"{label}: {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
                 for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if items]
     if problems:
-        raise ModelFileError(f"{where}: the tensors do not fit model.size {config['model']['size']!r} "
-                             f"(vocab {args.vocab_size}): " + "; ".join(problems))
-    model.load_state_dict({n: params[n].to(torch.float32) for n in expected}, strict=True, assign=True)
-    cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
-    model.register_buffer("rope_cos", cos, persistent=False)
-    model.register_buffer("rope_sin", sin, persistent=False)
+        init = config["model"].get("init")
+        shape = f"the checkpoint model.init = {init}" if init else f"model.size {config['model']['size']!r}"
+        raise ModelFileError(f"{where}: the tensors do not fit {shape} (vocab {args.vocab_size}): " + "; ".join(problems))
+    model.load_state_dict({n: params[n].to(torch.float32) for n in expected}, strict=not args.tie_embeddings,
+                          assign=True)  # a tied model's state dict also names lm_head.weight, tied again below
+    model.tie_embeddings()
+    model.reset_rope()
     model.requires_grad_(False)
     return model.eval()
 
@@ -167,6 +177,10 @@ def read_model_file(path: Path) -> tuple[TensorDict, dict, dict]:
     except (KeyError, json.JSONDecodeError) as exc:
         raise ModelFileError(f"{path}: its metadata holds no run config") from exc
     if is_hf_layout(tensors):
+        if (config.get("model") or {}).get("init") and (path.parent / "config.json").is_file():
+            # an export of a run started from a checkpoint is a checkpoint folder itself: its config.json gives the
+            # shape, so it loads after the checkpoint it started from is gone
+            config = {**config, "model": {**config["model"], "init": str(path.parent)}}
         args = model_args(config, int(tensors["model.embed_tokens.weight"].shape[0]))
         try:
             tensors = from_hf(tensors, args)

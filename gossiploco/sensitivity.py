@@ -190,9 +190,9 @@ class SubsetResult:
 def model_blocks(cfg: RunConfig) -> list[str]:
     """The block names of ``cfg``'s model, in model order."""
     from gossiploco.blocks import block_names
-    from gossiploco.model import MODEL_SIZES
 
-    return block_names(MODEL_SIZES[cfg.model.size].n_layers)
+    shape = cfg.model.architecture(cfg.data.seq_len)
+    return block_names(shape.n_layers, tied=shape.tie_embeddings)
 
 
 def check_config(cfg: RunConfig) -> None:

@@ -7,7 +7,8 @@ between documents (the end of text): the corpus is every document's tokens follo
   is the separator. Needs no file, and is what runs use unless ``data.tokenizer`` names one.
 * ``BPETokenizer``: a ``tokenizers`` JSON file written by ``train_bpe`` (``gossiploco tokenizer train``):
   the ByteLevel pre-tokenizer turns text into bytes first, so any text encodes; ``<|endoftext|>`` is
-  id 0 and the separator. The file's SHA-256 names the tokenizer in the run's identity (not its path:
+  id 0 and the separator. A checkpoint's tokenizer (``--init``: Llama 3's, SmolLM's, TinyLlama's...) loads
+  too, with its own end of text as the separator (``END_OF_TEXT_TOKENS``). The file's SHA-256 names the tokenizer in the run's identity (not its path:
   peers keep it wherever they like; see ``tokenizer_digest`` and ``checkpoint.shared_config``).
 
 Both serialize to Hugging Face ``tokenizers`` JSON (``to_hf_json``), so an exported model can be used
@@ -32,6 +33,9 @@ BYTE_SPECS = ("", "bytes")
 """Values of ``data.tokenizer`` that mean the byte-level tokenizer."""
 END_OF_TEXT = "<|endoftext|>"
 """The BPE tokenizer's special token: id 0, the document separator."""
+END_OF_TEXT_TOKENS = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>")
+"""A tokenizer file's document separator: the first of these it has as a special token (ours, GPT-2's,
+SmolLM's and Qwen's; Llama 3's; Llama 2's, TinyLlama's and Mistral's; Gemma's)."""
 TOKENIZER_FILE = "tokenizer.json"
 """The tokenizer's copy in a run directory (``save_tokenizer_copy``) and in an exported model folder."""
 MAX_VOCAB = 1 << 20
@@ -116,10 +120,8 @@ class ByteTokenizer:
 class BPETokenizer:
     """A byte-level BPE tokenizer from a ``tokenizers`` JSON file (see the module docstring).
 
-    Raises ``DataError`` when the file is missing, unreadable, not a tokenizer, has no ``<|endoftext|>``
-    at id 0, or cannot encode any text losslessly."""
-
-    separator_id = 0
+    Raises ``DataError`` when the file is missing, unreadable, not a tokenizer, has no end-of-text token
+    (``END_OF_TEXT_TOKENS``), or cannot encode any text losslessly."""
 
     def __init__(self, path: Path | str):
         from tokenizers import Tokenizer as HFTokenizer
@@ -135,9 +137,12 @@ class BPETokenizer:
             self._tokenizer = HFTokenizer.from_str(self._json)
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
             raise DataError(f"tokenizer {self.path}: not a Hugging Face tokenizers JSON file ({exc})") from exc
-        if self._tokenizer.token_to_id(END_OF_TEXT) != self.separator_id:
-            raise DataError(f"tokenizer {self.path}: {END_OF_TEXT} must be id 0 (the document separator), found "
-                            f"{self._tokenizer.token_to_id(END_OF_TEXT)}; train it with `gossiploco tokenizer train`")
+        separator = end_of_text_id(self._tokenizer)
+        if separator is None:
+            raise DataError(f"tokenizer {self.path}: has no end-of-text token (the document separator: one of "
+                            f"{', '.join(END_OF_TEXT_TOKENS)}, as a special token); train one with `gossiploco "
+                            "tokenizer train`")
+        self.separator_id = separator
         self._tokenizer.encode_special_tokens = True  # text is text: the separator only comes from the caller
         self.vocab_size = max(self._tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
@@ -167,6 +172,14 @@ class BPETokenizer:
 
     def __repr__(self) -> str:
         return f"BPETokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def end_of_text_id(tokenizer) -> int | None:
+    """The id of the first of ``END_OF_TEXT_TOKENS`` that ``tokenizer`` (a ``tokenizers.Tokenizer``) has as a
+    special token, or None."""
+    special = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()
+               if token.special}
+    return next((special[name] for name in END_OF_TEXT_TOKENS if name in special), None)
 
 
 def load_tokenizer(spec: str | Path | None) -> ByteTokenizer | BPETokenizer:

@@ -11,7 +11,9 @@ from gossiploco.blocks import select_parameters
 from gossiploco.checkpoint import Snapshot
 from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, TokenStream
-from gossiploco.model import build_model
+from gossiploco.errors import ConfigError
+from gossiploco.hf_checkpoint import init_model
+from gossiploco.model import Transformer, build_model
 from gossiploco.optim import InnerOptimizer
 from gossiploco.trainer import LocalTrainer
 
@@ -22,11 +24,24 @@ def build_trainer(cfg: RunConfig, corpus: Corpus, device: torch.device, worker: 
     ``worker = -1`` builds a scratch model (for averaged parameters) with worker 0's stream; it only
     evaluates, so it is not compiled (compiling it would cost more than its few calls save).
     """
-    model = build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed, device)
+    model = initial_model(cfg, corpus.vocab_size, device)
     stream = TokenStream(corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.seed, max(worker, 0))
     compute = cfg.compute if worker >= 0 else dataclasses.replace(cfg.compute, compile="off")
     return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision,
                         compute)
+
+
+def initial_model(cfg: RunConfig, vocab_size: int, device: torch.device) -> Transformer:
+    """The model every worker starts from: the checkpoint ``model.init`` names (its weights, its shape), else
+    ``model.size`` with deterministic weights for ``seed``. ``ConfigError`` when the data's ``vocab_size``
+    ids do not fit the checkpoint's embedding."""
+    if not cfg.model.init:
+        return build_model(cfg.model.size, vocab_size, cfg.data.seq_len, cfg.seed, device)
+    model = init_model(cfg.model.init, cfg.data.seq_len, device)
+    if vocab_size > model.args.vocab_size:
+        raise ConfigError("model.init", f"the data has {vocab_size} token ids, the checkpoint's embedding only "
+                                        f"{model.args.vocab_size}: tokenize with the checkpoint's tokenizer")
+    return model
 
 
 def mean_loss(losses: list[torch.Tensor | float]) -> float:

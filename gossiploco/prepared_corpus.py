@@ -27,12 +27,14 @@ import numpy as np
 
 from gossiploco.errors import DataError
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "ShardedTokens", "is_prepared", "open_split", "prepared_digest",
-           "prepared_identity", "read_manifest"]
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "ShardedTokens", "copy_tokenizer", "is_prepared", "open_split",
+           "prepared_digest", "prepared_folder", "prepared_identity", "prepared_tokenizer_spec", "read_manifest"]
 
 FORMAT = "gossiploco-prepared-tokens"
 VERSION = 1
 MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+"""The copy of the tokenizer in a prepared folder (and in a run directory)."""
 SPLITS = ("train", "val")
 
 
@@ -112,6 +114,35 @@ def open_split(folder: str | Path, manifest: dict, split: str) -> ShardedTokens:
                             f"({shard['tokens'] * dtype.itemsize} bytes)")
         maps.append(np.memmap(path, dtype=dtype, mode="r"))
     return ShardedTokens(maps)
+
+
+def prepared_folder(paths: list[str]) -> Path | None:
+    """The prepared folder ``data.paths`` names (its only entry, holding a manifest), else None."""
+    return Path(paths[0]) if len(paths) == 1 and is_prepared(paths[0]) else None
+
+
+def prepared_tokenizer_spec(paths: list[str]) -> str | None:
+    """The tokenizer of a run on the prepared folder ``data.paths`` names, as ``data.tokenizer``'s shared form
+    ``sha256:<hex>`` (the manifest's digest; the run directory's ``tokenizer.json`` is that file's copy), else None."""
+    folder = prepared_folder(paths)
+    return None if folder is None else "sha256:" + read_manifest(folder, complete=False)["tokenizer"]["sha256"]
+
+
+def copy_tokenizer(folder: Path, out_dir: Path) -> Path:
+    """Keep a prepared folder's tokenizer in a run's directory (``OUT/tokenizer.json``, written atomically when it
+    differs), as ``tokenizer.save_tokenizer_copy`` does for ``data.tokenizer``; the file as it is (any
+    ``tokenizer.json``). ``DataError`` if the folder has none."""
+    from gossiploco.files import atomic_write_bytes
+
+    try:
+        data = (folder / TOKENIZER_FILE).read_bytes()
+    except OSError as exc:
+        raise DataError(f"{folder / TOKENIZER_FILE}: cannot read the prepared folder's tokenizer ({exc.strerror or exc})") from exc
+    copy = Path(out_dir) / TOKENIZER_FILE
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if not (copy.is_file() and copy.read_bytes() == data):
+        atomic_write_bytes(copy, data)
+    return copy
 
 
 _DIGESTS: dict[str, tuple[tuple[int, int, int], str]] = {}

@@ -118,16 +118,22 @@ def test_an_interrupted_preparation_continued_equals_an_uninterrupted_one(corpus
     options = PrepareOptions(val_fraction=0.2, shard_tokens=700)
     monkeypatch.setattr(prepare_module, "BATCH_DOCUMENTS", 5)  # several batches, shards closed between them
     whole = prepare([str(folder)], tokenizer_file, tmp_path / "whole", options)
-    calls = [0]
 
-    def interrupt(*_):
-        calls[0] += 1
-        if calls[0] == 5:
-            raise KeyboardInterrupt
+    def interrupt_at(call: int):
+        calls = [0]
+
+        def progress(*_):
+            calls[0] += 1
+            if calls[0] == call:
+                raise KeyboardInterrupt
+        return progress
 
     out = tmp_path / "cut"
-    with pytest.raises(KeyboardInterrupt):
-        prepare([str(folder)], tokenizer_file, out, options, progress=interrupt)
+    with pytest.raises(KeyboardInterrupt):  # after the first batch, before the first shard
+        prepare([str(folder)], tokenizer_file, out, options, progress=interrupt_at(1))
+    assert read_manifest(out, complete=False)["shards"] == []
+    with pytest.raises(KeyboardInterrupt):  # continued, then interrupted after some shards
+        prepare([str(folder)], tokenizer_file, out, options, progress=interrupt_at(5))
     cut = read_manifest(out, complete=False)
     assert not cut["complete"] and 0 < len(cut["shards"]) < len(whole["shards"])
     with pytest.raises(DataError, match="did not finish"):

@@ -156,3 +156,23 @@ def test_a_swarm_trains_from_a_prepared_folder_and_a_resumed_run_repeats_no_data
     state = checkpoint.meta["worker_state"]["w3"]["stream"]
     assert state["kind"] == "windows" and state["slice"] == 3 and state["position"] > 0
     assert_same_run(result, tmp_path / "cut", reference, tmp_path / "reference")
+
+
+def test_a_model_trained_on_a_prepared_folder_comes_with_the_folders_tokenizer(prepared, tmp_path):
+    """The run keeps the folder's tokenizer (OUT/tokenizer.json) and its model file names it: loading the model gives
+    that tokenizer, also once the prepared folder is gone (not the byte-level one a run without data.tokenizer has)."""
+    from gossiploco.model import build_model
+    from gossiploco.model_file import load_model_source, save_model
+    from gossiploco.prepared_corpus import copy_tokenizer
+
+    folder = tmp_path / "data"
+    shutil.copytree(prepared[0], folder)
+    cfg = tiny_config("diloco", **{"data.paths": [str(folder)], "data.seq_len": 16})
+    sha256 = json.loads((folder / "manifest.json").read_text())["tokenizer"]["sha256"]
+    run = tmp_path / "run"
+    copy_tokenizer(folder, run)
+    save_model(dict(build_model("tiny", 300, 16, 0).named_parameters()), run, cfg.to_dict())
+    assert load_model_source(run).tokenizer.sha256 == sha256
+    shutil.rmtree(folder)
+    loaded = load_model_source(run)
+    assert loaded.tokenizer.sha256 == sha256 and loaded.tokenizer.vocab_size == 300

@@ -21,7 +21,7 @@ ROUNDS = typer.Option(None, "--rounds", help="Outer rounds R.")
 SEED = typer.Option(None, "--seed", help="Seed for init, data and matchings.")
 MODEL = typer.Option(None, "--model", help="Model size: tiny, small, 125m, 1.5b.")
 DEVICE = typer.Option(None, "--device", help="auto, cpu, cuda or cuda:N.")
-DATA = typer.Option(None, "--data", help="Text files, globs or .bin files (default: stdlib sources).")
+DATA = typer.Option(None, "--data", help="Text files, globs, .bin files, or a prepared folder (gossiploco data prepare) (default: stdlib sources).")
 SETS = typer.Option(None, "--set", help="Override any config field: --set inner.lr=3e-4 (TOML value).")
 RESUME = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint (same command otherwise); metrics are appended.")
 

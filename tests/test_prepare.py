@@ -233,3 +233,22 @@ def test_the_end_of_text_id_is_the_one_the_tokenizer_names_or_the_flag_names(tmp
     assert PreparedTokenizer(bare, eot_token="[PAD]").eot_id == 3
     with pytest.raises(DataError, match="--eot-token 'nope' is not one of its tokens"):
         PreparedTokenizer(bare, eot_token="nope")
+
+
+def test_a_vocabulary_over_65536_ids_is_written_as_uint32_and_loads(tmp_path):
+    from gossiploco.config import DataConfig
+    from gossiploco.data import load_corpus
+
+    vocab = {**{f"w{i}": i for i in range(40)}, "w65536": 65536, "w69999": 69999, "</s>": 70_000}  # sparse ids
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["</s>"])
+    tokenizer.save(str(tmp_path / "big.json"))
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"w69999 w{i} w65536"}) + "\n" for i in range(40)))
+    manifest = prepare([str(tmp_path / "d.jsonl")], tmp_path / "big.json", tmp_path / "out", PrepareOptions(val_fraction=0.3))
+    assert manifest["dtype"] == "uint32" and manifest["tokenizer"] == {
+        "sha256": hashlib.sha256((tmp_path / "big.json").read_bytes()).hexdigest(), "vocab_size": 70_001,
+        "eot_id": 70_000, "eot_token": "</s>"}
+    corpus = load_corpus(DataConfig(paths=[str(tmp_path / "out")], seq_len=4))
+    first = corpus.train[0:4].tolist()
+    assert corpus.vocab_size == 70_001 and first[0::2] == [69999, 65536] and first[3] == 70_000 and first[1] < 40

@@ -96,13 +96,13 @@ def test_a_resumed_stream_continues_where_it_stopped_even_across_an_epoch():
 def prepared(tmp_path_factory):
     """Two prepared folders of the same text: one per tokenizer (vocabularies 300 and 310)."""
     root = tmp_path_factory.mktemp("prepared")
-    text = "".join(f"def f{i}(x):\n    return x * {i} + sum(range({i}))\n\n" for i in range(400))
+    text = "".join(f"def f{i}(x):\n    return x * {i} + sum(range({i}))\n\n" for i in range(150))
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": text[i:i + 500]}) + "\n" for i in range(0, len(text), 500)))
     folders = []
     for vocab in (300, 310):
         tokenizer = train_bpe([root / "corpus.jsonl"], vocab, root / f"tok{vocab}.json")
         folder = root / f"data{vocab}"
-        prepare([str(root / "corpus.jsonl")], tokenizer.path, folder, PrepareOptions(val_fraction=0.1, shard_tokens=1500))
+        prepare([str(root / "corpus.jsonl")], tokenizer.path, folder, PrepareOptions(val_fraction=0.1, shard_tokens=1000))
         folders.append(folder)
     return folders
 
@@ -162,8 +162,9 @@ def test_a_model_trained_on_a_prepared_folder_comes_with_the_folders_tokenizer(p
     """The run keeps the folder's tokenizer (OUT/tokenizer.json) and its model file names it: loading the model gives
     that tokenizer, also once the prepared folder is gone (not the byte-level one a run without data.tokenizer has)."""
     from gossiploco.model import build_model
-    from gossiploco.model_file import load_model_source, save_model
+    from gossiploco.model_file import read_model_file, save_model
     from gossiploco.prepared_corpus import copy_tokenizer
+    from gossiploco.tokenizer import run_tokenizer
 
     folder = tmp_path / "data"
     shutil.copytree(prepared[0], folder)
@@ -171,8 +172,11 @@ def test_a_model_trained_on_a_prepared_folder_comes_with_the_folders_tokenizer(p
     sha256 = json.loads((folder / "manifest.json").read_text())["tokenizer"]["sha256"]
     run = tmp_path / "run"
     copy_tokenizer(folder, run)
-    save_model(dict(build_model("tiny", 300, 16, 0).named_parameters()), run, cfg.to_dict())
-    assert load_model_source(run).tokenizer.sha256 == sha256
+    path = save_model(dict(build_model("tiny", 300, 16, 0).named_parameters()), run, cfg.to_dict())
+    _, config, metadata = read_model_file(path)  # what loading the model (export, inference) reads its tokenizer from
+    assert metadata["tokenizer_sha256"] == sha256
+    assert run_tokenizer(run, config, metadata["tokenizer_sha256"]).sha256 == sha256
+    assert run_tokenizer(run, config).sha256 == sha256  # from the folder's manifest
     shutil.rmtree(folder)
-    loaded = load_model_source(run)
-    assert loaded.tokenizer.sha256 == sha256 and loaded.tokenizer.vocab_size == 300
+    tokenizer = run_tokenizer(run, config, metadata["tokenizer_sha256"])  # the folder gone: the model file's digest
+    assert tokenizer.sha256 == sha256 and tokenizer.vocab_size == 300

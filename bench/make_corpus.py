@@ -12,7 +12,7 @@ Half the text goes to Parquet files (zstd, row groups of 1,000 rows), half to JS
 and ``.zst``; each file holds about ``--file-mb`` MB of text. ``OUT/corpus.json`` lists the files, the unique
 and total text bytes, and the number of documents.
 
-    python bench/make_corpus.py --out /tmp/corpus --gb 1.0
+    python -m bench.make_corpus --out /tmp/corpus/src --gb 1.0
 """
 
 from __future__ import annotations

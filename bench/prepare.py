@@ -77,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     info = json.loads((args.corpus / "corpus.json").read_text())
     prepared = args.work / "prepared"
-    lines = ["# Prepare once, start peers in milliseconds", "", f"Command: `{shlex.join(sys.argv)}`", "",
+    lines = ["# Prepare once, start peers in milliseconds", "", f"Command: `{shlex.join(['python', '-m', 'bench.prepare', *sys.argv[1:]])}`", "",
              f"Corpus (`bench/make_corpus.py`): {info['text_bytes'] / 1e9:.3f} GB of text in {info['documents']:,} documents "
              f"({len(info['files'])} files: Parquet, JSON Lines plain and zstd; {info['file_bytes'] / 1e6:.0f} MB on disk), "
              f"made of {info['unique_text_bytes'] / 1e6:.0f} MB of unique text (the machine's sources and docs) written in "

@@ -180,20 +180,24 @@ def _in_background(batches: Iterator[_Batch]) -> Iterator[_Batch]:
     stop = threading.Event()
     end = object()
 
+    def offer(item: object) -> bool:
+        """Queue ``item`` unless the consumer stopped (then False: the thread ends and its files close)."""
+        while not stop.is_set():
+            try:
+                waiting.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                while not stop.is_set():
-                    try:
-                        waiting.put(batch, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(batch):
                     return
-            waiting.put(end)
+            offer(end)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            waiting.put(exc)
+            offer(exc)
 
     thread = threading.Thread(target=produce, name="prepare-reader", daemon=True)
     thread.start()

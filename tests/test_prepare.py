@@ -252,3 +252,19 @@ def test_a_vocabulary_over_65536_ids_is_written_as_uint32_and_loads(tmp_path):
     corpus = load_corpus(DataConfig(paths=[str(tmp_path / "out")], seq_len=4))
     first = corpus.train[0:4].tolist()
     assert corpus.vocab_size == 70_001 and first[0::2] == [69999, 65536] and first[3] == 70_000 and first[1] < 40
+
+
+def test_the_command_line_prepares_reports_and_refuses_with_the_cause(corpus, tokenizer_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from gossiploco.cli import app
+
+    folder, _ = corpus
+    args = ["data", "prepare", str(folder / "b.jsonl"), str(folder / "a.parquet"), "--tokenizer", str(tokenizer_file),
+            "--out", str(tmp_path / "out"), "--val-fraction", "0.2", "--shard-tokens", "500"]
+    done = CliRunner().invoke(app, args)
+    assert done.exit_code == 0, done.output
+    assert "prepared 2 source(s)" in done.output and "gossiploco simulate --data" in done.output
+    assert read_manifest(tmp_path / "out")["val_fraction"] == 0.2
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 2 and "holds a finished preparation" in again.output

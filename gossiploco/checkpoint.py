@@ -41,6 +41,7 @@ import torch
 from gossiploco.config import RoundConfig
 from gossiploco.errors import GossiplocoError
 from gossiploco.files import atomic_write, atomic_write_bytes
+from gossiploco.prepared_corpus import prepared_identity
 from gossiploco.tokenizer import tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -90,9 +91,10 @@ def shared_config(config: dict) -> dict:
     The byte-level tokenizer leaves ``data.tokenizer`` out, so byte-level runs keep the identity they had
     before the field existed (their checkpoints still resume). The one definition behind the run id
     (``runtime.peer.run_id_for``) and checkpoint compatibility; idempotent. ``ConfigError`` if the
-    tokenizer file cannot be read. Likewise a ``round`` section at its defaults (steps budget, equal weights) is
-    left out: runs from before the section existed keep their identity. A checkpoint to start from
-    (``model.init``) is named by its digest (``hf_checkpoint.checkpoint_digest``: its config and weights),
+    tokenizer file cannot be read. A prepared folder in ``data.paths`` is named by ``prepared_identity`` (its
+    tokenizer's digest and shards), not by its path. Likewise a ``round`` section at its defaults (steps budget,
+    equal weights) is left out: runs from before the section existed keep their identity. A checkpoint to start
+    from (``model.init``) is named by its digest (``hf_checkpoint.checkpoint_digest``: its config and weights),
     so peers holding other weights are in another run; without one, ``model.init`` is left out."""
     shared = {k: v for k, v in config.items() if k not in NOT_IDENTITY}
     model = shared.get("model")
@@ -113,6 +115,9 @@ def shared_config(config: dict) -> dict:
         if digest is not None:
             data["tokenizer"] = digest
         shared["data"] = data
+    if isinstance(data, dict) and data.get("paths"):
+        # A prepared folder by its data (tokenizer digest, shards), not its path: "prepared:sha256:<hex>"
+        shared["data"] = {**data, "paths": [prepared_identity(str(p)) or p for p in data["paths"]]}
     return shared
 
 

@@ -13,6 +13,7 @@ from gossiploco.cli_options import (CONFIG, DATA, DEVICE, INIT, INNER_STEPS, LOG
                                     WORKERS, console, fail, training_overrides)
 from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_summary, progress_line, progress_table,
                                    slowest_round)
+from gossiploco.cli_data import data_app
 from gossiploco.cli_tokenizer import tokenizer_app
 from gossiploco.errors import ConfigError, GossiplocoError
 from gossiploco.runtime.stopping import exit_stopped, stops_cleanly
@@ -392,6 +393,7 @@ def _swarm_dashboard(port: int):
 
 
 app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(data_app, name="data")
 
 from gossiploco.cli_model import register as register_model_commands  # noqa: E402 - after the app exists
 

@@ -80,11 +80,13 @@ def progress_line(progress: dict, rounds: int) -> str:
 def print_summary(summaries: list[dict]) -> None:
     """The final table of ``simulate`` and ``peer`` (one row per run), on stdout."""
     table = Table(title="gossiploco")
-    for column in ("config", "workers", "H", "rounds", "val loss", "val ppl", "max CD_L2", "max CD_JS", "wall s"):
+    for column in ("config", "workers", "H", "rounds", "val loss", "val ppl", "max CD_L2", "max CD_JS", "tokens", "wall s"):
         table.add_column(column, justify="right")
     for s in summaries:
+        tokens = s.get("swarm_tokens", s.get("tokens"))  # simulate: the swarm's; peer: its own
         table.add_row(s["config"], str(s["workers"]), str(s["inner_steps"]), str(s["rounds"]), f"{s['final_val_loss']:.4f}",
-                      f"{s['final_val_ppl']:.3f}", f"{s['max_cd_l2']:.4g}", f"{s['max_cd_js']:.4g}", f"{s['wall_s']:.1f}")
+                      f"{s['final_val_ppl']:.3f}", f"{s['max_cd_l2']:.4g}", f"{s['max_cd_js']:.4g}",
+                      "" if tokens is None else f"{tokens:,}", f"{s['wall_s']:.1f}")
     _stdout().print(table)
 
 
@@ -113,7 +115,7 @@ def print_swarm_summary(summary: dict) -> None:
 
     agree = "one averaged model" if spread == 0 else f"spread {spread:.2g} between peers"
     out.print(f"final val loss {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.3f}) over {summary['finished']} finished "
-              f"peer(s): {agree}")
+              f"peer(s): {agree}; tokens seen by the swarm {summary.get('swarm_tokens', 0):,}")
 
 
 def _stdout() -> Console:

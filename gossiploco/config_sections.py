@@ -86,7 +86,7 @@ class ComputeConfig:
 @dataclass
 class DataConfig:
     paths: list[str] = field(default_factory=list)
-    """Text files, globs or pre-tokenized .bin files; empty means the built-in corpus (the stdlib's sources)."""
+    """Text files, globs or pre-tokenized .bin files, or one prepared folder (`gossiploco data prepare`: memory-mapped, its vocabulary from its manifest); empty means the built-in corpus (the stdlib's sources)."""
     seq_len: int = 128
     """Tokens per training sequence."""
     batch_size: int = 8

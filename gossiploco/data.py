@@ -12,6 +12,11 @@ files have no document boundaries: the last ``val_fraction`` of each file is val
 Each worker reads its own deterministic stream of random windows from the training tokens,
 seeded by (run seed, worker index): workers see different data, and the same seed always
 gives the same batches.
+
+A prepared folder (``gossiploco data prepare``; ``data.paths = [DIR]`` with ``DIR/manifest.json``) is
+memory-mapped, never read in full (``gossiploco.prepared_corpus``); its vocabulary is the manifest's, and
+its workers walk the training windows epoch by epoch, each its own slice (``gossiploco.window_stream``)
+instead of random windows (``make_stream``).
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ import torch
 from gossiploco.builtin_corpus import stdlib_files, stdlib_root
 from gossiploco.config import DataConfig
 from gossiploco.errors import DataError
-from gossiploco.tokenizer import BYTE_VOCAB, ByteTokenizer, load_tokenizer
+from gossiploco.prepared_corpus import ShardedTokens, is_prepared, open_split, read_manifest
+from gossiploco.tokenizer import BYTE_SPECS, BYTE_VOCAB, ByteTokenizer, load_tokenizer
+from gossiploco.window_stream import WindowStream
 
 __all__ = ["BYTE_VOCAB", "DOC_SEPARATOR", "ByteTokenizer", "Corpus", "TokenStream", "fixed_batches", "heldout_batch",
-           "expand_paths", "load_corpus", "validation_batches"]
+           "expand_paths", "load_corpus", "make_stream", "validation_batches"]
 DOC_SEPARATOR = ByteTokenizer.separator_id  # NUL never occurs in text; it marks document boundaries in the byte stream
 _STREAM_SALT = 0x5EED
 _HELDOUT_SALT = 0x4E1D
@@ -39,12 +46,15 @@ _VAL_SALT = 0x7A1
 
 @dataclass
 class Corpus:
-    """Training and validation token arrays (1-D, any unsigned dtype) and the vocabulary size."""
+    """Training and validation token arrays (1-D, any unsigned dtype, or a prepared folder's memory-mapped
+    shards) and the vocabulary size."""
 
-    train: np.ndarray
-    val: np.ndarray
+    train: np.ndarray | ShardedTokens
+    val: np.ndarray | ShardedTokens
     vocab_size: int
     description: str
+    prepared: bool = False
+    """Whether the tokens come from a prepared folder (its workers then walk epochs of windows: ``make_stream``)."""
 
 
 def expand_paths(paths: list[str]) -> list[Path]:
@@ -66,7 +76,9 @@ def _is_val(key: str, fraction: float) -> bool:
 
 def load_corpus(cfg: DataConfig) -> Corpus:
     """Load and split the corpus named by ``cfg``; raise ``DataError`` when unusable."""
-    if cfg.paths and all(p.endswith(".bin") for p in cfg.paths):
+    if any(is_prepared(p) for p in cfg.paths):
+        corpus = _load_prepared(cfg)
+    elif cfg.paths and all(p.endswith(".bin") for p in cfg.paths):
         corpus = _load_bin(cfg)
     elif any(p.endswith(".bin") for p in cfg.paths):
         raise DataError("data.paths: mix of .bin and text files; use one kind")
@@ -124,6 +136,31 @@ def _load_text(cfg: DataConfig) -> Corpus:
     return Corpus(train=train, val=val, vocab_size=tokenizer.vocab_size, description=description)
 
 
+def _load_prepared(cfg: DataConfig) -> Corpus:
+    if len(cfg.paths) != 1:
+        raise DataError(f"data.paths: a prepared folder is the only entry, got {len(cfg.paths)} entries")
+    folder = cfg.paths[0]
+    manifest = read_manifest(folder)
+    tokenizer = manifest["tokenizer"]
+    if cfg.tokenizer not in BYTE_SPECS and load_tokenizer_sha(cfg.tokenizer) != tokenizer["sha256"]:
+        raise DataError(f"{folder}: prepared with the tokenizer sha256 {tokenizer['sha256'][:12]}..., data.tokenizer "
+                        f"{cfg.tokenizer} is another file; leave data.tokenizer empty (the folder holds its tokenizer)")
+    if cfg.vocab_size and cfg.vocab_size != tokenizer["vocab_size"]:
+        raise DataError(f"{folder}: vocabulary {tokenizer['vocab_size']} (manifest), data.vocab_size says {cfg.vocab_size}")
+    train, val = open_split(folder, manifest, "train"), open_split(folder, manifest, "val")
+    description = (f"prepared folder {folder} ({len(train):,} training tokens in {len(train.shards)} shard(s), "
+                   f"vocabulary {tokenizer['vocab_size']})")
+    return Corpus(train=train, val=val, vocab_size=tokenizer["vocab_size"], description=description, prepared=True)
+
+
+def load_tokenizer_sha(path: str) -> str:
+    """SHA-256 hex of a tokenizer file (``DataError`` if unreadable)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        raise DataError(f"data.tokenizer: cannot read {path} ({exc.strerror or exc})") from exc
+
+
 def _load_bin(cfg: DataConfig) -> Corpus:
     if cfg.vocab_size <= 0:
         raise DataError("data.vocab_size: required for pre-tokenized .bin files")
@@ -164,6 +201,24 @@ class TokenStream:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = self.rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
         return _windows(self.tokens, offsets, self.seq_len)
+
+    def state(self) -> dict:
+        """The stream's position (its generator's state), as JSON (goes in a checkpoint)."""
+        return self.rng.bit_generator.state
+
+    def load_state(self, state: dict) -> None:
+        if not isinstance(state, dict) or "bit_generator" not in state:
+            raise DataError("the checkpoint's data stream is not a random-window stream (the run's data changed?)")
+        self.rng.bit_generator.state = state
+
+
+def make_stream(corpus: Corpus, cfg: DataConfig, seed: int, worker: int, workers: int) -> TokenStream | WindowStream:
+    """Worker ``worker``'s training stream (of a run of ``workers``): random windows, or, from a prepared folder,
+    its slice of each epoch's windows (``WindowStream``: no window twice in an epoch, none shared between
+    workers whose indices differ modulo ``workers``)."""
+    if corpus.prepared:
+        return WindowStream(corpus.train, cfg.seq_len, cfg.batch_size, seed, worker, workers)
+    return TokenStream(corpus.train, cfg.seq_len, cfg.batch_size, seed, worker)
 
 
 def fixed_batches(tokens: np.ndarray, seq_len: int, batch_size: int, count: int, seed: int, salt: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

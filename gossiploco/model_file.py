@@ -33,7 +33,8 @@ from gossiploco.errors import ConfigError, GossiplocoError
 from gossiploco.hf_checkpoint import folder_args
 from gossiploco.hf_llama import EXPORT_FORMAT, from_hf, is_hf_layout
 from gossiploco.model import MODEL_SIZES, ModelArgs, Transformer
-from gossiploco.tokenizer import BPETokenizer, ByteTokenizer, run_tokenizer, save_tokenizer_copy, tokenizer_digest
+from gossiploco.tokenizer import (BPETokenizer, ByteTokenizer, data_tokenizer_spec, run_tokenizer, save_tokenizer_copy,
+                                  tokenizer_digest)
 
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
@@ -75,9 +76,8 @@ class LoadedModel:
 def _tokenizer_sha256(run_config: dict, tokenizer) -> str | None:
     if tokenizer is not None:
         return tokenizer.sha256
-    spec = str((run_config.get("data") or {}).get("tokenizer", ""))
     try:
-        digest = tokenizer_digest(spec)
+        digest = tokenizer_digest(data_tokenizer_spec(run_config.get("data") or {}))
     except GossiplocoError:  # the file moved away mid-run and was never read in this process
         return None
     return digest.removeprefix("sha256:") if digest else None

@@ -300,13 +300,27 @@ def save_tokenizer_copy(tokenizer: ByteTokenizer | BPETokenizer, out_dir: Path) 
     return copy
 
 
+def data_tokenizer_spec(data: dict) -> str:
+    """A run's ``data.tokenizer``, or, when it is empty and ``data.paths`` is a prepared folder, the folder's
+    tokenizer in the shared form ``sha256:<hex>`` (``prepared_corpus.prepared_tokenizer_spec``)."""
+    spec = str(data.get("tokenizer", ""))
+    if spec in BYTE_SPECS:
+        from gossiploco.prepared_corpus import prepared_tokenizer_spec
+
+        spec = prepared_tokenizer_spec([str(p) for p in data.get("paths") or []]) or spec
+    return spec
+
+
 def run_tokenizer(run_dir: Path, config: dict, sha256: str | None = None) -> ByteTokenizer | BPETokenizer:
     """The tokenizer a run (or exported model folder) ``run_dir`` was trained with, given its stored config
     dict: bytes when ``data.tokenizer`` is empty, else ``run_dir/tokenizer.json`` if present, else the
     configured path. The file's SHA-256 must match ``sha256`` (hex, or ``sha256:<hex>``) or, without it, a
-    ``sha256:<hex>`` the config holds in place of the path (its shared form). ``DataError`` if it cannot be
-    found or differs."""
-    spec = str((config.get("data") or {}).get("tokenizer", ""))
+    ``sha256:<hex>`` the config holds in place of the path (its shared form). A run on a prepared folder
+    (``data_tokenizer_spec``; or, the folder gone, a model file recording ``sha256``) uses its copy
+    ``run_dir/tokenizer.json``. ``DataError`` if it cannot be found or differs."""
+    spec = data_tokenizer_spec(config.get("data") or {})
+    if spec in BYTE_SPECS and sha256:
+        spec = "sha256:" + sha256.removeprefix("sha256:")  # a byte-level run's model file records no tokenizer digest
     if spec in BYTE_SPECS:
         return ByteTokenizer()
     expected = sha256 or (spec if spec.startswith("sha256:") else None)

@@ -10,7 +10,7 @@ import torch
 from gossiploco.blocks import select_parameters
 from gossiploco.checkpoint import Snapshot
 from gossiploco.config import RunConfig
-from gossiploco.data import Corpus, TokenStream
+from gossiploco.data import Corpus, make_stream
 from gossiploco.errors import ConfigError
 from gossiploco.hf_checkpoint import init_model
 from gossiploco.model import Transformer, build_model
@@ -25,7 +25,7 @@ def build_trainer(cfg: RunConfig, corpus: Corpus, device: torch.device, worker: 
     evaluates, so it is not compiled (compiling it would cost more than its few calls save).
     """
     model = initial_model(cfg, corpus.vocab_size, device)
-    stream = TokenStream(corpus.train, cfg.data.seq_len, cfg.data.batch_size, cfg.seed, max(worker, 0))
+    stream = make_stream(corpus, cfg.data, cfg.seed, max(worker, 0), cfg.workers)
     compute = cfg.compute if worker >= 0 else dataclasses.replace(cfg.compute, compile="off")
     return LocalTrainer(model, InnerOptimizer(model, cfg.inner, cfg.total_inner_steps), stream, cfg.model.precision,
                         compute)

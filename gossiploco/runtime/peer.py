@@ -494,4 +494,5 @@ class NetworkPeer:
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self.monitor.final_params is not None else "own",
             "resumed_from": self.start_round or None,
+            "tokens": self.progress.tokens,  # this peer's training tokens over its whole run (a resumed one's included)
         }

@@ -89,11 +89,14 @@ class RunLifecycle:
         """The run's directory (``run_dir.output_dir``: ``out``, else ``default`` or its first free ``-N``; with
         ``resume``, the run to continue), its newest checkpoint when resuming (checked against ``cfg``), and
         ``OUT/tokenizer.json``. Raises ``ConfigError``/``CheckpointError`` (nothing is written then)."""
-        from gossiploco.tokenizer import load_tokenizer, save_tokenizer_copy
+        from gossiploco.prepared_corpus import copy_tokenizer, prepared_folder
+        from gossiploco.tokenizer import BYTE_SPECS, load_tokenizer, save_tokenizer_copy
 
         out = output_dir(out, default, resume)
         checkpoint = resume_checkpoint(out, cfg.to_dict()) if resume else None
         save_tokenizer_copy(load_tokenizer(cfg.data.tokenizer), out)  # OUT/tokenizer.json: the model's tokenizer
+        if (folder := prepared_folder(cfg.data.paths)) is not None and cfg.data.tokenizer in BYTE_SPECS:
+            copy_tokenizer(folder, out)  # a prepared folder's tokenizer is the model's
         return cls(cfg, out, resume=resume, checkpoint=checkpoint, say=say, forget_unstarted=forget_unstarted,
                    command=command)
 

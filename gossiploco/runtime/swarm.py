@@ -148,6 +148,8 @@ class LocalSwarm:
             "round_reached": max((s.get("round_reached", 0) for s in stopped), default=None),
             "max_cd_l2": max((s.get("max_cd_l2", 0.0) for s in done), default=None),
             "max_cd_js": max((s.get("max_cd_js", 0.0) for s in done), default=None),
+            # tokens the swarm trained on: the sum of its peers' own counts (stopped peers' included)
+            "swarm_tokens": sum(s.get("tokens", 0) for s in done + stopped),
             "compute_utilization": (sum(s.get("compute_utilization", 0.0) for s in done) / len(done)) if done else None,
             "per_peer": peers,
         }

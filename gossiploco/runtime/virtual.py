@@ -159,7 +159,8 @@ class VirtualSwarm:
         final_val = self.sink.records[-1]["val_loss"]
         summary = make_summary(self.cfg, self.sink.records, final_val, time.perf_counter() - start)
         summary.update(resumed_from=self.start_round or None, checkpoint_s=self.checkpoint_s)
-        summary.update(worker_steps=self.worker_steps, worker_tokens=self.worker_tokens)
+        summary.update(worker_steps=self.worker_steps, worker_tokens=self.worker_tokens,
+                       swarm_tokens=sum(self.worker_tokens))  # tokens the swarm trained on in this run's rounds
         if any(getattr(a, "robust", None) is not None for a in self.algos) or self.adversaries:
             summary["security"] = {"adversaries": sorted(self.adversaries),
                                    "workers": {m: robust_summary(self.algos[m]) for m in self.honest}}

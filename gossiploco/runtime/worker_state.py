@@ -78,7 +78,7 @@ def capture(algo: FactoredDiLoCo | SyncDP, prefix: str, copier: Copier | None = 
                 if key in state:
                     tensors[f"{prefix}/adam/{key}/{n}"] = copy(torch.as_tensor(state[key]))
         meta["inner_step"] = opt.step_index
-    meta["stream"] = trainer.stream.rng.bit_generator.state
+    meta["stream"] = trainer.stream.state()
     return tensors, meta
 
 
@@ -119,7 +119,7 @@ def restore(algo: FactoredDiLoCo | SyncDP, prefix: str, tensors: TensorDict, met
                                 "exp_avg": saved["exp_avg"].to(p.device, p.dtype).clone(),
                                 "exp_avg_sq": saved["exp_avg_sq"].to(p.device, p.dtype).clone()}
         opt.step_index = int(meta["inner_step"])
-    trainer.stream.rng.bit_generator.state = meta["stream"]
+    trainer.stream.load_state(meta["stream"])
 
 
 def _check_names(prefix: str, kind: str, values: TensorDict, shapes: dict[str, torch.Size]) -> None:

@@ -27,7 +27,7 @@ from gossiploco.checkpoint import shared_config
 from gossiploco.errors import ConfigError
 from gossiploco.export import export_hf
 from gossiploco.hf_checkpoint import checkpoint_digest, folder_args, init_model, weight_files
-from gossiploco.model import ModelArgs, Transformer, rope_tables
+from gossiploco.model import Transformer, rope_tables
 from gossiploco.model_file import load_model_source
 from gossiploco.runtime.peer import run_id_for
 from gossiploco.tokenizer import BPETokenizer

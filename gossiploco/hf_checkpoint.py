@@ -259,3 +259,22 @@ def init_model(folder: Path | str, seq_len: int, device: torch.device | str = "c
 def tokenizer_path(folder: Path | str) -> Path:
     """The folder's ``tokenizer.json`` (it need not exist: the caller's loader says so)."""
     return Path(folder) / TOKENIZER_FILE
+
+
+def check_data_tokenizer(folder: Path | str, data_tokenizer: Path | str | None) -> None:
+    """Refuse data tokenized otherwise than the checkpoint's own ``tokenizer.json`` (when the folder has one and
+    the data names a tokenizer file: ``data.tokenizer``, or a prepared folder's copy): the two must give every
+    token the same id (their vocabularies, special tokens included, are compared, not their bytes), else the
+    checkpoint's embeddings would be read for other tokens. ``ConfigError`` naming both files."""
+    own = Path(folder) / "tokenizer.json"
+    if data_tokenizer is None or not own.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        theirs, mine = Tokenizer.from_file(str(data_tokenizer)), Tokenizer.from_file(str(own))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
+        raise _fail(f"cannot compare the data's tokenizer {data_tokenizer} with the checkpoint's {own}: {exc}") from exc
+    if theirs.get_vocab(with_added_tokens=True) != mine.get_vocab(with_added_tokens=True):
+        raise _fail(f"the data was tokenized with {data_tokenizer}, whose vocabulary differs from the checkpoint's "
+                    f"{own}: prepare it with `gossiploco data prepare ... --tokenizer {own}`")

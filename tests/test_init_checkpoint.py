@@ -276,3 +276,29 @@ def test_train_from_the_checkpoint_export_and_reload_in_transformers(tmp_path, l
     shutil.rmtree(folder)
     again = load_model_source(hf_dir)
     assert again.model.args == loaded.model.args and logits_diff(again.model, hf) < FP32_TOLERANCE
+
+
+def test_data_tokenized_otherwise_than_the_checkpoint_is_refused(tmp_path, llama_folder):
+    """A prepared folder (or data.tokenizer) whose tokenizer gives other ids than the checkpoint's would read the
+    checkpoint's embeddings for other tokens: refused, naming the fix; the checkpoint's own tokenizer (or a copy
+    of it elsewhere, or one serialised differently with the same ids) is accepted."""
+    from tokenizers import Tokenizer
+
+    from gossiploco.errors import ConfigError
+    from gossiploco.hf_checkpoint import check_data_tokenizer
+    from gossiploco.runtime.common import initial_model
+
+    folder = llama_folder[0]
+    own = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    same = tmp_path / "same.json"
+    same.write_text(own.to_str(pretty=True))  # other bytes, the same ids
+    check_data_tokenizer(folder, same)
+    check_data_tokenizer(folder, None)  # byte-level text or .bin: nothing to compare (the vocabulary check remains)
+    other = tmp_path / "other.json"
+    own.add_special_tokens(["<|other|>"])
+    other.write_text(own.to_str())
+    with pytest.raises(ConfigError, match="differs from the checkpoint's .*data prepare"):
+        check_data_tokenizer(folder, other)
+    cfg = tiny_config("diloco", **{"data.seq_len": SEQ_LEN, "model.init": str(folder), "data.tokenizer": str(other)})
+    with pytest.raises(ConfigError, match="differs from the checkpoint's"):
+        initial_model(cfg, VOCAB, torch.device("cpu"))

@@ -40,7 +40,7 @@ def status(peer: int = 7, **fields) -> StatusEntry:
     base = dict(peer=peer, run_id="run-a", round=3, h=10, step=70, members=2, time=1.0, loss=2.5, val_loss=2.6,
                 cd_l2=0.1, cd_js=0.01, bytes_sent=100, bytes_received=90, rate=12.5, failures={"mix1": 1},
                 causes=["round 2: mix1: PeerUnreachable"], paths={"9": "direct"}, utilization=0.5, mix2=["*"],
-                history=[[60, 2.7, None, 0.1, 0.01], [70, 2.5, 2.6, 0.1, 0.01]])
+                history=[[60, 2.7, None, 0.1, 0.01], [70, 2.5, 2.6, 0.1, 0.01]], tokens=8960)
     return StatusEntry(**{**base, **fields})
 
 
@@ -59,11 +59,14 @@ def test_status_entries_round_trip_and_malformed_ones_are_refused_naming_the_pro
         ({**wire, "peer": -1}, "peer"), ({**wire, "run": "a\nb"}, "run"), ({**wire, "causes": ["x"] * 9}, "causes"),
         ({**wire, "causes": ["x" * 500]}, "cause"), ({**wire, "paths": {"me": "direct"}}, "paths"),
         ({**wire, "history": [[1, 2.0]]}, "history"), ({**wire, "history": [[1, 2, 3, 4, 5]] * (MAX_HISTORY + 1)}, "history"),
-        ({**wire, "failures": {"mix1": -1}}, "failures"), ([1, 2], "dict"),
+        ({**wire, "failures": {"mix1": -1}}, "failures"), ([1, 2], "dict"), ({**wire, "tokens": -1}, "tokens"),
+        ({**wire, "tokens": 1.5}, "tokens"),
     ]
     for obj, word in bad:
         with pytest.raises(ValueError, match=word):
             StatusEntry.from_wire(obj)
+    older = {k: v for k, v in wire.items() if k != "tokens"}  # a peer from before tokens were published
+    assert StatusEntry.from_wire(older) == status(tokens=0)
     with pytest.raises(IncompatibleRecord):
         StatusEntry.from_wire({**wire, "version": 2})
     with pytest.raises(ValueError, match="oversized"):
@@ -108,13 +111,15 @@ def test_a_peers_status_follows_its_records_within_the_wire_bounds():
                    "val_loss": float("nan") if step == 10 else None, "cd_l2": 0.1, "cd_js": 0.02, "compute_s": 0.5,
                    "bytes_sent": 1000 * step, "bytes_received": 1000 * step,
                    "mix2_cause": "ExchangeTimeout: " + "z" * 400 if step == 40 else None,
-                   "mix2_decision": {"blocks": ["layers.0"]} if step == 60 else None}, {9: "direct", 11: "relayed"})
+                   "mix2_decision": {"blocks": ["layers.0"]} if step == 60 else None}, {9: "direct", 11: "relayed"},
+                  128 * (step + 2))
     entry = StatusEntry.from_wire(built.wire())
     assert (entry.round, entry.h, entry.step, entry.members) == (9, 18, 198, 2)
     assert len(entry.history) == MAX_HISTORY and entry.history[-1][0] == 198
     assert entry.failures == {"mix2": 1} and entry.causes[0].startswith("round 2: mix2: ExchangeTimeout")
     assert entry.paths == {"9": "direct", "11": "relayed"} and entry.mix2 == ["layers.0"]
     assert entry.rate == pytest.approx(4000.0) and entry.utilization == pytest.approx(0.5, abs=0.01)
+    assert entry.tokens == 128 * 200  # the run's tokens as of the latest record
     assert len(msgpack.packb(entry.to_wire())) < MAX_STATUS_BYTES
 
 
@@ -157,7 +162,8 @@ def test_the_metrics_endpoint_speaks_prometheus_with_a_sample_per_live_peer():
         response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
-    for name in ("round", "loss", "val_loss", "cd_l2", "cd_js", "bytes_sent", "utilization", "members", "failures"):
+    for name in ("round", "loss", "val_loss", "cd_l2", "cd_js", "bytes_sent", "utilization", "members", "failures",
+                 "tokens"):
         assert f"gossiploco_{name}" in families, name
     loss = families["gossiploco_loss"].samples
     assert [(s.labels, s.value) for s in loss] == [({"peer": "7", "run": "run-a"}, 2.5)]  # peer 9 left
@@ -315,6 +321,8 @@ def test_a_swarm_dashboard_shows_every_peer_live_in_a_real_browser(tmp_path):
                 page = browser.new_page(viewport={"width": 1400, "height": 1100})
                 page.goto(url, timeout=10_000)
                 page.wait_for_function("document.getElementById('summary').dataset.peers === '2'", timeout=60_000)
+                # tokens seen by the swarm: the live peers' own counts added up
+                page.wait_for_function("Number(document.getElementById('summary').dataset.tokens) > 0", timeout=60_000)
                 first = int(page.get_attribute("#summary", "data-round"))
                 page.wait_for_function(f"Number(document.getElementById('summary').dataset.round) > {first}",
                                        timeout=60_000)

@@ -58,6 +58,7 @@ GAUGES = {
     "rate": "Bytes per second sent and received lately.",
     "utilization": "Compute seconds over wall seconds since the peer started.",
     "members": "Peers in the group of the latest measurement.",
+    "tokens": "Training tokens the peer has processed over its run.",
 }
 
 

@@ -14,7 +14,10 @@ and by every DHT node of a private run before it stores one, ``SwarmRecordValida
      "members": int, "time": float, "loss": float|None, "val_loss": float|None, "cd_l2": float|None,
      "cd_js": float|None, "bytes_sent": int, "bytes_received": int, "rate": float,
      "failures": {kind: int}, "causes": [str], "paths": {peer id as str: path}, "utilization": float|None,
-     "mix2": [block pattern], "history": [[step, loss, val_loss, cd_l2, cd_js], ...]}
+     "mix2": [block pattern], "history": [[step, loss, val_loss, cd_l2, cd_js], ...], "tokens": int}
+
+``tokens`` (the training tokens the peer processed over its run) came later in version 1: an entry without it
+(an older peer's) is read as 0 tokens; a DHT node of an older version refuses entries that carry it.
 
 ``history`` holds the last ``MAX_HISTORY`` measurements, so a page opened mid-run has curves at once.
 Floats are finite (a NaN loss travels as None); texts are printable and short; the encoded entry is
@@ -47,7 +50,10 @@ MAX_COUNT = 2**63 - 1
 SERIES = ("loss", "val_loss", "cd_l2", "cd_js")
 """The measurements kept in ``history`` (after the step), in this order."""
 WIRE_FIELDS = frozenset({"version", "peer", "run", "round", "h", "step", "members", "time", *SERIES, "bytes_sent",
-                         "bytes_received", "rate", "failures", "causes", "paths", "utilization", "mix2", "history"})
+                         "bytes_received", "rate", "failures", "causes", "paths", "utilization", "mix2", "history",
+                         "tokens"})
+OPTIONAL_FIELDS = frozenset({"tokens"})
+"""Fields added after version 1 was first published: an entry without them (an older peer's) is still valid."""
 
 
 def status_key(swarm: SwarmKey | None) -> str:
@@ -113,6 +119,8 @@ class StatusEntry:
     """The block patterns Mix2 covers now."""
     history: list = field(default_factory=list)
     """The last measurements: ``[step, loss, val_loss, cd_l2, cd_js]`` each."""
+    tokens: int = 0
+    """Training tokens the peer has processed over its run (a resumed run's included)."""
     version: int = STATUS_VERSION
 
     def __post_init__(self) -> None:
@@ -127,6 +135,7 @@ class StatusEntry:
         _check_int("members", self.members, 0, MAX_PEER_ID)
         _check_int("bytes_sent", self.bytes_sent, 0, MAX_COUNT)
         _check_int("bytes_received", self.bytes_received, 0, MAX_COUNT)
+        _check_int("tokens", self.tokens, 0, MAX_COUNT)
         _number("time", self.time, optional=False)
         _number("rate", self.rate, optional=False)
         for name in (*SERIES, "utilization"):
@@ -155,7 +164,7 @@ class StatusEntry:
                 "val_loss": self.val_loss, "cd_l2": self.cd_l2, "cd_js": self.cd_js, "bytes_sent": self.bytes_sent,
                 "bytes_received": self.bytes_received, "rate": self.rate, "failures": self.failures,
                 "causes": self.causes, "paths": self.paths, "utilization": self.utilization, "mix2": self.mix2,
-                "history": self.history}
+                "history": self.history, "tokens": self.tokens}
 
     @classmethod
     def from_wire(cls, obj: Any) -> StatusEntry:
@@ -168,7 +177,7 @@ class StatusEntry:
             raise ValueError(f"status entry version must be an int, got {type(version).__name__}")
         if version != STATUS_VERSION:
             raise IncompatibleRecord(version)
-        if set(obj) != WIRE_FIELDS:
+        if not WIRE_FIELDS - OPTIONAL_FIELDS <= set(obj) <= WIRE_FIELDS:
             unknown = sorted(repr(key)[:40] for key in set(obj) - WIRE_FIELDS)[:5]
             raise ValueError(f"status entry has wrong fields (missing {sorted(WIRE_FIELDS - set(obj))}, unknown {unknown})")
         fields = {k: v for k, v in obj.items() if k != "run"}

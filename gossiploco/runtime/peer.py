@@ -280,7 +280,7 @@ class NetworkPeer:
         """A finished record: to the metrics file, the live status and the caller's ``on_record``."""
         self.sink.write(record)
         if self.status is not None:
-            self.status.add(record, self.paths.paths)
+            self.status.add(record, self.paths.paths, self.progress.tokens)
         if self.on_record:
             self.on_record(record)
 

@@ -46,13 +46,17 @@ class PeerStatus:
         self._rate = 0.0
         self._moved: deque[tuple[float, int]] = deque(maxlen=RATE_RECORDS)  # (time, bytes moved) of recent records
         self._paths: dict[str, str] = {}
+        self._tokens = 0
         self._mix2 = [_printable(str(p), 64) for p in mix2][:MAX_MIX2_BLOCKS]
 
-    def add(self, record: dict, paths: dict[int, str] | None = None) -> None:
-        """Take one metrics record (and the current path to each partner). Never raises on odd fields."""
+    def add(self, record: dict, paths: dict[int, str] | None = None, tokens: int | None = None) -> None:
+        """Take one metrics record (and the current path to each partner, and the training tokens processed over
+        the run). Never raises on odd fields."""
         now = self.clock()
         with self._lock:
             self._latest = record
+            if isinstance(tokens, int) and tokens >= 0:
+                self._tokens = tokens
             self._compute_s += _finite(record.get("compute_s")) or 0.0
             step = record.get("step")
             if isinstance(step, int) and step >= 0:
@@ -86,7 +90,7 @@ class PeerStatus:
                 bytes_received=max(0, int(r.get("bytes_received") or 0)), rate=self._rate,
                 failures=dict(self._failures), causes=list(self._causes), paths=dict(self._paths),
                 utilization=min(1.0, self._compute_s / wall) if wall > 0 and self._latest else None,
-                mix2=list(self._mix2), history=[list(row) for row in self._history])
+                mix2=list(self._mix2), history=[list(row) for row in self._history], tokens=self._tokens)
 
     def wire(self) -> dict:
         """``entry()`` in wire form: the directory's status source."""

@@ -122,8 +122,10 @@ function render(state) {
   const live = peers.filter(([, p]) => p.live);
   const maxRound = Math.max(-1, ...live.map(([, p]) => p.round));
   const summary = document.getElementById("summary");
-  summary.textContent = `${live.length} live peer(s), round ${maxRound}`;
+  const tokens = live.reduce((sum, [, p]) => sum + (p.tokens || 0), 0);
+  summary.textContent = `${live.length} live peer(s), round ${maxRound}, ${tokens.toLocaleString("en")} tokens seen by the swarm`;
   summary.dataset.peers = String(live.length);
+  summary.dataset.tokens = String(tokens);
   summary.dataset.round = String(maxRound);
 
   document.querySelectorAll("canvas.chart").forEach(c => drawChart(c, peers));
@@ -151,6 +153,7 @@ function render(state) {
               cell(p.members), cell(fmt(p.loss)), cell(fmt(p.val_loss)), cell(fmt(p.cd_l2)), cell(fmt(p.cd_js)),
               cell(p.mix2.join(" "), "text"), cell(bytes(p.bytes_sent)), cell(bytes(p.bytes_received)),
               cell(`${bytes(p.rate)}/s`), cell(p.utilization === null ? "" : `${(100 * p.utilization).toFixed(0)}%`),
+              cell((p.tokens || 0).toLocaleString("en")),
               cell(failures, "text"), cell(paths, "text"));
     return tr;
   }));

@@ -105,6 +105,7 @@ def shared_config(config: dict) -> dict:
             from gossiploco.hf_checkpoint import checkpoint_digest
 
             model["init"] = checkpoint_digest(init)
+            model.pop("size", None)  # the checkpoint's config gives the shape: model.size is not used
         shared["model"] = model
     if shared.get("round") == DEFAULT_ROUND:
         del shared["round"]

@@ -231,6 +231,8 @@ def test_the_run_id_names_the_checkpoint_by_its_weights(tmp_path, llama_folder):
     assert run_id_for(original) == run_id_for(moved) != run_id_for(base)
     assert shared_config(original.to_dict())["model"]["init"] == checkpoint_digest(folder)
     assert "init" not in shared_config(base.to_dict())["model"]
+    other_size = tiny_config("diloco", **overrides, **{"model.init": str(folder), "model.size": "small"})
+    assert run_id_for(other_size) == run_id_for(original)  # model.size is not used with a checkpoint
     shard = weight_files(copy)[-1]
     tensors = load_file(str(shard))
     name = next(iter(tensors))

@@ -117,7 +117,7 @@ def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float | No
     return {
         "config": cfg.name,
         "mode": cfg.mode,
-        "model": cfg.model.size,
+        "model": cfg.model.describe(),  # its size, or "from CHECKPOINT"
         "seed": cfg.seed,
         "workers": max(members) if members else cfg.workers,
         "configured_workers": cfg.workers,

@@ -102,10 +102,17 @@ async def announce_huge_frame(_dht: Any, node: Any, *, address: str, protocol: s
     deadline = loop.time() + send_s
     try:
         while sent < send_bytes and loop.time() < deadline:
+            if writer.is_closing():  # the other side cut the stream off
+                closed = True
+                break
             writer.write(chunk)
             await asyncio.wait_for(writer.drain(), max(0.01, deadline - loop.time()))
             sent += len(chunk)
     except (OSError, ConnectionError, asyncio.TimeoutError):
+        closed = True
+    except RuntimeError:  # uvloop's "handler is closed": a write raced the other side's reset
+        if not writer.is_closing():
+            raise
         closed = True
     try:
         said = await asyncio.wait_for(answer, 2.0)

@@ -30,6 +30,7 @@ from gossiploco.hf_checkpoint import checkpoint_digest, folder_args, init_model,
 from gossiploco.model import Transformer, rope_tables
 from gossiploco.model_file import load_model_source
 from gossiploco.runtime.peer import run_id_for
+from test_export import randomize  # weights far from the init: norms 1 +- 0.2, matrices std 0.1
 from gossiploco.tokenizer import BPETokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -63,16 +64,6 @@ def llama_tokenizer_json() -> str:
 _TOKENIZER: list[str] = []
 
 
-def randomized(hf_model, seed: int):
-    """Weights far from transformers' init (std 0.02 gives near-zero logits): norms 1 +- 0.2, matrices std 0.1."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            p.copy_(1.0 + 0.2 * noise if name.endswith("norm.weight") else 0.1 * noise)
-    return hf_model.eval()
-
-
 def llama_config(**overrides):
     fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5,
@@ -85,7 +76,7 @@ def llama_config(**overrides):
 def save_checkpoint(folder, config, model_class, seed=0, shard_size=None):
     """A transformers model of ``config`` with random weights, saved (in shards when ``shard_size``) with a
     tokenizer.json in ``folder``; returns the model."""
-    model = randomized(model_class(config), seed)
+    model = randomize(model_class(config), seed)
     model.save_pretrained(folder, max_shard_size=shard_size or "1GB")
     if not _TOKENIZER:
         _TOKENIZER.append(llama_tokenizer_json())

@@ -91,6 +91,36 @@ def test_launchers_order_identities_like_ranks(tmp_path):
     assert ordered_identities(4, tmp_path) == paths and [Identity.load_or_create(p).peer_id for p in paths] == ids
 
 
+def test_a_dht_that_does_not_answer_the_key_check_is_asked_again_and_never_called_a_wrong_key():
+    """An overloaded DHT (32 peers on 2 cores) timed a beacon read out, and the peer exited saying its swarm key
+    was wrong. A read that fails is asked again; a beacon found ends it; one never answered is said so."""
+    from gossiploco.membership.beacon import BEACON_TRIES, check_beacon
+
+    class Entries:  # the DHT's answers in turn: an exception (no answer), None (no beacon) or the beacon
+        def __init__(self, *answers):
+            self.answers, self.asked = list(answers), 0
+
+        def get(self, key):
+            self.asked += 1
+            answer = self.answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    key = SwarmKey.generate()
+    beacon = DHTRecord(key=b"k", subkey=b"s", value={"fingerprint": key.fingerprint}, expiration_time=2e10)
+    late = Entries(TimeoutError(), TimeoutError(), beacon)
+    check_beacon(late, key, ["/ip4/127.0.0.1/tcp/1/p2p/x"])
+    assert late.asked == 3
+    silent = Entries(*[TimeoutError()] * BEACON_TRIES)
+    with pytest.raises(DirectoryError, match=f"did not answer the swarm key check {BEACON_TRIES} times .*not known to be wrong"):
+        check_beacon(silent, key, [])
+    wrong = Entries(TimeoutError(), None)
+    with pytest.raises(DirectoryError, match="does not know this peer's swarm key"):
+        check_beacon(wrong, key, [])
+    assert wrong.asked == 2
+
+
 def test_round_claims_only_count_when_another_member_backs_them():
     assert corroborated({1: 5, 2: 5, 3: 11}) == {1: 5, 2: 5}  # a lone far-ahead claim is dropped
     assert corroborated({1: 5, 2: 6}) == {1: 5, 2: 6}  # a boundary between two answers

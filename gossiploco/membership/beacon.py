@@ -45,18 +45,29 @@ def store_beacon(dht: Any, swarm: SwarmKey, signer_id: int, timeout_s: float) ->
         return False
 
 
-def check_beacon(entries: DhtEntries, swarm: SwarmKey, initial_peers: Sequence[str]) -> None:
+BEACON_TRIES = 3
+"""How many times a peer asks for the beacon when the DHT does not answer (an overloaded machine: a read that
+times out says nothing about the key)."""
+
+
+def check_beacon(entries: DhtEntries, swarm: SwarmKey, initial_peers: Sequence[str], tries: int = BEACON_TRIES) -> None:
     """Check that the DHT behind ``entries`` (joined through ``initial_peers``) holds ``swarm``'s beacon; blocks
-    at most the entries' deadline. ``DirectoryError`` saying so if it does not (a wrong key, or no bootstrap
-    node running)."""
-    try:
-        found = entries.get(beacon_key(swarm))
-    except Exception as exc:  # noqa: BLE001 - reported as the error below
-        found, cause = None, f" ({type(exc).__name__})"
-    else:
-        cause = ""
-    if found is None or not isinstance(found.value, dict) or not found.value:
-        raise DirectoryError(
-            f"the DHT at {', '.join(initial_peers) or '(none)'} does not know this peer's swarm key "
-            f"{swarm.fingerprint}{cause}: the --swarm-key differs from the one its bootstrap node "
-            "was started with (`gossiploco dht` printed the right one), or the bootstrap node is not running")
+    at most ``tries`` times the entries' deadline. ``DirectoryError`` saying so if it does not (a wrong key, or no
+    bootstrap node running), or that the DHT never answered (then nothing is known of the key)."""
+    where = ", ".join(initial_peers) or "(none)"
+    failures = []
+    for attempt in range(1, tries + 1):
+        try:
+            found = entries.get(beacon_key(swarm))
+        except Exception as exc:  # noqa: BLE001 - a read that failed: ask again, then say so below
+            failures.append(type(exc).__name__)
+            log.warning("reading the swarm's beacon from the DHT failed (%r), try %d of %d", exc, attempt, tries)
+            continue
+        if found is None or not isinstance(found.value, dict) or not found.value:
+            raise DirectoryError(
+                f"the DHT at {where} does not know this peer's swarm key {swarm.fingerprint}: the --swarm-key "
+                "differs from the one its bootstrap node was started with (`gossiploco dht` printed the right one), "
+                "or the bootstrap node is not running")
+        return
+    raise DirectoryError(f"the DHT at {where} did not answer the swarm key check {tries} times ({', '.join(failures)}): "
+                         "it is unreachable or overloaded; this peer's swarm key is not known to be wrong")

@@ -21,6 +21,8 @@ from the same ones and a peer holding other weights lands in another run.
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 import logging
@@ -266,15 +268,22 @@ def check_data_tokenizer(folder: Path | str, data_tokenizer: Path | str | None) 
     the data names a tokenizer file: ``data.tokenizer``, or a prepared folder's copy): the two must give every
     token the same id (their vocabularies, special tokens included, are compared, not their bytes), else the
     checkpoint's embeddings would be read for other tokens. ``ConfigError`` naming both files."""
-    own = Path(folder) / "tokenizer.json"
+    own = tokenizer_path(folder)
     if data_tokenizer is None or not own.is_file():
         return
+    if not _same_ids(str(Path(data_tokenizer).resolve()), str(own.resolve())):
+        raise _fail(f"the data was tokenized with {data_tokenizer}, whose vocabulary differs from the checkpoint's "
+                    f"{own}: prepare it with `gossiploco data prepare ... --tokenizer {own}`")
+
+
+@functools.lru_cache(maxsize=8)
+def _same_ids(theirs: str, mine: str) -> bool:
+    """Whether two tokenizer files give every token the same id; once per pair of files in a process (every worker
+    of ``simulate`` builds its model from the checkpoint). ``ConfigError`` when one cannot be read."""
     from tokenizers import Tokenizer
 
     try:
-        theirs, mine = Tokenizer.from_file(str(data_tokenizer)), Tokenizer.from_file(str(own))
+        a, b = Tokenizer.from_file(theirs), Tokenizer.from_file(mine)
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for every parse error
-        raise _fail(f"cannot compare the data's tokenizer {data_tokenizer} with the checkpoint's {own}: {exc}") from exc
-    if theirs.get_vocab(with_added_tokens=True) != mine.get_vocab(with_added_tokens=True):
-        raise _fail(f"the data was tokenized with {data_tokenizer}, whose vocabulary differs from the checkpoint's "
-                    f"{own}: prepare it with `gossiploco data prepare ... --tokenizer {own}`")
+        raise _fail(f"cannot compare the data's tokenizer {theirs} with the checkpoint's {mine}: {exc}") from exc
+    return a.get_vocab(with_added_tokens=True) == b.get_vocab(with_added_tokens=True)

@@ -300,6 +300,17 @@ def save_tokenizer_copy(tokenizer: ByteTokenizer | BPETokenizer, out_dir: Path) 
     return copy
 
 
+def data_tokenizer_file(spec: str, paths: list[str]) -> Path | None:
+    """The file the data is tokenized with, given ``data.tokenizer`` (``spec``) and ``data.paths``: the tokenizer
+    file, or a prepared folder's copy; None for byte-level text and ``.bin`` files."""
+    if str(spec) not in BYTE_SPECS:
+        return Path(spec)
+    from gossiploco.prepared_corpus import TOKENIZER_FILE, prepared_folder
+
+    folder = prepared_folder([str(p) for p in paths])
+    return folder / TOKENIZER_FILE if folder is not None and (folder / TOKENIZER_FILE).is_file() else None
+
+
 def data_tokenizer_spec(data: dict) -> str:
     """A run's ``data.tokenizer``, or, when it is empty and ``data.paths`` is a prepared folder, the folder's
     tokenizer in the shared form ``sha256:<hex>`` (``prepared_corpus.prepared_tokenizer_spec``)."""

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
 import torch
 
 from gossiploco.blocks import select_parameters
 from gossiploco.checkpoint import Snapshot
-from gossiploco.config import DataConfig, RunConfig
+from gossiploco.config import RunConfig
 from gossiploco.data import Corpus, make_stream
 from gossiploco.errors import ConfigError
 from gossiploco.hf_checkpoint import check_data_tokenizer, init_model
 from gossiploco.model import Transformer, build_model
 from gossiploco.optim import InnerOptimizer
-from gossiploco.prepared_corpus import TOKENIZER_FILE, prepared_folder
-from gossiploco.tokenizer import BYTE_SPECS
+from gossiploco.tokenizer import data_tokenizer_file
 from gossiploco.trainer import LocalTrainer
 
 
@@ -40,21 +38,12 @@ def initial_model(cfg: RunConfig, vocab_size: int, device: torch.device) -> Tran
     ids do not fit the checkpoint's embedding, or when they come from another tokenizer than the checkpoint's."""
     if not cfg.model.init:
         return build_model(cfg.model.size, vocab_size, cfg.data.seq_len, cfg.seed, device)
-    check_data_tokenizer(cfg.model.init, data_tokenizer_file(cfg.data))
+    check_data_tokenizer(cfg.model.init, data_tokenizer_file(cfg.data.tokenizer, cfg.data.paths))
     model = init_model(cfg.model.init, cfg.data.seq_len, device)
     if vocab_size > model.args.vocab_size:
         raise ConfigError("model.init", f"the data has {vocab_size} token ids, the checkpoint's embedding only "
                                         f"{model.args.vocab_size}: tokenize with the checkpoint's tokenizer")
     return model
-
-
-def data_tokenizer_file(data: DataConfig) -> Path | None:
-    """The tokenizer file the data was (or is) tokenized with: ``data.tokenizer``, or a prepared folder's copy;
-    None for byte-level text and ``.bin`` files."""
-    if data.tokenizer not in BYTE_SPECS:
-        return Path(data.tokenizer)
-    folder = prepared_folder(list(data.paths))
-    return folder / TOKENIZER_FILE if folder is not None and (folder / TOKENIZER_FILE).is_file() else None
 
 
 def mean_loss(losses: list[torch.Tensor | float]) -> float:

@@ -2,6 +2,19 @@
 would find them, the peers' data-plane and DHT ports) can do to a private run of real peer processes.
 
     python bench/attacks.py [--peers 3] [--rounds 60] [--only NAME ...] [--out DIR]
+    python bench/attacks.py --all      # this suite, then every companion suite below
+
+The companion suites, each its own script with its own results file (``--all`` runs them in turn, each in its
+own process, and fails when any of them does):
+
+* ``bench/attacks_relay.py``: strangers against the relay (free proxy, slot flood, 1 TiB length prefixes),
+  private and open bootstrap (``bench/results/attacks-relay.md``);
+* ``bench/attacks_surface.py``: dial-back jamming and oversized prefixes, the dashboard's Host check
+  (``bench/results/attacks-surface.md``);
+* ``bench/attacks_open.py``: strangers and members against an open run (DHT storage flood, a conflicting
+  run entry, a state-request flood) (``bench/results/attacks-open.md``);
+* ``bench/attacks_members.py --variant robust``: dishonest members of an open run, 1 of 4 real peers and
+  2 of 8 virtual workers (``bench/results/attacks-members.md``).
 
 Runs (each with a new swarm key and bootstrap node started here, ``start_bootstrap(swarm=key)``, and
 ``--peers`` real ``gossiploco peer --join`` processes of the tests' tiny config, ``globalm1-localm2``):
@@ -534,6 +547,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "attacks")
     ap.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "attacks.md")
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--all", action="store_true", help="then run every companion suite (module docstring)")
     args = ap.parse_args()
     if args.peers < 2:
         ap.error("--peers must be at least 2")
@@ -552,7 +566,28 @@ def main() -> int:
     write_results(args.results, command.strip(), baseline, results, time.monotonic() - started)
     for res in results:
         print(f"{'held     ' if res.ok else 'SUCCEEDED'} {res.attack}: {'; '.join(res.happened)}", flush=True)
-    return 0 if all(res.ok for res in results) else 1
+    failed = [] if all(res.ok for res in results) else ["bench/attacks.py"]
+    if args.all:
+        failed += run_companions()
+    if failed:
+        print(f"failed: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
+
+
+COMPANIONS = (["bench/attacks_relay.py"], ["bench/attacks_surface.py"], ["bench/attacks_open.py"],
+              ["bench/attacks_members.py", "--variant", "robust"])
+
+
+def run_companions() -> list[str]:
+    """Each companion suite in its own process (they start their own bootstrap nodes and peers), one after
+    another; the ones that failed (an attack that succeeded, or a suite that could not run), by command."""
+    failed = []
+    for argv in COMPANIONS:
+        command = " ".join(["python", *argv])
+        print(f"== {command}", flush=True)
+        if subprocess.run([sys.executable, *argv], cwd=ROOT).returncode != 0:
+            failed.append(command)
+    return failed
 
 
 if __name__ == "__main__":

@@ -294,3 +294,36 @@ def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
     assert metrics_of(tmp_path) == [{"round": 0}, {"round": 1, "h": 0}]
     with pytest.raises(MetricsError, match="fewer than"):
         MetricsSink(tmp_path, resume_bytes=10_000)
+
+
+def test_a_compressed_mix1_reference_is_kept_with_the_group_that_made_it():
+    """A resumed worker holds its Mix1 reference for exactly the members whose mean it is (a group with others
+    would compress against another reference and fail the mix for everyone); one whose last mix failed holds none
+    (not x_0); one from a checkpoint that did not keep the members sends fp32 once."""
+    from gossiploco.mixing.operators import INITIAL_REFERENCE
+    from gossiploco.runtime.worker_state import capture, restore
+
+    cfg = tiny_config("globalm1-localm2", **{"mix1.compression": "4bit"})
+    swarm = VirtualSwarm(cfg)
+    algo, fresh = swarm.algos[0], swarm.algos[1]
+    mixer = algo.mix1[0]
+    assert mixer.reference_state()[1:] == (INITIAL_REFERENCE, None)  # x_0, for any group
+    reference = mixer.reference_state()[0] + 0.5
+    mixer.restore_reference(reference.clone(), 12345, [7, 3, 5])
+    tensors, meta = capture(algo, "w0")
+    meta = json.loads(json.dumps(meta))  # as a checkpoint stores it
+    restore(fresh, "w0", tensors, meta)
+    held = fresh.mix1[0].reference_state()
+    assert torch.equal(held[0], reference) and held[1:] == (12345, [3, 5, 7])
+
+    mixer.forget_reference()  # the last mix failed: the resumed worker must not fall back to x_0
+    tensors, meta = capture(algo, "w0")
+    restore(fresh, "w0", tensors, json.loads(json.dumps(meta)))
+    assert fresh.mix1[0].reference_state() is None
+
+    mixer.restore_reference(reference.clone(), 12345, [3, 5, 7])
+    tensors, meta = capture(algo, "w0")
+    del meta["mix1_reference_members"]  # written before the members were kept
+    restore(fresh, "w0", tensors, json.loads(json.dumps(meta)))
+    assert fresh.mix1[0].reference_state() is None
+    swarm.close()

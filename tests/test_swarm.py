@@ -27,7 +27,10 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
     # newcomer is up (about 13 s after it starts), and that downloading the state at a round boundary takes
     # a small part of a round: with 0.43 s rounds the newcomer once began its first round most of a round
     # late, was left out of the next round's exchanges as a straggler and (by design) caught up again.
-    args = tiny_peer_args("globalm1-localm2", rounds=40, inner_steps=72, **{"monitor.every": 0, "timeouts.startup_s": 3.0})
+    # Mix1 compressed against its reference (the last mean): the newcomer, which holds none, must cost the others
+    # no failed Mix1 (its groups differ from the ones their references were made by, so everyone sends fp32 once).
+    args = tiny_peer_args("globalm1-localm2", rounds=40, inner_steps=72,
+                          **{"monitor.every": 0, "timeouts.startup_s": 3.0, "mix1.compression": "4bit"})
     with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start([0, 1, 2])  # they wait 3 s for a fourth, then start without it
         assert wait_until(lambda: reached_round(peers, 0, 2), 120), peers.log(0)[-2000:]
@@ -43,8 +46,9 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
     assert all(relative_error(f, finals[0]) == 0.0 for f in finals)  # one averaged model, newcomer included
     for rank in range(4):
         assert records(peers, rank)[-1]["members"] == 4
-    for rank in range(3):  # the newcomer never blocked the others
+    for rank in range(3):  # the newcomer never blocked the others, nor failed their compressed Mix1
         assert summary(peers, rank)["mix1_failures"] + summary(peers, rank)["mix2_failures"] <= 2
+        assert "(another reference)" not in peers.log(rank), peers.log(rank)[-3000:]
 
 
 @pytest.mark.timeout(240)

@@ -297,6 +297,19 @@ class GlobalMix(Mixer):
     def forget_reference(self) -> None:
         self._failed()
 
+    def reference_state(self) -> tuple[torch.Tensor, int, list[int] | None] | None:
+        """What a checkpoint keeps of the reference: (the packed mean, its tag, the members that made it or None
+        for x_0), or None when the next mix sends fp32."""
+        if self.reference is None:
+            return None
+        return self.reference, self.reference_tag, self.reference_members
+
+    def restore_reference(self, reference: torch.Tensor, tag: int, members: Sequence[int] | None) -> None:
+        """Hold ``reference_state``'s reference again (a resumed worker): used by a group of exactly ``members``
+        (any group for x_0, ``members`` None)."""
+        self.reference, self.reference_tag = reference, tag
+        self.reference_members = sorted(members) if members is not None else None
+
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)
         members = exchange.group(key, round_index)

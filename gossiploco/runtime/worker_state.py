@@ -18,10 +18,15 @@ times the fp32 model, per snapshot.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from gossiploco.factored import FactoredDiLoCo, SyncDP
+from gossiploco.mixing.operators import INITIAL_REFERENCE, GlobalMix
 from gossiploco.trainer import LocalTrainer
+
+log = logging.getLogger("gossiploco.runtime.worker_state")
 
 TensorDict = dict[str, torch.Tensor]
 
@@ -59,13 +64,14 @@ def capture(algo: FactoredDiLoCo | SyncDP, prefix: str, copier: Copier | None = 
     if isinstance(algo, FactoredDiLoCo):
         tensors.update({f"{prefix}/z/{n}": copy(v, immutable=True) for n, v in algo.z.items()})
         tensors.update({f"{prefix}/momentum/{n}": copy(v, immutable=True) for n, v in algo.momentum.items()})
-        references = {}
+        tags, members = {}, {}
         for j, mixer in enumerate(algo.mix1):
-            reference = getattr(mixer, "reference", None)
-            if reference is not None:
-                tensors[f"{prefix}/mix1_reference/{j}"] = copy(reference)
-            references[str(j)] = getattr(mixer, "reference_tag", 0)
-        meta["mix1_reference_tags"] = references
+            held = mixer.reference_state() if isinstance(mixer, GlobalMix) else None
+            if held is not None:
+                tensors[f"{prefix}/mix1_reference/{j}"] = copy(held[0])
+                tags[str(j)], members[str(j)] = held[1], held[2]
+        meta["mix1_reference_tags"] = tags
+        meta["mix1_reference_members"] = members
         meta["last_round_tokens"] = algo.last_round_tokens  # Mix1's weight with round.weights = "tokens"
         tensors.update({f"{prefix}/mix2_residual/{n}": copy(v, immutable=True) for n, v in algo.mix2.residual.items()})
     else:
@@ -97,11 +103,20 @@ def restore(algo: FactoredDiLoCo | SyncDP, prefix: str, tensors: TensorDict, met
         _check_names(prefix, "z", z, shapes)
         _check_names(prefix, "momentum", momentum, shapes)
         algo.set_state(z, momentum)  # also loads z into the model (y_{m,k,0} = z_{m,k})
-        tags = meta.get("mix1_reference_tags", {})
+        tags, members = meta.get("mix1_reference_tags", {}), meta.get("mix1_reference_members")
         for j, mixer in enumerate(algo.mix1):
             reference = tensors.get(f"{prefix}/mix1_reference/{j}")
-            if reference is not None:
-                mixer.reference, mixer.reference_tag = reference.clone(), int(tags.get(str(j), 0))
+            if reference is None or not isinstance(mixer, GlobalMix):
+                mixer.forget_reference()
+                continue
+            tag = int(tags.get(str(j), 0))
+            if members is None and tag != INITIAL_REFERENCE:
+                # A checkpoint from before the members were kept: which group made this mean is unknown, and a group
+                # with other members would compress against another reference (a failed mix); send fp32 once instead.
+                log.info("%s: a Mix1 reference without its members (an older checkpoint): the next Mix1 sends fp32", prefix)
+                mixer.forget_reference()
+                continue
+            mixer.restore_reference(reference.clone(), tag, None if members is None else members.get(str(j)))
         algo.mix2.residual = {n: v.clone() for n, v in group("mix2_residual").items()}
         algo.last_round_tokens = meta.get("last_round_tokens")
     else:

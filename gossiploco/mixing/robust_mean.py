@@ -1,5 +1,5 @@
 """The robust group mean: a direct-send reduce-scatter whose segment owners aggregate robustly, each segment
-owned twice so that a lying owner is caught and bounded.
+owned twice so that a lying owner is detected (counted, logged) and its damage bounded.
 
 With ``M >= 3`` members in the agreed order and the vector cut into ``M`` segments
 (``protocol.ring.segment_bounds``), segment ``k`` has two owners, members ``k`` and ``k + 1 (mod M)``:

@@ -63,6 +63,83 @@ def test_dense_codecs_have_their_size_and_round_to_their_grid(name, bits):
             assert torch.allclose((decoded - x).abs(), best, rtol=1e-4, atol=1e-8)  # fp32 rounding of x / step * step
 
 
+def reference_block_payload(name: str, x: torch.Tensor, block: int) -> torch.Tensor:
+    """The block codecs' bytes written plainly (the module docstring's formulas, as they were first coded): scale =
+    max |x| of each zero-padded block; int8/4bit: code = clamp(round(x / (scale / levels)), -levels, levels) + levels
+    (round half to even); e3m0: the index of the nearest grid value, halfway between two the lower (``bucketize``
+    onto the sorted grid's midpoints); 4-bit codes two a byte, the first in the low nibble."""
+    n = x.numel()
+    blocks = math.ceil(n / block)
+    padded = torch.nn.functional.pad(x, (0, blocks * block - n)).view(blocks, block)
+    scale = padded.abs().amax(dim=1)
+    if name == "e3m0":
+        grid = torch.tensor([2.0 ** -k for k in range(8)] + [-(2.0 ** -k) for k in range(8)])
+        ordered = torch.sort(grid)
+        midpoints = (ordered.values[1:] + ordered.values[:-1]) / 2
+        unit = padded / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        codes = ordered.indices[torch.bucketize(unit, midpoints)].to(torch.uint8)
+    else:
+        levels = 127 if name == "int8" else 7
+        step = torch.where(scale > 0, scale / levels, torch.ones_like(scale))
+        codes = (padded / step[:, None]).round().clamp(-levels, levels).add(levels).to(torch.uint8)
+    codes = codes.reshape(-1)[:n]
+    if name != "int8":
+        codes = torch.nn.functional.pad(codes, (0, n % 2))
+        codes = codes[0::2] | (codes[1::2] << 4)
+    return torch.cat([scale.view(torch.uint8), codes])
+
+
+def awkward_values(n: int, seed: int) -> torch.Tensor:
+    """Random values with what breaks a fast path planted: a block of zeros, -0.0, ties halfway between two levels
+    of both grids (of both signs), E3M0's midpoints 0.75 2^-j and values beside them, subnormals, the block's
+    absmax on either sign."""
+    x = vec(n, seed)
+    x[:64] = 0.0
+    x[64:70] = -0.0
+    x[70] = 4.0  # the absmax of block 1 (64..127): ties at half steps of 4/7 and 4/127, and E3M0's midpoints of 4
+    ties = [4.0 / 7 * (i + 0.5) for i in range(-7, 7)] + [4.0 / 127 * (i + 0.5) for i in range(-30, 30, 7)]
+    midpoints = [s * 4.0 * 0.75 * 2.0 ** -j for j in range(7) for s in (1, -1)]
+    beside = [torch.nextafter(torch.tensor(m), torch.tensor(m * 2)).item() for m in midpoints]
+    planted = torch.tensor(ties + midpoints + beside + [1e-40, -1e-40, 4.0 * 2.0 ** -9, -4.0 * 2.0 ** -9])
+    x[71:71 + planted.numel()] = planted
+    x[200] = -5.0  # a negative absmax (block 3)
+    return x
+
+
+@pytest.mark.parametrize("name", ["int8", "4bit", "e3m0"])
+def test_the_fast_block_codecs_send_the_bytes_of_the_plain_formulas(name):
+    """The codecs avoid passes over memory (no |x| written, int8 conversion, nibbles packed as int16, E3M0 from the
+    float's bits): what they send must be, byte for byte, what the formulas give, on awkward values and odd sizes;
+    and decoding must be the grid value times the step, whatever the code."""
+    for n, block in ((1, 64), (4097, 64), (1 << 18, 4096), ((1 << 18) + 7, 4096), (1001, 5)):
+        x = awkward_values(n, n) if n >= 300 else vec(n, n)
+        codec = build_codec(name, block=block)
+        payload = codec.encode(x)
+        assert torch.equal(payload, reference_block_payload(name, x, block)), (name, n, block)
+    codec = build_codec(name, block=16)
+    codes = torch.arange(15 if name != "int8" else 255, dtype=torch.uint8)  # every code, one block of 16 each
+    numel = codes.numel() * 16
+    every = codes.repeat_interleave(16)
+    scales = torch.linspace(0.5, 3.0, codes.numel())
+    packed = every if name == "int8" else every[0::2] | (every[1::2] << 4)
+    decoded = codec.decode(torch.cat([scales.view(torch.uint8), packed]), numel)
+    if name == "e3m0":
+        grid = torch.tensor([2.0 ** -k for k in range(8)] + [-(2.0 ** -k) for k in range(8)])
+        expected = grid[every.long()] * scales.repeat_interleave(16)
+    else:
+        levels = 127 if name == "int8" else 7
+        expected = (every.float() - levels) * (scales / levels).repeat_interleave(16)
+    assert torch.equal(decoded, expected)
+
+
+def test_topk_decodes_into_a_given_vector_as_into_a_new_one():
+    codec = TopKCodec(density=0.05, chunk=100, bits=2)
+    for n in (1050, 1100, 37):
+        payload, decoded = codec.roundtrip(vec(n, n))
+        into = torch.full((n,), float("nan"))
+        assert codec.decode(payload, n, out=into) is into and torch.equal(into, decoded)
+
+
 @pytest.mark.slow  # trains a swarm to collect pseudo-gradients (3 s): the fast subset stays under 2 minutes
 def test_the_4bit_format_is_the_linear_grid_because_it_loses_less_than_e3m0_on_pseudo_gradients(make_config):
     """The issue asks for E3M0 or a blockwise 4-bit format shown better. A pseudo-gradient is the sum

@@ -29,13 +29,16 @@ Rounding is deterministic (to nearest), so two peers encoding the same vector se
 from __future__ import annotations
 
 import math
+import sys
 from abc import ABC, abstractmethod
 
 import torch
 
 from gossiploco.errors import PeerFailed
+from gossiploco.tensor_checks import all_finite
 
 COMPRESSIONS = ("none", "bf16", "int8", "4bit", "e3m0", "topk")
+LITTLE_ENDIAN = sys.byteorder == "little"
 PIECE_VALUES = 1 << 18
 """Values a block codec encodes or decodes at a time (1 MB of fp32)."""
 
@@ -102,8 +105,9 @@ class BFloat16Codec(Codec):
     def decode(self, payload, numel, out=None):
         self._check_size(payload, numel)
         values = payload.view(torch.bfloat16)
-        _check_finite(values, self.name)
-        return values.to(torch.float32) if out is None else out.copy_(values)
+        out = values.to(torch.float32) if out is None else out.copy_(values)
+        _check_finite(out, self.name)  # on the fp32 values: a bfloat16 NaN or Inf stays one
+        return out
 
 
 def _pad(values: torch.Tensor, size: int) -> torch.Tensor:
@@ -112,7 +116,7 @@ def _pad(values: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _check_finite(values: torch.Tensor, what: str) -> None:
-    if not bool(torch.isfinite(values).all()):
+    if not all_finite(values):
         raise PeerFailed(f"{what} payload holds NaN or Inf")
 
 
@@ -132,12 +136,10 @@ class BlockCodec(Codec):
             self.bits, self.levels = 4, 7
         elif name == "e3m0":
             self.bits, self.levels = 4, 0
-            # codes 0..7: +2^-k; 8..15: -2^-k (sign bit, 3-bit exponent, no mantissa)
+            # codes 0..7: +2^-k; 8..15: -2^-k (sign bit, 3-bit exponent, no mantissa); ``_e3m0_codes`` and
+            # ``decode`` work on the floats' bits rather than on this table
             magnitudes = torch.tensor([2.0 ** -k for k in range(8)])
             self.grid = torch.cat([magnitudes, -magnitudes])
-            ascending = torch.sort(self.grid)
-            self._sorted, self._order = ascending.values, ascending.indices
-            self._midpoints = (self._sorted[1:] + self._sorted[:-1]) / 2
         else:
             raise ValueError(f"unknown block codec {name!r}")
 
@@ -165,24 +167,57 @@ class BlockCodec(Codec):
         numel, nb = flat.numel(), self._blocks(flat.numel())
         payload = torch.empty(self.encoded_bytes(numel), dtype=torch.uint8)
         scales, codes_out = payload[:4 * nb].view(torch.float32), payload[4 * nb:]
-        for start, end in self._pieces(numel):
+        pieces = self._pieces(numel)
+        room = max(end - start for start, end in pieces) if pieces else 0
+        room = self._blocks(room) * self.block + 1  # whole blocks, and one more code for an odd 4-bit count
+        work, small = torch.empty(room), torch.empty(room, dtype=torch.int8)  # reused by every piece
+        for start, end in pieces:
             n, first = end - start, start // self.block
             blocks = self._blocks(n)
             padded = _pad(flat[start:end], blocks * self.block).view(blocks, self.block)
-            scale = padded.abs().amax(dim=1)
+            # max |x| without writing |x|: the larger of the block's max and -min (abs_: +0.0 for a block of zeros)
+            scale = torch.maximum(padded.amax(dim=1), padded.amin(dim=1).neg_()).abs_()
             scales[first:first + blocks] = scale
+            unit = work[:blocks * self.block].view(blocks, self.block)
             if self.levels:  # a linear grid: code = round(x / step) + levels, step = absmax / levels
                 step = torch.where(scale > 0, scale / self.levels, torch.ones_like(scale))
-                codes = padded.div(step[:, None]).round_().clamp_(-self.levels, self.levels).add_(self.levels).to(torch.uint8)
+                torch.div(padded, step[:, None], out=unit).round_()  # |x / step| <= levels: nothing to clamp
+                if self.bits == 8:  # straight into the payload
+                    self._linear_codes(unit.view(-1)[:n], codes_out[self._code_range(start, end)].view(torch.int8))
+                    continue
+                codes = self._linear_codes(unit.view(-1)[:n], small)
             else:  # a table: the nearest grid value (halfway between two: the lower)
-                unit = padded.div(torch.where(scale > 0, scale, torch.ones_like(scale))[:, None])
-                codes = self._order[torch.bucketize(unit, self._midpoints)].to(torch.uint8)
-            codes = codes.reshape(-1)[:n]
+                torch.div(padded, torch.where(scale > 0, scale, torch.ones_like(scale))[:, None], out=unit)
+                codes = self._e3m0_codes(unit.view(-1)[:n])
             if self.bits == 4:
-                codes = torch.nn.functional.pad(codes, (0, n % 2))
-                codes = codes[0::2] | (codes[1::2] << 4)
+                if n % 2:
+                    codes = torch.nn.functional.pad(codes, (0, 1))
+                codes = _pack_nibbles(codes)
             codes_out[self._code_range(start, end)] = codes
         return payload
+
+    def _linear_codes(self, rounded: torch.Tensor, small: torch.Tensor) -> torch.Tensor:
+        """uint8 codes ``rounded + levels`` of integral values in [-levels, levels], written into ``small`` (int8, at
+        least as long): converted to int8 (a fast conversion; uint8 is several times slower from fp32) and offset in
+        8-bit arithmetic, which wraps modulo 256 (-127 + 127 as uint8: 129 + 127 = 0)."""
+        codes = small[:rounded.numel()]
+        codes.copy_(rounded)
+        return codes.view(torch.uint8).add_(self.levels)
+
+    def _e3m0_codes(self, unit: torch.Tensor) -> torch.Tensor:
+        """E3M0 codes of ``unit`` (values in [-1, 1]): the grid value nearest, halfway between two the lower, as
+        ``bucketize`` onto the sorted grid's midpoints gives, from the float's bits instead of a search.
+
+        A value at or below 0 takes the negative side (0 is the midpoint between -2^-7 and 2^-7: the lower).
+        For a magnitude a = (1 + f) 2^e (f from its 23 mantissa bits) the nearest power of two is 2^e, or 2^(e+1)
+        when f > 1/2; at f = 1/2 (a tie) the lower value is the smaller magnitude for a positive value and the
+        larger for a negative one, which is what the next float up from a gives with the positive rule. The
+        exponent's code k = -e (or -e - 1) is clamped to 0..7 (everything below 2^-7 is 2^-7)."""
+        negative = unit <= 0
+        # the next float up from a magnitude is its bit pattern plus one (0 becomes the smallest subnormal)
+        bits = unit.abs().view(torch.int32).add_(negative.to(torch.int32))
+        k = (bits >> 23).neg_().add_(127).sub_(((bits & 0x7FFFFF) > 0x400000).to(torch.int32)).clamp_(0, 7)
+        return k.to(torch.uint8).add_(negative.to(torch.uint8).mul_(8))  # codes 8..15: the negative side
 
     def decode(self, payload, numel, out=None):
         self._check_size(payload, numel)
@@ -192,22 +227,47 @@ class BlockCodec(Codec):
             raise PeerFailed(f"{self.name} payload has a negative or non-finite block scale")
         steps = torch.where(scales > 0, scales / self.levels, torch.zeros_like(scales)) if self.levels else scales
         codes_in = payload[4 * nb:]
+        if self.levels and codes_in.numel() and self.bits == 8 and int(codes_in.max()) > 2 * self.levels:
+            raise PeerFailed(f"{self.name} payload has a code outside [0, {2 * self.levels}]")
         out = torch.empty(numel, dtype=torch.float32) if out is None else out
         for start, end in self._pieces(numel):
             n, first = end - start, start // self.block
             blocks = self._blocks(n)
             codes = codes_in[self._code_range(start, end)]
             if self.bits == 4:
-                codes = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)[:n]
-            if self.levels:
-                if bool((codes > 2 * self.levels).any()):
+                codes = _unpack_nibbles(codes)[:n]
+                if self.levels and int(codes.max()) > 2 * self.levels:
                     raise PeerFailed(f"{self.name} payload has a code outside [0, {2 * self.levels}]")
+            if self.levels:
                 unit = codes.to(torch.float32).sub_(self.levels)
+            else:  # code c: (-1)^(c >> 3) 2^-(c & 7), its float's bits built directly (the grid, exactly)
+                wide = codes.to(torch.int32)
+                unit = (wide & 7).neg_().add_(127).bitwise_left_shift_(23).bitwise_or_(
+                    (wide >> 3).bitwise_left_shift_(31)).view(torch.float32)
+            piece_steps = steps[first:first + blocks, None]
+            if n == blocks * self.block:  # whole blocks: straight into ``out``
+                torch.mul(unit.view(blocks, self.block), piece_steps, out=out[start:end].view(blocks, self.block))
             else:
-                unit = self.grid[codes.long()]
-            unit = _pad(unit, blocks * self.block).view(blocks, self.block)
-            out[start:end] = unit.mul_(steps[first:first + blocks, None]).reshape(-1)[:n]
+                out[start:end] = _pad(unit, blocks * self.block).view(blocks, self.block).mul_(piece_steps).reshape(-1)[:n]
         return out
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pairs of 4-bit codes (uint8 values 0..15, an even count) into one byte each, the first in the low nibble.
+    On a little-endian machine a pair is one int16 (the first code its low byte): two shifts and masks on half as
+    many elements, instead of two strided gathers."""
+    if LITTLE_ENDIAN:
+        pairs = codes.view(torch.int16)
+        return ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+    return codes[0::2] | (codes[1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """``_pack_nibbles`` undone: two uint8 codes per byte, the low nibble first."""
+    if LITTLE_ENDIAN:
+        wide = packed.to(torch.int16)
+        return ((wide & 0x0F) | ((wide << 4) & 0x0F00)).view(torch.uint8)
+    return torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)
 
 
 TOPK_BITS = (1, 2, 4, 8)
@@ -280,9 +340,15 @@ class TopKCodec(Codec):
         codes = codes.reshape(-1)[:n * k].view(n, k)
         magnitude = self._magnitudes(bounds).gather(1, (codes >> 1).long())
         values = torch.where((codes & 1).bool(), -magnitude, magnitude)
-        dense = torch.zeros(n, self.chunk, dtype=torch.float32)
-        dense.scatter_(1, positions, values)
-        return dense.reshape(-1)[:numel] if out is None else out.copy_(dense.reshape(-1)[:numel])
+        # straight into ``out``: zeroing memory already in use costs a fraction of a fresh zeroed chunk matrix
+        out = torch.zeros(numel, dtype=torch.float32) if out is None else out.zero_()
+        full = numel // self.chunk  # chunks wholly inside the vector; the last may be cut (zero-padded when encoded)
+        if full:
+            out[:full * self.chunk].view(full, self.chunk).scatter_(1, positions[:full], values[:full])
+        if full < n:
+            last = torch.zeros(self.chunk, dtype=torch.float32).scatter_(0, positions[full], values[full])
+            out[full * self.chunk:] = last[:numel - full * self.chunk]
+        return out
 
 
 def build_codec(name: str, *, block: int = 4096, density: float = 0.02, chunk: int = 4096, bits: int = 2) -> Codec:

@@ -1,0 +1,113 @@
+"""How fast the exchange's codecs are, per value, against the landed ones, side by side in one run.
+
+The landed codecs are ``gossiploco/mixing/compression.py`` as it was at ``--landed`` (a git revision, read with
+``git show`` into a module of its own: nothing is copied into the repository). For each codec both versions
+encode the same vector (``--values`` standard normal fp32 values; a fresh payload each time, as an exchange
+makes one) and decode it into a vector already in use (the exchanges' path: ``decode(..., out=...)``),
+alternating landed and current ``--repeats`` times with ``--threads`` torch threads; the figures are medians,
+in nanoseconds per value. Both versions must send the same bytes (a codec's payload is a wire format).
+
+    python -m bench.codecs                      # 1 and 2 threads, writes bench/results/codecs.md
+    python -m bench.codecs --values 1000000 --repeats 3 --threads 1 --out /tmp/codecs.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gossiploco.mixing import compression
+
+ROOT = Path(__file__).resolve().parent.parent
+LANDED = "ff961bc"
+"""The last commit before the codecs were made to avoid passes over memory."""
+CODECS = ("none", "bf16", "int8", "4bit", "e3m0", "topk")
+
+
+def landed_module(revision: str):
+    """``compression.py`` at ``revision``, imported as a module of its own."""
+    source = subprocess.run(["git", "show", f"{revision}:gossiploco/mixing/compression.py"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "landed_compression.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("landed_compression", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure(modules: dict, name: str, x: torch.Tensor, repeats: int) -> dict:
+    """Median encode and decode seconds of each version of codec ``name``, and whether their payloads agree."""
+    out = torch.empty_like(x)
+    codecs = {label: module.build_codec(name) for label, module in modules.items()}
+    payloads = {label: codec.encode(x) for label, codec in codecs.items()}  # warm up
+    for label, codec in codecs.items():
+        codec.decode(payloads[label], x.numel(), out=out)
+    times = {label: {"encode": [], "decode": []} for label in codecs}
+    for _ in range(repeats):
+        for label, codec in codecs.items():
+            start = time.perf_counter()
+            payload = codec.encode(x)
+            times[label]["encode"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            codec.decode(payload, x.numel(), out=out)
+            times[label]["decode"].append(time.perf_counter() - start)
+    same = torch.equal(payloads["landed"], payloads["current"])
+    return {label: {way: statistics.median(v) for way, v in t.items()} for label, t in times.items()} | {"same": same}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--values", type=int, default=1 << 24)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--codecs", nargs="+", choices=CODECS, default=list(CODECS))
+    ap.add_argument("--landed", default=LANDED)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "codecs.md")
+    args = ap.parse_args(argv)
+    modules = {"landed": landed_module(args.landed), "current": compression}
+    x = torch.randn(args.values, generator=torch.Generator().manual_seed(0))
+    started = time.monotonic()
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.codecs:
+            r = measure(modules, name, x, args.repeats)
+            ns = {label: {way: r[label][way] / args.values * 1e9 for way in ("encode", "decode")}
+                  for label in ("landed", "current")}
+            rows.append((threads, name, ns, r["same"]))
+            print(f"{threads} thread(s) {name}: encode {ns['landed']['encode']:.2f} -> {ns['current']['encode']:.2f} ns, "
+                  f"decode {ns['landed']['decode']:.2f} -> {ns['current']['decode']:.2f} ns, same bytes {r['same']}",
+                  flush=True)
+    command = "python -m bench.codecs" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    lines = ["# Codec speed: current against landed", "", f"Produced by `bench/codecs.py` (see its docstring).", "",
+             "```", command, "```", "",
+             f"Machine: {cpu}, {torch.get_num_threads()} torch threads at most here, torch {torch.__version__}, "
+             f"Python {platform.python_version()}. {args.values:,} standard normal fp32 values, median of "
+             f"{args.repeats} alternating runs; landed: `{args.landed}`. Wall time {time.monotonic() - started:.0f} s.",
+             "", "| threads | codec | encode ns/value landed | current | speed-up | decode ns/value landed | current "
+             "| speed-up | same bytes |", "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for threads, name, ns, same in rows:
+        enc = ns["landed"]["encode"] / ns["current"]["encode"]
+        dec = ns["landed"]["decode"] / ns["current"]["decode"]
+        lines.append(f"| {threads} | {name} | {ns['landed']['encode']:.2f} | {ns['current']['encode']:.2f} | {enc:.1f}x | "
+                     f"{ns['landed']['decode']:.2f} | {ns['current']['decode']:.2f} | {dec:.1f}x | {same} |")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"results in {args.out}")
+    return 0 if all(same for *_, same in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -431,6 +431,10 @@ def zmq_kwargs(args) -> dict:
         kw["chunk_bytes"] = args.chunk_bytes
     if args.max_message_bytes:
         kw["max_message_bytes"] = args.max_message_bytes
+    if args.io_threads:
+        kw["io_threads"] = args.io_threads
+    if args.stripes:
+        kw["stripes"] = args.stripes
     return kw
 
 
@@ -718,6 +722,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zmq-impl", default=DEFAULT_ZMQ_IMPL, help="module:Class or /path/file.py:Class")
     p.add_argument("--chunk-bytes", type=int, default=0, help="ZmqExchange chunk_bytes (0: its default)")
     p.add_argument("--max-message-bytes", type=int, default=0)
+    p.add_argument("--io-threads", type=int, default=0, help="ZmqExchange io_threads (0: its default, half the cores, 1 to 4)")
+    p.add_argument("--stripes", type=int, default=0, help="ZmqExchange stripes: data connections per peer (0: its default, the I/O threads)")
     p.add_argument("--hivemind-matchmaking", type=float, default=2.0, help="hivemind min_matchmaking_time (s)")
     p.add_argument("--overlap", default="pinned,process,shared",
                    help="comma-separated modes (pinned, process, shared) or none")

@@ -26,6 +26,13 @@ def test_a_message_is_admitted_when_the_routing_id_the_header_and_the_channel_ag
     assert admission.identify(routing_id(4, "abc123", False), 4, Hello(0, 0), None) == b"abc123"
     for message in CONTROL_MESSAGES:
         assert admission.identify(routing_id(4, "abc123", True), 4, message, None) == b"abc123"
+    for stripe in (1, 2, 15):  # further data connections of one process: the same process, data only
+        assert routing_id(4, "abc123", False, stripe) == f"4.abc123/d{stripe}".encode()
+        assert admission.identify(routing_id(4, "abc123", False, stripe), 4, DATA, None) == b"abc123"
+    with pytest.raises(ValueError):
+        routing_id(4, "abc123", True, 1)  # a control connection has no stripes
+    with pytest.raises(ValueError):
+        routing_id(4, "abc123", False, 16)
 
 
 @pytest.mark.parametrize("identity, sender, message", [
@@ -36,6 +43,12 @@ def test_a_message_is_admitted_when_the_routing_id_the_header_and_the_channel_ag
     (b"four.abc", 4, DATA),                                        # not a peer id
     (b"4.abc-123", 4, DATA),                                       # an incarnation that is not alphanumeric
     (b"4." + b"a" * 200, 4, DATA),                                 # too long
+    (routing_id(4, "abc123", False, 2), 4, CONTROL_MESSAGES[0]),   # a Ready on a further data connection
+    (b"4.abc123/d0", 4, DATA),                                     # stripe 0 has no suffix
+    (b"4.abc123/d16", 4, DATA),                                    # beyond the most stripes
+    (b"4.abc123/d01", 4, DATA),                                    # not the way routing_id writes 1
+    (b"4.abc123/dx", 4, DATA),                                     # not a number
+    (b"4.abc123/d2/control", 4, CONTROL_MESSAGES[0]),              # a stripe of a control connection
 ])
 def test_a_connection_that_does_not_match_the_sender_is_refused(identity, sender, message):
     with pytest.raises(MalformedMessage, match="arrived on connection"):

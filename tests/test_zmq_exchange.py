@@ -586,3 +586,49 @@ def test_a_large_view_exchanges_in_buckets_over_real_sockets(groups):
                    else values[r] for r in range(6)])
     for r in range(6):
         assert torch.equal(out[r], torch.full((5,), sum(got[r]) / len(got[r])))
+
+
+@pytest.mark.parametrize("encrypted", [False, True])
+def test_striped_data_connections_carry_the_same_exchanges(encrypted):
+    """With several data connections per peer (CURVE's crypto on several I/O threads), chunks take them in turn and
+    arrive in any order: an all-reduce, a swap and a compressed all-to-all give what one connection gives, and every
+    stripe carried data."""
+    from gossiploco.security.swarm_key import SwarmKey
+    from gossiploco.security.trust import Trust
+
+    key = SwarmKey.generate() if encrypted else None
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(3)]
+    exchanges = [ZmqExchange(r, endpoints, "stripes", 10.0, chunk_bytes=1 << 14, io_threads=2, stripes=3,
+                             trust=Trust.static(key, r, 3) if encrypted else None) for r in range(3)]
+    try:
+        assert all(ex.wait_connected(10.0) for ex in exchanges)
+        values = [torch.randn(200_003, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+        out = run_all([lambda r=r: exchanges[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+        expected = (sum(v.double() for v in values) / 3).float()
+        assert all(torch.allclose(o, expected, atol=1e-6) and torch.equal(o, out[0]) for o in out)
+        swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
+        assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
+        parts = {r: {m: torch.full((5000 + m,), r, dtype=torch.uint8) for m in range(3) if m != r} for r in range(3)}
+        got = run_all([lambda r=r: exchanges[r].all_to_all("mix2/1/scatter", parts[r], [0, 1, 2],
+                                                           {m: 5000 + r for m in range(3) if m != r}) for r in range(3)])
+        assert all(torch.equal(got[r][m], torch.full((5000 + r,), m, dtype=torch.uint8)) for r in range(3) for m in got[r])
+        for ex in exchanges:
+            sends = ex.sockets.stripe_sends
+            assert len(sends) == 3 and min(sends) > 0, sends
+            assert ex.admission.total_rejected == 0
+    finally:
+        for ex in exchanges:
+            ex.close()
+
+
+def test_stripes_only_on_direct_paths():
+    """A relayed peer gets one data connection (a relay's slots and link are shared), and so does a reverse one."""
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(1)]
+    ex = ZmqExchange(0, endpoints, "stripes", 5.0, io_threads=2, stripes=4, join_round=None)
+    try:
+        ex.add_peer(7, "tcp://127.0.0.1:1", relayed=True)
+        ex.add_peer(8, "tcp://127.0.0.1:2", listen=True)
+        ex.add_peer(9, "tcp://127.0.0.1:3")
+        assert [ex.sockets.data_connections(p) for p in (7, 8, 9)] == [1, 1, 4]
+    finally:
+        ex.close()

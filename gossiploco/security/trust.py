@@ -22,9 +22,17 @@ MAX_ROUTING_ID = 64
 """Longest routing id a peer makes; longer ones are refused."""
 
 
-def routing_id(peer: int, incarnation: str, control: bool) -> bytes:
-    """``b"<peer>.<incarnation>"`` for a data connection, plus ``b"/control"`` for a control one."""
-    return f"{peer}.{incarnation}{'/control' if control else ''}".encode()
+MAX_STRIPES = 16
+"""Most data connections one peer opens to another (``routing_id``'s ``stripe``)."""
+
+
+def routing_id(peer: int, incarnation: str, control: bool, stripe: int = 0) -> bytes:
+    """``b"<peer>.<incarnation>"`` for a data connection (``/d<stripe>`` appended for the second and later of
+    several data connections to one peer), plus ``b"/control"`` for a control one."""
+    if not 0 <= stripe < MAX_STRIPES or (control and stripe):
+        raise ValueError(f"a data connection's stripe is in 0..{MAX_STRIPES - 1} (control: 0), got {stripe}")
+    suffix = "/control" if control else f"/d{stripe}" if stripe else ""
+    return f"{peer}.{incarnation}{suffix}".encode()
 
 
 def parse_routing_id(identity: bytes) -> tuple[int, bytes, bool] | None:
@@ -32,7 +40,12 @@ def parse_routing_id(identity: bytes) -> tuple[int, bytes, bool] | None:
     if len(identity) > MAX_ROUTING_ID:
         return None
     control = identity.endswith(b"/control")
-    head, dot, incarnation = identity.removesuffix(b"/control").partition(b".")
+    body = identity.removesuffix(b"/control")
+    if not control:
+        body, slash, stripe = body.partition(b"/d")
+        if slash and not (stripe.isdigit() and not stripe.startswith(b"0") and int(stripe) < MAX_STRIPES):
+            return None
+    head, dot, incarnation = body.partition(b".")
     if not dot or not head.isdigit() or not incarnation.isalnum():
         return None
     return int(head), incarnation, control

@@ -58,7 +58,7 @@ class ZmqDriver:
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, *, bind: str | None = None, join_round: int | None = 0,
                  heartbeat_s: float | None = None, trust: Trust | None = None, sender_mailbox_bytes: int | None = None,
-                 fault: SendHook | None = None):
+                 fault: SendHook | None = None, io_threads: int | None = None, stripes: int | None = None):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -89,7 +89,8 @@ class ZmqDriver:
         self._closed = False
         self._close_lock = threading.Lock()
         self._sockets = ZmqSockets(rank, bind or self.endpoints[rank], self.endpoints[rank], heartbeat_s=heartbeat_s,
-                                   max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust)
+                                   max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust,
+                                   io_threads=io_threads, stripes=stripes)
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers
         for peer, endpoint in endpoints.items():

@@ -50,7 +50,9 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
     (default ``endpoints[rank]``) and connects to all others at construction. ``timeout_s`` is the
     longest deadline of one call. ``join_round=None``: this peer decides later (``announce``) from
     which round it takes part. ``trust``: CurveZMQ on every socket, members' keys only. ``fault``: a
-    hook run before each send (``fault_injection``; None in normal use). Construction raises
+    hook run before each send (``fault_injection``; None in normal use). ``io_threads``: libzmq I/O threads, where
+    CURVE's crypto runs (None: ``zmq_sockets.default_io_threads``); ``stripes``: data connections to each directly
+    dialed peer (None: as many as I/O threads; ``zmq_sockets``). Construction raises
     ``ExchangeError`` if the bind fails and ``ValueError`` for bad arguments. Every public method is
     thread-safe.
     """
@@ -59,14 +61,16 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
                  join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None,
-                 sender_mailbox_bytes: int | None = None, fault: SendHook | None = None):
+                 sender_mailbox_bytes: int | None = None, fault: SendHook | None = None, io_threads: int | None = None,
+                 stripes: int | None = None):
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self._scatter_began: dict[str, float] = {}
         """Start of each compressed mean's first phase, by key (``all_to_all``)."""
         self._dialed: dict[int, tuple[str, ...]] = {}  # peer -> the reverse endpoints dialed for it
         super().__init__(rank, endpoints, run_id, timeout_s, max_message_bytes, chunk_bytes, mailbox_bytes, grace_s,
                          bind=bind, join_round=join_round, heartbeat_s=heartbeat_s, trust=trust,
-                         sender_mailbox_bytes=sender_mailbox_bytes, fault=fault)
+                         sender_mailbox_bytes=sender_mailbox_bytes, fault=fault, io_threads=io_threads,
+                         stripes=stripes)
 
     # -- the Exchange interface ------------------------------------------------------------------
 
@@ -218,7 +222,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             if old is None:
                 self._sockets.connect(peer, endpoint, key, listen=where, relayed=relayed)
         if old is not None:
-            self._sockets.reattach(peer, old, endpoint, where)
+            self._sockets.reattach(peer, old, endpoint, where, relayed=relayed)
             log.info("rank %d: peer %d moved from %s to %s%s", self.rank, peer, old, endpoint,
                      " (listening for it)" if listen else "")
         return True

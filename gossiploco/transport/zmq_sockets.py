@@ -8,6 +8,14 @@ timeout) and a control DEALER (routing id ``"i.<incarnation>/control"``) for ``R
 incarnation is random per process, so the receiver can tell a restarted peer from another
 connection of the same process (see ``ROUTER_HANDOVER`` below).
 
+Striping: CurveZMQ encrypts and decrypts a connection in the one libzmq I/O thread that owns it, so one data
+connection per peer caps what a peer sends to another at one core's XSalsa20-Poly1305 rate. With ``stripes`` > 1
+(default: the I/O threads, ``default_io_threads``) a directly dialed peer gets that many data DEALERs (routing ids
+``"i.<incarnation>/d<j>"`` for j >= 1), and data messages take them in turn: their crypto runs on as many threads.
+A data call's chunks carry their index and wait in the receiver's mailbox until consumed, so the order they
+arrive in does not matter. Only the first data DEALER has a monitor (liveness is the peer's, not a connection's);
+a reverse or relayed path uses the first alone (a relay's slots and link are shared).
+
 Security (``trust``, always given by ``gossiploco peer``): every socket speaks CurveZMQ
 (encrypted and authenticated with the peers' Curve25519 keys); the ROUTER admits a client only
 if its key is a member's (its ZAP handler, ``zmq_auth``), so a stranger's connection is
@@ -23,6 +31,8 @@ and when to give up (a full queue, a refused handshake) is ``gossiploco.transpor
 
 from __future__ import annotations
 
+import itertools
+import os
 import queue
 import threading
 import time
@@ -33,7 +43,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
-from gossiploco.security.trust import Trust, routing_id
+from gossiploco.security.trust import MAX_STRIPES, Trust, routing_id
 from gossiploco.protocol import codec
 from gossiploco.transport.retry import HandshakeBackoff, send_wait_s
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
@@ -53,6 +63,19 @@ HANDSHAKE_MS = 5000
 """A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
 """TCP keepalive of inbound connections: a dead machine's connection is dropped after about 16 s."""
+
+
+def default_io_threads() -> int:
+    """libzmq I/O threads for one peer's context: half the cores this process may run on, 1 to 4. CurveZMQ encrypts
+    and decrypts in the I/O thread that owns a connection, so with one thread a peer's whole encrypted traffic is
+    bounded by one core's XSalsa20-Poly1305 rate (0.65 GB/s on this project's 2-core machine, about 5 Gbit/s),
+    while a ring all-reduce sends on one connection as it receives on another, and a group mean talks to several
+    peers at once: more threads put those connections' crypto on more cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores // 2))
 
 
 def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:
@@ -82,20 +105,28 @@ class ZmqSockets:
     """
 
     def __init__(self, rank: int, bind: str, advertised: str, *, heartbeat_s: float | None, max_message_bytes: int,
-                 chunk_bytes: int, trust: Trust | None):
+                 chunk_bytes: int, trust: Trust | None, io_threads: int | None = None, stripes: int | None = None):
         self.rank = rank
         self.trust = trust
         self.incarnation = uuid.uuid4().hex[:12]
         """Random per process (see the module docstring)."""
         self.heartbeat_ms = HEARTBEAT_TIMEOUT_MS if heartbeat_s is None else max(1, int(1000 * heartbeat_s))
         raise_open_file_limit()
-        self.ctx = zmq.Context(io_threads=1)
+        self.io_threads = default_io_threads() if io_threads is None else io_threads
+        if self.io_threads < 1:
+            raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")
+        self.ctx = zmq.Context(io_threads=self.io_threads)
+        self.stripes = self.io_threads if stripes is None else stripes
+        """Data connections to each directly dialed peer (module docstring: striping)."""
+        if not 1 <= self.stripes <= MAX_STRIPES:
+            raise ValueError(f"stripes must be in 1..{MAX_STRIPES}, got {self.stripes}")
         self.ctx.setsockopt(zmq.LINGER, 0)
         self.auth: SwarmAuthenticator | None = None
         if trust is not None:  # the ZAP handler must run before the first client connects
             self.auth = SwarmAuthenticator(self.ctx, trust, f"rank {rank}")
             self.auth.start()
-        self.sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes))
+        self.sndhwm = max(8, min(1000, (256 << 20) // chunk_bytes // self.stripes))
+        """Chunks each data DEALER may queue: a peer's queue toward another, all stripes together, stays at 256 MiB."""
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVHWM, 1000)
@@ -145,6 +176,14 @@ class ZmqSockets:
             port = self.router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1]
         self.endpoint = f"{host}:{port}"
         self.dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
+        """Each peer's first data DEALER (the one with a monitor)."""
+        self.extra_stripes: dict[int, list[tuple[zmq.Socket, threading.Lock]]] = {}
+        """Each peer's further data DEALERs (``stripes - 1``), used while it is dialed directly."""
+        self._striped: dict[int, int] = {}  # peer -> data DEALERs in use now (1: only the first)
+        self._relayed: dict[int, bool] = {}
+        self._turn: dict[int, itertools.count] = {}  # peer -> which stripe the next data message takes
+        self.stripe_sends = [0] * self.stripes
+        """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
         self.handshakes = HandshakeBackoff()
@@ -154,10 +193,10 @@ class ZmqSockets:
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
 
-    def _client(self, server_key: bytes | None, control: bool, incarnation: str | None = None) -> zmq.Socket:
+    def _client(self, server_key: bytes | None, control: bool, incarnation: str | None = None, stripe: int = 0) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, incarnation or self.incarnation, control))
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, incarnation or self.incarnation, control, stripe))
         if self.trust is not None:
             if server_key is None:
                 sock.close(linger=0)
@@ -177,29 +216,41 @@ class ZmqSockets:
         ``RELAYED_HEARTBEAT_FACTOR`` times longer (see ``HEARTBEAT_TIMEOUT_MS``)."""
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
-        dealer = self._client(server_key, control=False)
-        dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
-        dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
+        data = []
+        for stripe in range(self.stripes):
+            dealer = self._client(server_key, control=False, stripe=stripe)
+            dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
+            dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
+            data.append((dealer, threading.Lock()))
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
-        # TCP connections, but only a live peer completes the handshake.
-        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
+        # TCP connections, but only a live peer completes the handshake. The first data connection speaks for all.
+        monitor = data[0][0].get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
         control = self._client(server_key, control=True)
-        self.dealers[peer] = (dealer, threading.Lock())
+        self.dealers[peer] = data[0]
+        self.extra_stripes[peer] = data[1:]
+        self._relayed[peer] = relayed
+        self._turn[peer] = itertools.count()
         self.controls[peer] = (control, threading.Lock())
         self.monitors[monitor] = peer
         self.new_monitors.put(monitor)
         self._attach(peer, endpoint, listen)
 
     def _attach(self, peer: int, endpoint: str, listen: str | None) -> None:
-        """Dial ``endpoint`` with both DEALERs of ``peer``, or listen on ``listen`` (recording the ports)."""
+        """Dial ``endpoint`` with the DEALERs of ``peer`` (every data stripe when the path is direct), or listen on
+        ``listen`` with its first data DEALER and its control DEALER (recording the ports)."""
         (dealer, _), (control, _) = self.dealers[peer], self.controls[peer]
         if listen is None:
             dealer.connect(endpoint)
             control.connect(endpoint)
             self.listening.pop(peer, None)
+            if not self._relayed[peer]:  # a relay's slots and link are shared: one data connection through it
+                for extra, _ in self.extra_stripes[peer]:
+                    extra.connect(endpoint)
+                self._striped[peer] = 1 + len(self.extra_stripes[peer])
             return
+        self._striped[peer] = 1
         bound = []
         for sock in (dealer, control):
             sock.bind(listen)
@@ -218,17 +269,31 @@ class ZmqSockets:
                     sock.disconnect(endpoint)
             except zmq.ZMQError:
                 pass
+        if bound is None and self._striped.get(peer, 1) > 1:
+            for extra, _ in self.extra_stripes[peer]:
+                try:
+                    extra.disconnect(endpoint)
+                except zmq.ZMQError:
+                    pass
+        self._striped[peer] = 1
 
-    def reattach(self, peer: int, old: str, new: str, listen: str | None) -> None:
-        """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial)."""
-        for sockets in (self.dealers, self.controls):
-            sockets[peer][1].acquire()
+    def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
+        """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial; ``relayed``: None keeps the last)."""
+        locks = [self.dealers[peer][1], self.controls[peer][1], *(lock for _, lock in self.extra_stripes[peer])]
+        for lock in locks:
+            lock.acquire()
         try:
             self._detach(peer, old)
+            if relayed is not None:
+                self._relayed[peer] = relayed
             self._attach(peer, new, listen)
         finally:
-            for sockets in (self.dealers, self.controls):
-                sockets[peer][1].release()
+            for lock in locks:
+                lock.release()
+
+    def data_connections(self, peer: int) -> int:
+        """How many data DEALERs carry messages to ``peer`` now (its stripes in use)."""
+        return self._striped.get(peer, 1)
 
     def refused_by(self, peer: int, now: float) -> float:
         """``peer`` refused our handshake (libzmq then never retries): schedule a new connection
@@ -249,6 +314,12 @@ class ZmqSockets:
         if peer not in sockets:
             raise PeerFailed(f"{what}: {peer} is not a known peer")
         dealer, lock = sockets[peer]
+        striped = 1 if control else self._striped.get(peer, 1)
+        stripe = next(self._turn[peer]) % striped if striped > 1 else 0
+        if stripe:  # data messages take the stripes in turn (their order does not matter: module docstring)
+            dealer, lock = self.extra_stripes[peer][stripe - 1]
+        if not control:
+            self.stripe_sends[stripe] += 1
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise ExchangeTimeout(f"{what}: the connection to {peer} stayed busy past the deadline")
         try:
@@ -337,6 +408,10 @@ class ZmqSockets:
                     pass
                 monitors[peer].close(linger=0)
                 dealer.close(linger=int(1000 * linger_s))
+        for extras in self.extra_stripes.values():
+            for extra, lock in extras:
+                with lock:
+                    extra.close(linger=int(1000 * linger_s))
         for control, lock in self.controls.values():
             with lock:
                 control.close(linger=int(1000 * linger_s))

@@ -722,7 +722,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zmq-impl", default=DEFAULT_ZMQ_IMPL, help="module:Class or /path/file.py:Class")
     p.add_argument("--chunk-bytes", type=int, default=0, help="ZmqExchange chunk_bytes (0: its default)")
     p.add_argument("--max-message-bytes", type=int, default=0)
-    p.add_argument("--io-threads", type=int, default=0, help="ZmqExchange io_threads (0: its default, half the cores, 1 to 4)")
+    p.add_argument("--io-threads", type=int, default=0, help="ZmqExchange io_threads (0: its default, half the cores, 1 to 8)")
     p.add_argument("--stripes", type=int, default=0, help="ZmqExchange stripes: data connections per peer (0: its default, the I/O threads)")
     p.add_argument("--hivemind-matchmaking", type=float, default=2.0, help="hivemind min_matchmaking_time (s)")
     p.add_argument("--overlap", default="pinned,process,shared",

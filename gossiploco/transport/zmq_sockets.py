@@ -66,7 +66,7 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
 
 
 def default_io_threads() -> int:
-    """libzmq I/O threads for one peer's context: half the cores this process may run on, 1 to 4. CurveZMQ encrypts
+    """libzmq I/O threads for one peer's context: half the cores this process may run on, 1 to 8. CurveZMQ encrypts
     and decrypts in the I/O thread that owns a connection, so with one thread a peer's whole encrypted traffic is
     bounded by one core's XSalsa20-Poly1305 rate (0.65 GB/s on this project's 2-core machine, about 5 Gbit/s),
     while a ring all-reduce sends on one connection as it receives on another, and a group mean talks to several
@@ -75,7 +75,7 @@ def default_io_threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(4, cores // 2))
+    return max(1, min(8, cores // 2))
 
 
 def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:

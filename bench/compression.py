@@ -45,9 +45,20 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "topk-sparseloco": ("mix2.compression=topk", "mix2.feedback_decay=0.95", "outer.momentum=0"),
     "topk-10pct": ("mix2.compression=topk", "mix2.topk_density=0.1"),
     "none-no-momentum": ("outer.momentum=0",),
+    # SparseLoCo's setting explored (issue 28 item 3): its outer step is a plain step of learning rate alpha on the
+    # mean of the sparse updates, the error feedback standing in for momentum; the fair dense baseline is the same
+    # outer step on fp32 pseudo-gradients, at the same alpha
+    "none-no-momentum-lr1": ("outer.momentum=0", "outer.lr=1.0"),
+    "topk-sparseloco-lr1": ("mix2.compression=topk", "mix2.feedback_decay=0.95", "outer.momentum=0", "outer.lr=1.0"),
+    "topk-sparseloco-3pct": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
+                             "outer.momentum=0"),
+    "topk-sparseloco-3pct-lr1": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
+                                 "outer.momentum=0", "outer.lr=1.0"),
+    "topk-sparseloco-b09": ("mix2.compression=topk", "mix2.feedback_decay=0.9", "outer.momentum=0"),
 }
 """``--set`` values of each row: the dense codecs compress both mixes, top-k only Mix2 (Mix1 stays fp32)."""
-TARGET_LOSS = {"int8": 0.5, "4bit": 1.0, "topk": 1.0, "topk-sparseloco": 1.0}
+TARGET_LOSS = {"int8": 0.5, "4bit": 1.0, "topk": 1.0, "topk-sparseloco": 1.0, "topk-sparseloco-lr1": 1.0,
+               "topk-sparseloco-3pct": 1.0, "topk-sparseloco-3pct-lr1": 1.0, "topk-sparseloco-b09": 1.0}
 DEFAULT_VARIANTS = ["none", "bf16", "int8", "4bit", "topk", "topk-sparseloco"]
 """Most a variant's final validation loss may exceed fp32's, in percent (issue 16)."""
 TARGET_TOPK_BYTES = 50.0

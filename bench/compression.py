@@ -55,10 +55,14 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "topk-sparseloco-3pct-lr1": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
                                  "outer.momentum=0", "outer.lr=1.0"),
     "topk-sparseloco-b09": ("mix2.compression=topk", "mix2.feedback_decay=0.9", "outer.momentum=0"),
+    "topk-sparseloco-3pct-lr1.3": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
+                                   "outer.momentum=0", "outer.lr=1.3"),
+    "none-no-momentum-lr0.5": ("outer.momentum=0", "outer.lr=0.5"),
 }
 """``--set`` values of each row: the dense codecs compress both mixes, top-k only Mix2 (Mix1 stays fp32)."""
 TARGET_LOSS = {"int8": 0.5, "4bit": 1.0, "topk": 1.0, "topk-sparseloco": 1.0, "topk-sparseloco-lr1": 1.0,
-               "topk-sparseloco-3pct": 1.0, "topk-sparseloco-3pct-lr1": 1.0, "topk-sparseloco-b09": 1.0}
+               "topk-sparseloco-3pct": 1.0, "topk-sparseloco-3pct-lr1": 1.0, "topk-sparseloco-b09": 1.0,
+               "topk-sparseloco-3pct-lr1.3": 1.0}
 DEFAULT_VARIANTS = ["none", "bf16", "int8", "4bit", "topk", "topk-sparseloco"]
 """Most a variant's final validation loss may exceed fp32's, in percent (issue 16)."""
 TARGET_TOPK_BYTES = 50.0
@@ -75,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wire-rounds", type=int, default=6)
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-compression")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "compression.md")
+    p.add_argument("--baseline", default="none", choices=list(VARIANTS),
+                   help="the dense row each variant is compared with (none: fp32 with the preset's outer step)")
+    p.add_argument("--report-only", action="store_true", help="write the quality results from the runs already in --out")
     return p.parse_args(argv)
 
 
@@ -94,7 +101,10 @@ def run_quality(args) -> dict[tuple[str, str], list[dict]]:
     def one(job):
         preset, variant, seed = job
         label = f"{preset}-{variant}"
-        summary = quality.run_one(args, preset, seed, VARIANTS[variant], label)
+        if args.report_only:
+            summary = json.loads((args.out / f"{label}-seed{seed}" / "summary.json").read_text())
+        else:
+            summary = quality.run_one(args, preset, seed, VARIANTS[variant], label)
         return {**summary, **bytes_per_round(args.out / f"{label}-seed{seed}")}
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
@@ -109,27 +119,33 @@ def quality_section(args, by: dict[tuple[str, str], list[dict]], wall: float) ->
     mean = statistics.fmean
     lines = ["## Quality (virtual swarm)", "",
              f"Model `{args.model}`, M = {args.workers}, H = {args.inner_steps}, R = {args.rounds}, seeds {args.seeds}, "
-             f"overrides {' '.join(args.sets)}; {wall / 60:.1f} min wall ({args.jobs} runs at a time, {args.threads} "
-             "torch thread each). Loss is the final validation loss of the averaged model, mean over seeds; "
+             f"overrides {' '.join(args.sets)}; "
+             + ("rendered from the runs already in `--out` (`--report-only`; each run's own seconds are in the table)."
+                if args.report_only else f"{wall / 60:.1f} min wall ({args.jobs} runs at a time, {args.threads} "
+                "torch thread each).") + " Loss is the final validation loss of the averaged model, mean over seeds; "
              "bytes are what one worker sends per round (a compressed Mix1's first round is fp32: no common "
-             "reference yet). Dense rows compress both mixes; top-k rows only Mix2.",
-             "", "| preset | Mix2 | val loss | vs fp32 | target | max CD_L2 | max CD_JS | Mix1 B/round | Mix2 B/round | "
-             "Mix2 bytes vs fp32 | wall s |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+             f"reference yet). Dense rows compress both mixes; top-k rows only Mix2. Compared with `{args.baseline}`.",
+             "", f"| preset | Mix2 | val loss | vs {args.baseline} | target | max CD_L2 | max CD_JS | Mix1 B/round | Mix2 B/round | "
+             f"Mix2 bytes vs {args.baseline} | wall s |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for preset in args.presets:
-        base = by.get((preset, "none"))
+        base = by.get((preset, args.baseline))
         for variant in args.variants:
             runs = by[(preset, variant)]
             loss = mean(r["final_val_loss"] for r in runs)
-            rel = 100 * (loss / mean(r["final_val_loss"] for r in base) - 1) if base else float("nan")
             b2 = mean(r["mix2_bytes"] for r in runs)
-            ratio = mean(r["mix2_bytes"] for r in base) / b2 if base and b2 else float("nan")
             target = TARGET_LOSS.get(variant)
-            verdict = "-" if target is None else f"<= +{target}%: **{'met' if rel <= target else 'missed'}**"
-            if variant.startswith("topk"):
-                verdict += f"; >= {TARGET_TOPK_BYTES:.0f}x fewer: **{'met' if ratio >= TARGET_TOPK_BYTES else 'missed'}**"
-            lines.append(f"| {preset} | {variant} | {loss:.4f} | {rel:+.2f}% | {verdict} | {mean(r['max_cd_l2'] for r in runs):.4f} | "
+            if base is None:
+                rel_text, ratio_text, verdict = "-", "-", "no baseline in this run"
+            else:
+                rel = 100 * (loss / mean(r["final_val_loss"] for r in base) - 1)
+                ratio = mean(r["mix2_bytes"] for r in base) / b2 if b2 else float("inf")
+                rel_text, ratio_text = f"{rel:+.2f}%", f"{ratio:.1f}x"
+                verdict = "-" if target is None else f"<= +{target}%: **{'met' if rel <= target else 'missed'}**"
+                if variant.startswith("topk"):
+                    verdict += f"; >= {TARGET_TOPK_BYTES:.0f}x fewer: **{'met' if ratio >= TARGET_TOPK_BYTES else 'missed'}**"
+            lines.append(f"| {preset} | {variant} | {loss:.4f} | {rel_text} | {verdict} | {mean(r['max_cd_l2'] for r in runs):.4f} | "
                          f"{mean(r['max_cd_js'] for r in runs):.4f} | {mean(r['mix1_bytes'] for r in runs):,.0f} | {b2:,.0f} | "
-                         f"{ratio:.1f}x | {mean(r['wall_s'] for r in runs):.0f} |")
+                         f"{ratio_text} | {mean(r['wall_s'] for r in runs):.0f} |")
     lines += ["", "Per seed (final validation loss):", "", "| preset | Mix2 | " + " | ".join(f"seed {s}" for s in args.seeds) + " |",
               "|---|---|" + "---:|" * len(args.seeds)]
     for (preset, variant), runs in by.items():
@@ -194,7 +210,10 @@ def wire_section(args, wire: dict[tuple[str, str], dict]) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
-    lines = ["# Compression benchmark", "", f"Regenerate: `python bench/compression.py{' ' + argv_text if argv_text else ''}`", "",
+    made = ("The runs were made by the same command without `--report-only`" + (" and `--baseline`" if args.baseline != "none" else "")
+            + "; this is their report.") if args.report_only else ""
+    lines = ["# Compression benchmark", "", f"Regenerate: `python bench/compression.py{' ' + argv_text if argv_text else ''}`",
+             *([made] if made else []), "",
              f"Machine: {os.cpu_count()} cores; torch threads per run as stated."]
     if args.part in ("all", "wire"):
         lines += [""] + wire_section(args, run_wire(args))

@@ -299,7 +299,8 @@ def test_resumed_metrics_drop_what_came_after_the_checkpoint(tmp_path):
 def test_a_compressed_mix1_reference_is_kept_with_the_group_that_made_it():
     """A resumed worker holds its Mix1 reference for exactly the members whose mean it is (a group with others
     would compress against another reference and fail the mix for everyone); one whose last mix failed holds none
-    (not x_0); one from a checkpoint that did not keep the members sends fp32 once."""
+    (its next Mix1 is fp32, as everyone's in a group that changed); one from a checkpoint that did not keep the
+    members sends fp32 once."""
     from gossiploco.mixing.operators import INITIAL_REFERENCE
     from gossiploco.runtime.worker_state import capture, restore
 

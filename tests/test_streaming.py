@@ -28,8 +28,12 @@ def test_fragments_cover_every_parameter_once_in_runs_of_about_equal_size():
         split_fragments(names, sizes, 2, "sideways")
 
 
-@pytest.mark.parametrize("overrides", [{"mix1.fragments": 3}, {"mix1.fragments": 4, "mix1.fragment_order": "backward"},
-                                       {"mix1.fragments": 3, "mix1.compression": "4bit"}])
+@pytest.mark.parametrize("overrides", [
+    {"mix1.fragments": 3},
+    # 3 s each: in the slow set, so that the fast subset keeps its margin under 2 minutes
+    pytest.param({"mix1.fragments": 4, "mix1.fragment_order": "backward"}, marks=pytest.mark.slow),
+    pytest.param({"mix1.fragments": 3, "mix1.compression": "4bit"}, marks=pytest.mark.slow),
+])
 def test_a_streamed_mix1_trains_the_same_model(make_config, overrides):
     """z does not change during a round, so mixing it in fragments started later gives the same mean: with
     fp32 the very same bits as one exchange (the in-memory hub sums every value in rank order). Compressed,

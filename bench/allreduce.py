@@ -57,6 +57,7 @@ from pathlib import Path
 
 from gossiploco.runtime.launch import free_ports
 
+from testbed.machine import cpu_model
 from testbed.spawned import (
     GroupFailed, become_session_leader, close_within, cpu_seconds, finish, load_impl, proc_status, reset_peak_rss,
     run_group, thread_cpu, thread_cpu_delta,
@@ -454,10 +455,7 @@ def machine() -> dict:
     with contextlib.suppress(OSError):
         with open("/proc/meminfo") as f:
             mem = int(f.readline().split()[1]) * 1024
-    cpu = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cpu = cpu_model()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for mod in ("zmq", "hivemind"):
         with contextlib.suppress(Exception):

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from gossiploco.adversary import ATTACK_ENV, DEFAULT_STRENGTH, KINDS, Adversary  # noqa: E402
 from gossiploco.config import TINY_OVERRIDES, RunConfig, load_config  # noqa: E402
+from testbed.machine import cpu_model  # noqa: E402
 
 CASES = ("none", *KINDS)
 REAL_ONLY = ("state_flood",)
@@ -302,9 +303,7 @@ def fmt_vs(row: Row, rows: dict[tuple, Row]) -> str:
 
 
 def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return f"{os.cpu_count()} CPU cores ({model}), shared with other jobs; {platform.system()} {platform.release()}; torch CPU"
+    return f"{os.cpu_count()} CPU cores ({cpu_model()}), shared with other jobs; {platform.system()} {platform.release()}; torch CPU"
 
 
 def write_results(path: Path, rows: dict[tuple, Row], runs: list[dict]) -> None:

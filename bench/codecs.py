@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gossiploco.mixing import compression
+from testbed.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 LANDED = "ff961bc"
@@ -89,11 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"decode {ns['landed']['decode']:.2f} -> {ns['current']['decode']:.2f} ns, same bytes {r['same']}",
                   flush=True)
     command = "python -m bench.codecs" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    lines = ["# Codec speed: current against landed", "", f"Produced by `bench/codecs.py` (see its docstring).", "",
+    lines = ["# Codec speed: current against landed", "", "Produced by `bench/codecs.py` (see its docstring).", "",
              "```", command, "```", "",
-             f"Machine: {cpu}, {torch.get_num_threads()} torch threads at most here, torch {torch.__version__}, "
+             f"Machine: {cpu_model()}, {torch.get_num_threads()} torch threads at most here, torch {torch.__version__}, "
              f"Python {platform.python_version()}. {args.values:,} standard normal fp32 values, median of "
              f"{args.repeats} alternating runs; landed: `{args.landed}`. Wall time {time.monotonic() - started:.0f} s.",
              "", "| threads | codec | encode ns/value landed | current | speed-up | decode ns/value landed | current "

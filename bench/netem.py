@@ -117,6 +117,7 @@ from typing import Any, Sequence
 
 from testbed import netns
 from testbed.links import qdisc_text, shape_links
+from testbed.machine import cpu_model
 from testbed.netns import PREFIX_RE, Star, Unavailable, preflight, prefix_lock, remove_namespaces, sh
 from testbed.overrides import set_args
 from testbed.peers import measured_overrides, predict, read_peer, run_swarm_key, start_dht_node
@@ -642,11 +643,7 @@ def machine_info() -> dict:
     import platform
 
     info = {"kernel": platform.release(), "python": platform.python_version(), "cpus": os.cpu_count()}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
+    info["cpu"] = cpu_model()
     with contextlib.suppress(OSError):
         info["loadavg_start"] = Path("/proc/loadavg").read_text().split()[:3]
     info["ip"] = sh(["ip", "-V"], check=False).stdout.strip() if shutil.which("ip") else None

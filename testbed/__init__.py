@@ -9,6 +9,7 @@ product code never imports it; it imports gossiploco.
     processes.py  the process manager (``gossiploco.runtime.launch.ProcessGroup``), waits with deadlines, /proc
                   (a process table; ``resources``: memory, threads, file descriptors)
     spawned.py    Python functions as a group of spawned processes (the all-reduce benchmarks)
+    machine.py    ``cpu_model``: the CPU a benchmark ran on
     file_barrier.py ``FileBarrier``: many processes begin (or end) together, through files
     outsider.py   an attacker's tools: raw ZMTP, keyless sockets, a DHT node without a validator
     overrides.py  config overrides as ``--set`` arguments (the inverse of ``cli_options.parse_sets``)

@@ -61,6 +61,11 @@ def reference_diloco(cfg, corpus, micro_batch_size: int = 0):
     return x
 
 
+def initial_params(cfg, corpus) -> dict[str, torch.Tensor]:
+    """x_0: the parameters every worker of ``cfg`` starts from."""
+    return {n: p.detach() for n, p in build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed).named_parameters()}
+
+
 def divergence_bound(cfg, x0: dict[str, torch.Tensor]) -> float:
     """How far apart two correct fp32 runs of plain DiLoCo (eqs. 1-6) from the same x0 can end, per coordinate.
 
@@ -115,7 +120,7 @@ def test_the_divergence_bound_is_met_by_a_run_and_broken_by_a_wrong_equation(mak
     """The bound above is no formality: the reference itself meets it, and plain DiLoCo with another
     outer learning rate (0.6 for 0.7) fails the typical-coordinate check."""
     cfg = make_config("diloco", workers=3, inner_steps=3, rounds=3)
-    x0 = {n: p.detach() for n, p in build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed).named_parameters()}
+    x0 = initial_params(cfg, corpus)
     expected = reference_diloco(cfg, corpus)
     assert_same_diloco(expected, expected, x0, cfg)
     assert divergence_bound(cfg, x0) < 0.2  # a bound, not "anything goes": parameters are of order 0.1-1
@@ -133,7 +138,7 @@ def test_diloco_preset_equals_reference_diloco(make_config, corpus):
     swarm = VirtualSwarm(cfg, corpus=corpus)
     result = swarm.run()
     expected = reference_diloco(cfg, corpus)
-    x0 = {n: p.detach() for n, p in build_model(cfg.model.size, corpus.vocab_size, cfg.data.seq_len, cfg.seed).named_parameters()}
+    x0 = initial_params(cfg, corpus)
     for algo in swarm.algos:
         assert_same_diloco(algo.z, expected, x0, cfg)
     assert_same_diloco(result.final_params, expected, x0, cfg)

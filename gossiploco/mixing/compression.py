@@ -182,18 +182,15 @@ class BlockCodec(Codec):
             if self.levels:  # a linear grid: code = round(x / step) + levels, step = absmax / levels
                 step = torch.where(scale > 0, scale / self.levels, torch.ones_like(scale))
                 torch.div(padded, step[:, None], out=unit).round_()  # |x / step| <= levels: nothing to clamp
-                if self.bits == 8:  # straight into the payload
-                    self._linear_codes(unit.view(-1)[:n], codes_out[self._code_range(start, end)].view(torch.int8))
-                    continue
-                codes = self._linear_codes(unit.view(-1)[:n], small)
+                into = codes_out[self._code_range(start, end)].view(torch.int8) if self.bits == 8 else small
+                codes = self._linear_codes(unit.view(-1)[:n], into)  # 8-bit codes: written in the payload already
             else:  # a table: the nearest grid value (halfway between two: the lower)
                 torch.div(padded, torch.where(scale > 0, scale, torch.ones_like(scale))[:, None], out=unit)
                 codes = self._e3m0_codes(unit.view(-1)[:n])
             if self.bits == 4:
                 if n % 2:
                     codes = torch.nn.functional.pad(codes, (0, 1))
-                codes = _pack_nibbles(codes)
-            codes_out[self._code_range(start, end)] = codes
+                codes_out[self._code_range(start, end)] = _pack_nibbles(codes)
         return payload
 
     def _linear_codes(self, rounded: torch.Tensor, small: torch.Tensor) -> torch.Tensor:

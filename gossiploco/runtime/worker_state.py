@@ -102,19 +102,17 @@ def restore(algo: FactoredDiLoCo | SyncDP, prefix: str, tensors: TensorDict, met
         z, momentum = group("z"), group("momentum")
         _check_names(prefix, "z", z, shapes)
         _check_names(prefix, "momentum", momentum, shapes)
-        algo.set_state(z, momentum)  # also loads z into the model (y_{m,k,0} = z_{m,k})
+        algo.set_state(z, momentum)  # also loads z into the model (y_{m,k,0} = z_{m,k}) and drops every Mix1 reference
         tags, members = meta.get("mix1_reference_tags", {}), meta.get("mix1_reference_members")
         for j, mixer in enumerate(algo.mix1):
             reference = tensors.get(f"{prefix}/mix1_reference/{j}")
             if reference is None or not isinstance(mixer, GlobalMix):
-                mixer.forget_reference()
                 continue
             tag = int(tags.get(str(j), 0))
             if members is None and tag != INITIAL_REFERENCE:
                 # A checkpoint from before the members were kept: which group made this mean is unknown, and a group
                 # with other members would compress against another reference (a failed mix); send fp32 once instead.
                 log.info("%s: a Mix1 reference without its members (an older checkpoint): the next Mix1 sends fp32", prefix)
-                mixer.forget_reference()
                 continue
             mixer.restore_reference(reference.clone(), tag, None if members is None else members.get(str(j)))
         algo.mix2.residual = {n: v.clone() for n, v in group("mix2_residual").items()}

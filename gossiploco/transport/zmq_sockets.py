@@ -179,7 +179,7 @@ class ZmqSockets:
         """Each peer's first data DEALER (the one with a monitor)."""
         self.extra_stripes: dict[int, list[tuple[zmq.Socket, threading.Lock]]] = {}
         """Each peer's further data DEALERs (``stripes - 1``), used while it is dialed directly."""
-        self._striped: dict[int, int] = {}  # peer -> data DEALERs in use now (1: only the first)
+        self._striped: set[int] = set()  # peers whose further data DEALERs are connected (dialed directly)
         self._relayed: dict[int, bool] = {}
         self._turn: dict[int, itertools.count] = {}  # peer -> which stripe the next data message takes
         self.stripe_sends = [0] * self.stripes
@@ -245,12 +245,11 @@ class ZmqSockets:
             dealer.connect(endpoint)
             control.connect(endpoint)
             self.listening.pop(peer, None)
-            if not self._relayed[peer]:  # a relay's slots and link are shared: one data connection through it
+            if not self._relayed[peer] and self.extra_stripes[peer]:  # a relay's slots and link are shared
                 for extra, _ in self.extra_stripes[peer]:
                     extra.connect(endpoint)
-                self._striped[peer] = 1 + len(self.extra_stripes[peer])
+                self._striped.add(peer)
             return
-        self._striped[peer] = 1
         bound = []
         for sock in (dealer, control):
             sock.bind(listen)
@@ -269,13 +268,13 @@ class ZmqSockets:
                     sock.disconnect(endpoint)
             except zmq.ZMQError:
                 pass
-        if bound is None and self._striped.get(peer, 1) > 1:
+        if peer in self._striped:
+            self._striped.discard(peer)
             for extra, _ in self.extra_stripes[peer]:
                 try:
                     extra.disconnect(endpoint)
                 except zmq.ZMQError:
                     pass
-        self._striped[peer] = 1
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
         """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial; ``relayed``: None keeps the last)."""
@@ -293,7 +292,7 @@ class ZmqSockets:
 
     def data_connections(self, peer: int) -> int:
         """How many data DEALERs carry messages to ``peer`` now (its stripes in use)."""
-        return self._striped.get(peer, 1)
+        return 1 + len(self.extra_stripes[peer]) if peer in self._striped else 1
 
     def refused_by(self, peer: int, now: float) -> float:
         """``peer`` refused our handshake (libzmq then never retries): schedule a new connection
@@ -314,8 +313,8 @@ class ZmqSockets:
         if peer not in sockets:
             raise PeerFailed(f"{what}: {peer} is not a known peer")
         dealer, lock = sockets[peer]
-        striped = 1 if control else self._striped.get(peer, 1)
-        stripe = next(self._turn[peer]) % striped if striped > 1 else 0
+        striped = not control and peer in self._striped
+        stripe = next(self._turn[peer]) % (1 + len(self.extra_stripes[peer])) if striped else 0
         if stripe:  # data messages take the stripes in turn (their order does not matter: module docstring)
             dealer, lock = self.extra_stripes[peer][stripe - 1]
         if not control:

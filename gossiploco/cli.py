@@ -102,6 +102,7 @@ def peer(
     port: int = typer.Option(0, "--port", help="With --join: data-plane TCP port (0: any free port)."),
     announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
     dht_port: int = typer.Option(0, "--dht-port", help="With --join: TCP port of this peer's own DHT node (0: any; give one, forwarded, with --announce behind NAT)."),
+    dht_node: Optional[str] = typer.Option(None, "--dht-node", help="With --join: use the DHT node another process of this machine serves at ipc://PATH (`gossiploco dht --local-peers`, `gossiploco swarm`) instead of starting one; several peers of one machine then share one node and its p2pd."),
     workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: the number of peers of the run, waited for before the first round (default: the preset's); every peer needs the same value."),
     new_run: bool = typer.Option(False, "--new-run", help="With --join: start this run even though the swarm runs another one with other settings (else this peer is refused, the differences named)."),
     resume: bool = RESUME,
@@ -134,6 +135,8 @@ def peer(
 
         if bool(join) == bool(peers):
             raise ConfigError("--join", "give either --join BOOTSTRAP_MULTIADDR (the DHT) or --peers LIST (a static list)")
+        if dht_node and not join:
+            raise ConfigError("--dht-node", "only with --join (a static --peers list uses no DHT)")
         if rank is None and peers:
             raise ConfigError("--rank", "required with --peers: this peer's index in the list")
         endpoints = [e.strip() for e in peers.split(",") if e.strip()] if peers else None
@@ -153,7 +156,8 @@ def peer(
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
-                               relays=relay or [], reachability=reachability, new_run=new_run, fault=fault_hook)
+                               relays=relay or [], reachability=reachability, new_run=new_run, fault=fault_hook,
+                               shared_node=dht_node)
             rank = trust.peer_id
         else:
             node = NetworkPeer(cfg, rank, endpoints, run_id=run_id, fault=fault_hook,
@@ -238,6 +242,7 @@ def dht(
     join: Optional[list[str]] = typer.Option(None, "--join", help="Join an existing run's DHT (another bootstrap multiaddr): a second bootstrap node and relay for peers behind NAT; repeatable."),
     relay_data_mb: float = typer.Option(4096.0, "--relay-data-mb", help="Relaying for peers behind NAT: MiB per direction one relayed connection may carry before it is reset (peers renew theirs before)."),
     relay_time_s: float = typer.Option(1800.0, "--relay-time-s", help="Relaying: the longest life of one relayed connection, in seconds."),
+    local_peers: Optional[Path] = typer.Option(None, "--local-peers", help="Also serve this node to the peers of this machine through a socket in this directory (made private): each `gossiploco peer --dht-node ipc://DIR/dht.sock` then uses it instead of starting a DHT node and p2pd of its own (a machine with several GPUs, one peer each)."),
 ) -> None:
     """Run a bootstrap DHT node (which also relays for peers behind NAT) for peers to --join; prints a paste-ready join command; Ctrl+C stops it."""
     from gossiploco.membership.bootstrap import serve_bootstrap
@@ -254,7 +259,7 @@ def dht(
     except GossiplocoError as exc:
         fail(exc)
 
-    def ready(addresses: list[str]) -> None:
+    def ready(addresses: list[str], local: str | None = None) -> None:
         console.print("[bold]bootstrap DHT node ready.[/] "
                       + ("Public run: anyone can join." if key is None else
                          f"Private run (swarm key {key.fingerprint}): the command carries the key, share it "
@@ -262,10 +267,13 @@ def dht(
         secret = "--open" if key is None else f"--swarm-key {key.text}"
         for address in addresses:
             print(f"  gossiploco peer --config PRESET --join {address} {secret}", flush=True)
+        if local is not None:
+            console.print("Peers of this machine share this node by adding:", highlight=False)
+            print(f"  --dht-node {local}", flush=True)
 
     try:
         serve_bootstrap(host, port, announce, identity, on_ready=ready, swarm=key, open_run=open_run, join=join or [],
-                        relay_limits=(relay_data_mb * (1 << 20), relay_time_s))
+                        relay_limits=(relay_data_mb * (1 << 20), relay_time_s), local_peers=local_peers)
     except GossiplocoError as exc:
         fail(exc)
 
@@ -315,6 +323,7 @@ def swarm(
     log: Optional[list[str]] = LOG,
     dashboard: bool = typer.Option(False, "--dashboard", help="Also serve a live web dashboard of the swarm (gossiploco dashboard) and print its URL."),
     dashboard_port: int = typer.Option(8080, "--dashboard-port", help="With --dashboard: TCP port of the page (on 127.0.0.1)."),
+    dht_per_peer: bool = typer.Option(False, "--dht-per-peer", help="Give every peer its own DHT node and p2pd and its own dial-back check, as on separate machines (default: the peers share the bootstrap's node)."),
 ) -> None:
     """The main job: a bootstrap DHT node and N peer processes on this machine, training together with live progress."""
     import shlex
@@ -350,7 +359,8 @@ def swarm(
         args += ["--log", item]
     console.print(f"[bold]{cfg.name}[/]: {peers} peers x {cfg.rounds} rounds x {cfg.inner_steps} inner steps, model "
                   f"{cfg.model.describe()}; peers run `gossiploco peer {shlex.join(args)} --join BOOTSTRAP`; logs in {out}/")
-    local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None)
+    local = LocalSwarm(peers, out, args, on_bootstrap=_swarm_dashboard(dashboard_port) if dashboard else None,
+                       dht_per_peer=dht_per_peer)
     # A terminal gets a table redrawn in place; a pipe or a log file, where that shows nothing until the end, a line
     # at least every PLAIN_EVERY_S seconds
     live = Live(progress_table(local.progress, cfg.rounds), console=console, refresh_per_second=2, transient=False,

@@ -75,6 +75,32 @@ def test_peers_found_through_one_bootstrap_address_train_every_preset_like_the_v
 
 
 @pytest.mark.timeout(240)
+def test_peers_sharing_one_machines_dht_node_train_like_the_virtual_swarm(tmp_path):
+    """``gossiploco dht --local-peers`` serves its node to the peers of its machine (``--dht-node``): none of them
+    starts a DHT process or a p2pd, their records stay their own (signed by them), and they train the same model."""
+    preset = "globalm1-localm2"
+    key_file = tmp_path / "swarm.key"
+    node = subprocess.Popen([sys.executable, "-m", "gossiploco", "dht", "--host", "127.0.0.1", "--swarm-key",
+                             str(key_file), "--local-peers", str(tmp_path / "node")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        join = node.stdout.readline().split("--join ")[1].split()[0]  # the test's timeout bounds each read
+        local = next(line for line in node.stdout if "--dht-node" in line).split("--dht-node ")[1].strip()
+        assert local == f"ipc://{tmp_path / 'node' / 'dht.sock'}"
+        args = tiny_peer_args(preset) + ["--dht-node", local, "--reachability", "public"]
+        with LocalPeers(4, tmp_path / "peers", args, env=ENV, join=join, swarm_key=key_file) as peers:
+            peers.start()
+            codes = peers.wait(180)
+            logs = [peers.log(rank) for rank in range(4)]
+    finally:
+        node.send_signal(signal.SIGINT)
+        if node.wait(timeout=20) != 130:
+            node.kill()
+    assert all("using the shared DHT node" in log and "DHT node up" not in log for log in logs)
+    assert_matches_virtual_swarm(peers, codes, preset)
+
+
+@pytest.mark.timeout(240)
 def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
     """Also: peers that compute differently (micro-batches, recomputed activations, outer state in host
     memory: each peer's own [compute]) still train the virtual swarm's model."""

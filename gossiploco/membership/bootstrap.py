@@ -259,34 +259,55 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
                     identity_file: Path | None = None, *, on_ready: Callable[[list[str]], None],
                     stop: threading.Event | None = None, swarm: SwarmKey | None = None,
                     open_run: bool = False, join: Sequence[str] = (),
-                    relay_limits: tuple[float, float] | None = None) -> None:
+                    relay_limits: tuple[float, float] | None = None, local_peers: Path | None = None) -> None:
     """Run a bootstrap node until ``stop`` is set or Ctrl+C; always shut it down before returning.
 
+    ``local_peers``: also serve the peers of this machine the node (``membership.shared_node``), on a socket in
+    that directory (made private, mode 0700); ``on_ready`` then gets the socket's address as well.
+
     ``on_ready(addresses)`` is called once the node is up, with multiaddrs ready to paste into
-    ``--join``. With ``identity_file``, the peers the node is connected to are saved in
+    ``--join`` (with ``local_peers``, ``on_ready(addresses, socket_address)``). With ``identity_file``, the peers the node is connected to are saved in
     ``peers_file_for(identity_file)`` every ``PEERS_SAVE_S`` and at shutdown, for the next start to
     reconnect to. Raises what ``start_bootstrap`` raises, and ``DirectoryError`` if the DHT process
     dies while serving. Ctrl+C (KeyboardInterrupt) propagates once the node is shut down.
     """
     dht, addresses = start_bootstrap(host, port, announce, identity_file, swarm=swarm, open_run=open_run, join=join,
                                      relay_limits=relay_limits)
+    lock = threading.Lock()  # the node's pipe is not thread-safe: the service and this loop take turns
+    service = None
+    if local_peers is not None:
+        from gossiploco.membership.shared_node import NodeService
+
+        try:
+            service = NodeService(dht, lock=lock, directory=str(local_peers), signed_only=swarm is not None or open_run)
+        except BaseException:
+            dht.shutdown()
+            raise
+        service.describe(addresses, dht.peer_id.to_base58())
     stop = stop if stop is not None else threading.Event()
     peers_file = peers_file_for(Path(identity_file)) if identity_file is not None else None
     next_save = time.monotonic() + PEERS_SAVE_S
     next_beacon = time.monotonic() + BEACON_TTL_S / 4
     beacon = getattr(dht, "gossiploco_beacon", None)
     try:
-        on_ready(addresses)
+        if service is None:
+            on_ready(addresses)
+        else:
+            on_ready(addresses, service.address)
         while not stop.wait(LIVENESS_POLL_S):
             if not dht.is_alive():
                 raise DirectoryError(f"the bootstrap DHT process exited unexpectedly (exit code {dht.exitcode})")
             if beacon is not None and time.monotonic() >= next_beacon:
-                store_beacon(dht, *beacon, STARTUP_TIMEOUT_S)
+                with lock:
+                    store_beacon(dht, *beacon, STARTUP_TIMEOUT_S)
                 next_beacon = time.monotonic() + BEACON_TTL_S / 4
             if peers_file is not None and time.monotonic() >= next_save:
-                save_known_peers(dht, peers_file)
+                with lock:
+                    save_known_peers(dht, peers_file)
                 next_save = time.monotonic() + PEERS_SAVE_S
     finally:
+        if service is not None:
+            service.close()
         if peers_file is not None and dht.is_alive():
             save_known_peers(dht, peers_file)
         dht.shutdown()

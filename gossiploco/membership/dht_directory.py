@@ -114,12 +114,14 @@ class DhtDirectory(Directory):
     ``heartbeat_s``: how often the current record is re-published (must be below ``ttl_s``).
     ``timeout_s``: deadline of joining and of every DHT operation (``announce``, ``peers``,
     ``withdraw``); ``close`` takes at most about 3 x ``CLOSE_WITHDRAW_S`` plus the DHT's shutdown.
+    ``shared_node``: instead of starting a node, use the one another process of this machine serves at this
+    ``ipc://`` address (``membership.shared_node``; the node re-joins its own initial peers).
     """
 
     def __init__(self, run_id: str, *, initial_peers: Sequence[str], host: str = "127.0.0.1", port: int = 0,
                  announce_maddrs: Sequence[str] | None = None, ttl_s: float = 15.0, heartbeat_s: float = 5.0,
                  timeout_s: float = 10.0, trust: Trust | None = None, behind_nat: bool = False,
-                 relays: Sequence[str] = ()):
+                 relays: Sequence[str] = (), shared_node: str | None = None):
         check_ttl(ttl_s, heartbeat_s)
         from gossiploco.membership.dht_storage import MAX_TTL_S
 
@@ -160,26 +162,43 @@ class DhtDirectory(Directory):
             from gossiploco.membership.record_validator import SwarmRecordValidator
 
             validator = SwarmRecordValidator(trust.identity, trust.swarm)
-        self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
-                              announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator,
-                              behind_nat=behind_nat, relays=list(relays) or self.initial_peers, run=self.run_id)
+        self.shared_node = shared_node
+        """The address of the shared DHT node this directory uses (``membership.shared_node``), or None: its own."""
+        if shared_node is not None:
+            from gossiploco.membership.shared_node import NodeClient
+
+            client = NodeClient(shared_node, timeout_s=self.timeout_s, identity=trust.identity if trust else None,
+                                swarm=trust.swarm if trust else None)
+            self._dht, self._visible_maddrs, self._p2p_id = client, client.maddrs, ""
+            self.run_in_node: Callable[[Callable[[Any, Any], Any]], Any] | None = None
+            """``run_in_node(fn)`` runs ``fn(dht, node)`` (a picklable coroutine function) in this directory's DHT
+            process and returns its result (``DirectoryError`` when it fails or misses the deadline); None on a
+            shared node, which runs no code for its peers."""
+        else:
+            self._dht = start_dht(initial_peers=self.initial_peers, host_maddrs=[listen],
+                                  announce_maddrs=announce_maddrs, timeout_s=self.timeout_s, record_validator=validator,
+                                  behind_nat=behind_nat, relays=list(relays) or self.initial_peers, run=self.run_id)
+            self._p2p_id = self._dht.peer_id.to_base58()
         self.entries = DhtEntries(self._dht, run_id=self.run_id, timeout_s=self.timeout_s, trust=trust)
         """This node's entries: every store and read of the DHT goes through it."""
-        try:
-            self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
-        except BaseException:
-            self._dht.shutdown()
-            raise
-        log.info("run %s: DHT node up in %.2f s at %s", run_id, time.monotonic() - started,
-                 ", ".join(self._visible_maddrs))
+        if shared_node is None:
+            self.run_in_node = self.entries.run
+            try:
+                self._visible_maddrs = visible_maddrs(self._dht, self.timeout_s)
+            except BaseException:
+                self._dht.shutdown()
+                raise
+        log.info("run %s: %s in %.2f s at %s", run_id, "DHT node up" if shared_node is None else
+                 f"using the shared DHT node {shared_node}", time.monotonic() - started, ", ".join(self._visible_maddrs))
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name=f"directory-heartbeat-{run_id}",
                                            daemon=True)
         self._heartbeat.start()
 
     @property
     def p2p_id(self) -> str:
-        """This node's libp2p peer id (base58; hivemind caches it)."""
-        return self._dht.peer_id.to_base58()
+        """This node's libp2p peer id (base58); empty on a shared node, which relays and tunnels nothing for
+        this peer (others then reach it directly or by reverse connection, never through a relay)."""
+        return self._p2p_id
 
     @property
     def dht(self) -> Any:
@@ -268,7 +287,7 @@ class DhtDirectory(Directory):
             beats += 1
             try:
                 self._publish()
-                if self.initial_peers and beats % REJOIN_HEARTBEATS == 0:
+                if self.initial_peers and self.shared_node is None and beats % REJOIN_HEARTBEATS == 0:
                     self._start_rejoin()
             except Exception:  # the heartbeat must outlive any surprise; it is logged
                 log.exception("run %s: directory heartbeat failed", self.run_id)
@@ -305,11 +324,6 @@ class DhtDirectory(Directory):
     def publish_now(self) -> None:
         """Store the current record now instead of at the next heartbeat (bounded by the deadline)."""
         self._publish()
-
-    def run_in_node(self, fn: Callable[[Any, Any], Any]) -> Any:
-        """Run ``fn(dht, node)`` (a picklable coroutine function) in the DHT process; its result.
-        Raises ``DirectoryError`` when it fails or takes longer than the deadline."""
-        return self.entries.run(fn)
 
     def _fetch(self) -> dict[int, tuple[PeerRecord, float]] | None:
         """The run's valid, unexpired records from the DHT, or None when the DHT did not answer."""

@@ -47,6 +47,15 @@ MAX_REPORTED = 4096
 """How many distinct bad entries a ``DhtEntries`` remembers having warned about."""
 
 
+def describe_exit(dht: Any) -> str:
+    """How a DHT node's end is told: its exit code, or for a shared node (``membership.shared_node``) which
+    process served it."""
+    host_pid = getattr(dht, "host_pid", None)
+    if host_pid is not None:
+        return f"the process {host_pid} that served the shared DHT node at {dht.address} is gone"
+    return f"exit code {dht.exitcode}"
+
+
 def dht_time() -> float:
     """hivemind's clock for expirations (wall-clock seconds; peers' clocks must roughly agree)."""
     from hivemind.utils import get_dht_time
@@ -80,8 +89,8 @@ class DhtEntries:
         with self._lock:
             said, self._gone_reported = self._gone_reported, True
         if not said:
-            log.error("run %s: the DHT process exited (exit code %s); this peer can no longer publish its record "
-                      "or see changes, restart it", self.run_id, self.dht.exitcode)
+            log.error("run %s: the DHT process exited (%s); this peer can no longer publish its record or see "
+                      "changes, restart it", self.run_id, describe_exit(self.dht))
         return False
 
     def subkey(self, peer: int) -> int:

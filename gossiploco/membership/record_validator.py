@@ -29,9 +29,11 @@ DHT child process); each reason is logged once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import struct
 from collections import Counter
+from typing import Any
 
 import msgpack
 from hivemind.dht.routing import DHTID
@@ -73,6 +75,9 @@ class SwarmRecordValidator(RecordValidatorBase):
         self._status_key_id = DHTID.generate(source=status_key(swarm)).to_bytes()
 
     def sign_value(self, record: DHTRecord) -> bytes:
+        presigned = self._presigned(record)
+        if presigned is not None:
+            return presigned
         if self.identity is None:
             raise ValueError("this DHT node has no identity to sign records with")
         signature = self.identity.sign(_signed_part(record, record.value))
@@ -80,6 +85,19 @@ class SwarmRecordValidator(RecordValidatorBase):
             return msgpack.packb([ENVELOPE_VERSION, self.identity.sign_public, record.value, signature])
         inner = msgpack.packb([self.identity.sign_public, record.value, signature])
         return msgpack.packb([ENVELOPE_VERSION, self.swarm.seal(inner)])
+
+    def _presigned(self, record: DHTRecord) -> bytes | None:
+        """The envelope a peer signed itself (``presign``) and handed a shared node as the value, if the value is
+        one (a value that is bytes at all must be: a node never signs another's bytes with its own key)."""
+        try:
+            inner = msgpack.unpackb(record.value, raw=False, max_bin_len=MAX_ENVELOPE_BYTES, max_str_len=0,
+                                    max_array_len=0, max_map_len=0)
+        except (ValueError, msgpack.UnpackException):
+            return None  # not bytes: a value this node signs itself
+        if not isinstance(inner, bytes):
+            return None
+        self._open(dataclasses.replace(record, value=inner))  # ValueError: not signed by the entry's peer
+        return inner
 
     @staticmethod
     def _unpack(data: bytes, parts: int) -> list:
@@ -142,3 +160,13 @@ class SwarmRecordValidator(RecordValidatorBase):
     @property
     def priority(self) -> int:
         return 10  # applied last when signing, first when validating: the outermost layer
+
+
+def presign(identity: Identity, swarm: SwarmKey | None, key: str, subkey: int, value: Any, expiration: float) -> bytes:
+    """The envelope ``identity``'s own DHT node would store for ``value`` under ``key``/``subkey`` expiring at
+    ``expiration``: what a peer hands a shared node (``membership.shared_node``), which stores it as it is."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    record = DHTRecord(DHTID.generate(source=key).to_bytes(), MSGPackSerializer.dumps(subkey),
+                       MSGPackSerializer.dumps(value), expiration)
+    return SwarmRecordValidator(identity, swarm).sign_value(record)

@@ -59,7 +59,8 @@ def verified_by_join(found: Reachability, join: list[str]) -> bool:
 
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
                 announce: str | None, run_id: str, dht_port: int = 0, *, relays: list[str] | None = None,
-                reachability: str = "auto", new_run: bool = False, fault: SendHook | None = None) -> NetworkPeer:
+                reachability: str = "auto", new_run: bool = False, fault: SendHook | None = None,
+                shared_node: str | None = None) -> NetworkPeer:
     """A ``NetworkPeer`` that finds its run through the DHT at ``join`` (bootstrap multiaddrs), listens
     on ``host:port``, and tells the others ``announce`` (``HOST`` or ``HOST:PORT``); ``dht_port``
     fixes its DHT node's port. ``stream``: its data stream (default: its peer id).
@@ -70,7 +71,10 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     advertises the address the checker reached; a peer behind NAT runs its DHT node as a client
     connected to its ``relays`` (default: the ``join`` nodes) and is reached by reverse
     connections and relayed streams (``gossiploco.reach.paths``). ``new_run``: start this run even where
-    the swarm runs another one (``runtime.run_match``). ``fault``: the exchange's fault-injection hook (tests)."""
+    the swarm runs another one (``runtime.run_match``). ``fault``: the exchange's fault-injection hook (tests).
+    ``shared_node``: use the DHT node another process of this machine serves there (``ipc://PATH``,
+    ``membership.shared_node``) instead of starting one; behind NAT such a peer is reached by reverse connections
+    only (a shared node relays nothing for it), which is said."""
     t = cfg.timeouts
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]
     relays = check_initial_peers(relays) if relays else []
@@ -97,10 +101,15 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     announce_host = announce.rsplit(":", 1)[0] if announce and ":" in announce else announce
     dht_announce = [f"/ip4/{announce_host}/tcp/{dht_port}"] if announce_host and dht_port else None
     relay_list = relays or join
+    if behind_nat and shared_node is not None:
+        log.warning("peer %d: behind NAT on a shared DHT node: peers that can be dialled reach this one by reverse "
+                    "connections; peers behind NAT too cannot reach it (a shared node relays for nobody; run this "
+                    "peer without --dht-node to get relays)", trust.peer_id)
+        relay_list = []
     directory = DhtDirectory(run_id, initial_peers=join, host="127.0.0.1" if host in ("127.0.0.1", "localhost") else host,
                              port=dht_port, announce_maddrs=dht_announce, ttl_s=t.announce_ttl_s,
                              heartbeat_s=t.discovery_s, timeout_s=t.hello_s + 5, trust=trust, behind_nat=behind_nat,
-                             relays=relay_list)
+                             relays=relay_list, shared_node=shared_node)
     try:
         # Before the model is built (minutes, compiled): a wrong swarm key, or other settings than the run
         # going in the swarm, stop the peer at once (``NetworkPeer`` checks again before it announces itself)

@@ -21,6 +21,7 @@ resumed, interrupted, killed) and nothing it started is left behind.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shlex
@@ -32,6 +33,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
 
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -207,8 +210,10 @@ class LocalPeers:
 
     def __init__(self, count: int, out_dir: str | Path, args: Sequence[str] = (), *, host: str = "127.0.0.1",
                  per_rank: dict[int, Sequence[str]] | None = None, env: dict[str, str] | None = None,
-                 join: str | None = None, swarm_key: Path | None = None, open_run: bool = False):
-        """``env``: extra environment for every peer (``start`` adds per-rank extras). ``join``: a
+                 join: str | None = None, swarm_key: Path | None = None, open_run: bool = False, niceness: int = 0):
+        """``niceness``: added to every peer's scheduling niceness (``os.setpriority``) once it starts, so that a
+        process the peers depend on (a shared DHT node) keeps its share of the cores. ``env``: extra environment for
+        every peer (``start`` adds per-rank extras). ``join``: a
         bootstrap multiaddr; the peers find each other through the DHT instead of a static list.
         ``swarm_key``: the run's key file (default: created in ``out_dir``). ``open_run``: a public run
         (``--open``, no swarm key; needs ``join``, excludes ``swarm_key``)."""
@@ -226,6 +231,7 @@ class LocalPeers:
         """The latest process of each rank started."""
         self.group = ProcessGroup(env=self.env)
         self.open_run = open_run
+        self.niceness = niceness
         self.swarm_key = None if open_run else Path(swarm_key) if swarm_key is not None else self.out_dir / "swarm.key"
         """The private run's key file; None in an open run."""
         if self.swarm_key is not None and swarm_key is None and not self.swarm_key.exists():
@@ -271,6 +277,12 @@ class LocalPeers:
         for rank in range(self.count) if ranks is None else ranks:
             self.procs[rank] = self.group.start(self.command(rank), self.log_path(rank), append=True,
                                                 env={**self.env, **(env or {}).get(rank, {})}, stdin=None)
+            if self.niceness:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, self.procs[rank].pid,
+                                   os.getpriority(os.PRIO_PROCESS, 0) + self.niceness)
+                except OSError as exc:  # it exited already: its exit code says why
+                    log.debug("could not renice peer %d: %s", rank, exc)
         return self
 
     def signal(self, rank: int, sig: int) -> None:

@@ -107,7 +107,8 @@ class PathPlanner:
                 self.unconnectable.add(peer)
                 log.error("rank %d: peer %d and this peer are both behind NAT and %s: no path between them (is "
                           "a relay configured: --relay, or a reachable bootstrap node?)", self.rank, peer,
-                          "this peer has no DHT node" if self.run_in_node is None else "it offers no relay")
+                          "this peer has no DHT node of its own (none, or a shared one)" if self.run_in_node is None
+                          else "it offers no relay")
             return None
         self.unconnectable.discard(peer)
         known = self._tunnels.get(peer)

@@ -1,8 +1,13 @@
 """The main job: a whole swarm on this machine, found through a real DHT, with live progress.
 
 ``LocalSwarm`` starts a bootstrap DHT node (``membership.bootstrap``) and ``count`` peer
-processes (``gossiploco peer --join BOOTSTRAP``), exactly what users on separate machines run,
-only on loopback. It follows each peer's ``metrics.jsonl`` as it grows and reports the latest
+processes (``gossiploco peer --join BOOTSTRAP``), what users on separate machines run, only on
+loopback, with one difference by default: the peers share the bootstrap's DHT node
+(``--dht-node``, ``membership.shared_node``) instead of each starting a DHT process and a ``p2pd``
+(at 32 peers on two cores those starved each other), and skip the dial-back check (on loopback
+they reach each other: ``--reachability public``), running nicer than the node's process
+(``PEER_NICENESS``). ``dht_per_peer`` gives each its own node and check. With more peers than cores,
+each peer gets one torch thread (``peer_environment``). It follows each peer's ``metrics.jsonl`` as it grows and reports the latest
 record of every peer (round, loss, CD_L2, CD_JS) to a callback. When every peer has exited it
 writes ``OUT/summary.json``: the peers' own summaries side by side plus swarm-wide figures.
 Ctrl+C (KeyboardInterrupt) stops every peer (SIGINT: each leaves the run gracefully), shuts the
@@ -12,6 +17,7 @@ DHT node down, writes the summary of what finished (``interrupted: true``) and r
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +29,19 @@ from gossiploco.runtime.launch import LocalPeers
 
 POLL_S = 0.5
 """How often the swarm reads the peers' metrics."""
+PEER_NICENESS = 5
+"""Peers sharing this process's DHT node run this much nicer than it, so that the node (and this process, which
+serves it) answers them in time when they keep every core busy."""
+
+
+def peer_environment(count: int, env: dict[str, str] | None) -> dict[str, str] | None:
+    """The peers' extra environment: ``env``, and with more peers than cores, one torch thread each
+    (``OMP_NUM_THREADS``, unless set) instead of every peer running a thread per core (``count`` x cores threads
+    spinning on the same cores)."""
+    cores = os.cpu_count() or 1
+    if count <= cores or "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (env or {}):
+        return env
+    return {**(env or {}), "OMP_NUM_THREADS": str(max(1, cores // count))}
 
 
 @dataclass
@@ -39,7 +58,7 @@ class LocalSwarm:
     """``count`` peers of one run on this machine; ``peer_args`` go to every ``gossiploco peer``."""
 
     def __init__(self, count: int, out_dir: str | Path, peer_args: Sequence[str] = (), *, env: dict[str, str] | None = None,
-                 on_bootstrap: Callable[[list[str], Any], Any] | None = None):
+                 on_bootstrap: Callable[[list[str], Any], Any] | None = None, dht_per_peer: bool = False):
         if count < 1:
             raise ValueError(f"a swarm needs at least one peer, got {count}")
         self.count = count
@@ -51,6 +70,9 @@ class LocalSwarm:
         self.on_bootstrap = on_bootstrap
         """Called with the bootstrap addresses and the swarm key once the DHT is up (``swarm --dashboard``); what
         it returns is closed (``.close()``) when the swarm ends."""
+        self.dht_per_peer = dht_per_peer
+        self.node_service: Any = None
+        """The bootstrap node's service to the peers (``membership.shared_node.NodeService``) while they run."""
 
     def run(self, on_progress: Callable[[dict[int, PeerProgress]], None] | None = None,
             timeout_s: float | None = None) -> dict:
@@ -71,8 +93,17 @@ class LocalSwarm:
         try:
             if self.on_bootstrap is not None:
                 extra = self.on_bootstrap(self.bootstrap, key)
-            with LocalPeers(self.count, self.out_dir, self.peer_args, join=self.bootstrap[0], env=self.env,
-                            swarm_key=key_file) as peers:
+            peer_args = list(self.peer_args)
+            niceness = 0
+            if not self.dht_per_peer:
+                from gossiploco.membership.shared_node import NodeService
+
+                self.node_service = NodeService(dht)
+                self.node_service.describe(self.bootstrap, dht.peer_id.to_base58())
+                peer_args += ["--dht-node", self.node_service.address, "--reachability", "public"]
+                niceness = PEER_NICENESS
+            with LocalPeers(self.count, self.out_dir, peer_args, join=self.bootstrap[0], env=peer_environment(
+                    self.count, self.env), swarm_key=key_file, niceness=niceness) as peers:
                 peers.start()
                 try:
                     while True:
@@ -97,6 +128,8 @@ class LocalSwarm:
                 if extra is not None:
                     extra.close()
             finally:
+                if self.node_service is not None:
+                    self.node_service.close()
                 dht.shutdown()
         return summary
 

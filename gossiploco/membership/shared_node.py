@@ -1,0 +1,482 @@
+"""One DHT node for several peers on one machine: a local socket in front of a hivemind DHT node.
+
+A volunteer with eight GPUs runs eight peers; a local swarm (``gossiploco swarm``) runs dozens. Each peer
+starting its own DHT node means a DHT process and a ``p2pd`` per peer: at 32 peers on two cores they starved
+each other (DHT reads timing out, records unpublished for minutes). Here one node serves them all.
+
+``NodeService`` (in the process that owns the node: ``gossiploco swarm``'s bootstrap, ``gossiploco dht
+--local-peers``) answers requests on a ZeroMQ ``ipc://`` socket inside a directory only its user can enter
+(mode 0700). ``NodeClient`` (in each peer) is what ``DhtEntries`` needs of a hivemind ``DHT`` handle:
+``store``/``get`` returning futures, ``is_alive``, ``shutdown``.
+
+Records stay signed by their own peer. The client signs each entry itself (``record_validator.presign``:
+the same envelope the peer's own node would have made, over the same key, subkey, value and expiration)
+and the node stores the envelope as it is (``SwarmRecordValidator.sign_value`` passes a valid one through):
+no peer's key leaves its process, and a client can store only entries it signed, under its own subkey.
+
+Reads of one key coalesce: while one is in flight the others wait for it, and its value answers reads for
+``REUSE_S`` after (until a store through the node changes the key). Requests and replies are msgpack maps: ``{"id", "op": "info"|"store"|"get", ...}`` and ``{"id", "ok",
+"result"|"error"}``. A request over ``MAX_REQUEST_BYTES`` is dropped by libzmq; a malformed one, or one over
+``MAX_IN_FLIGHT`` pending for its client, is answered with an error and counted (``refused``); each store or
+get waits at most its request's deadline (capped at ``MAX_DEADLINE_S``). Nothing a client sends can stop the
+service: it stops with ``close()``.
+
+What a shared node does not give its peers: code run in the node (``DhtDirectory.run_in_node`` is None), so a
+peer behind NAT on a shared node is reached by reverse connections only, never through a relay.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import logging
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import msgpack
+import zmq
+
+from gossiploco.errors import DirectoryError
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 256 << 10
+"""A request stores a few signed entries (each at most ``record_validator.MAX_ENVELOPE_BYTES``)."""
+MAX_REPLY_BYTES = 64 << 20
+"""A reply carries one key's entries: a few hundred bytes per peer of the run."""
+MAX_ITEMS = 16
+"""Entries one store request may carry (a peer stores 3 per heartbeat)."""
+MAX_IN_FLIGHT = 32
+"""Requests one client may have pending at the node."""
+MAX_DEADLINE_S = 60.0
+REUSE_S = 1.0
+"""How long a key's value read for one peer answers the others' reads of it (a store through the node drops it):
+N peers reading the same records every few seconds cost the node one search per key and second, not N."""
+MAX_KEYS_KEPT = 256
+POLL_MS = 20
+"""How often the service looks for finished node requests while no client writes (its only wait)."""
+SOCKET_NAME = "dht.sock"
+
+
+def _unpack(data: bytes, max_bytes: int) -> Any:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes,
+                           max_array_len=max(MAX_ITEMS, 1 << 16), max_map_len=1 << 16)
+
+
+def _wire_value(found: Any) -> Any:
+    """hivemind's ``ValueWithExpiration`` of a key as msgpack-able data (dictionary values entry by entry)."""
+    if found is None:
+        return None
+    value = found.value
+    if isinstance(value, dict):
+        entries = [[subkey, getattr(item, "value", None), getattr(item, "expiration_time", None)]
+                   for subkey, item in value.items()]
+        return {"entries": entries, "expiration": found.expiration_time}
+    return {"value": value, "expiration": found.expiration_time}
+
+
+def _from_wire(data: Any) -> Any:
+    """The client's copy of ``_wire_value``'s input (hivemind's ``ValueWithExpiration``s)."""
+    from hivemind.utils import ValueWithExpiration
+
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("expiration"), (int, float)):
+        raise ValueError("not a DHT value")
+    if "entries" in data:
+        entries = data["entries"]
+        if not isinstance(entries, list) or not all(isinstance(e, list) and len(e) == 3 for e in entries):
+            raise ValueError("not a dictionary of entries")
+        return ValueWithExpiration({subkey: ValueWithExpiration(value, expiration)
+                                    for subkey, value, expiration in entries}, data["expiration"])
+    return ValueWithExpiration(data.get("value"), data["expiration"])
+
+
+class NodeService:
+    """Serve ``dht`` (a started hivemind ``DHT``) to the peers of this machine until ``close()``.
+
+    ``lock``: held around every request to ``dht`` (its pipe is not thread-safe), shared with any other user
+    of the handle in this process. ``directory``: where the socket lives (default: a new private temporary
+    directory, removed at ``close``); it must be a directory only this user can enter. ``signed_only``: see
+    the attribute.
+    """
+
+    def __init__(self, dht: Any, *, lock: threading.Lock | None = None, directory: str | None = None,
+                 signed_only: bool = True):
+        self.dht = dht
+        self.signed_only = signed_only
+        """Store only values that are envelopes their peer signed (``record_validator.presign``); False only for a
+        node without a record validator (tests of the mechanics)."""
+        self.lock = lock or threading.Lock()
+        self._own_directory = directory is None
+        self.directory = tempfile.mkdtemp(prefix="gossiploco-dht-") if directory is None else directory
+        if directory is not None:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)
+        self.address = f"ipc://{os.path.join(self.directory, SOCKET_NAME)}"
+        self.served: Counter[str] = Counter()
+        """Requests answered, by operation."""
+        self.refused: Counter[str] = Counter()
+        """Requests refused, by reason (each reason logged once)."""
+        self._info = {"pid": os.getpid(), "maddrs": [], "p2p": ""}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()  # (client, reply) or (None, (key, reply)): node answers
+        self._pending: Counter[bytes] = Counter()  # requests in flight per client (service thread only)
+        self._reading: dict[str, list[tuple[bytes, Any]]] = {}  # key -> (client, request id) waiting for its read
+        self._read: dict[str, tuple[float, dict]] = {}  # key -> (when, reply without id): recent reads
+        self._stop = threading.Event()
+        self._context = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._socket.bind(self.address)
+        os.chmod(os.path.join(self.directory, SOCKET_NAME), 0o600)
+        self._thread = threading.Thread(target=self._serve, name="dht-node-service", daemon=True)
+        self._thread.start()
+
+    def describe(self, maddrs: list[str], p2p: str) -> None:
+        """What ``info`` tells clients: the node's multiaddrs and libp2p id."""
+        self._info = {"pid": os.getpid(), "maddrs": list(maddrs), "p2p": p2p}
+
+    def _refuse(self, client: bytes, request_id: Any, reason: str, detail: str = "") -> None:
+        self.refused[reason] += 1
+        if self.refused[reason] == 1:
+            log.warning("shared DHT node: refused a request: %s%s (further ones are only counted)", reason,
+                        f" ({detail})" if detail else "")
+        self._send(client, {"id": request_id, "ok": False, "error": f"{reason}{': ' + detail if detail else ''}"})
+
+    def _send(self, client: bytes, reply: dict) -> None:
+        try:
+            self._socket.send_multipart([client, msgpack.packb(reply, use_bin_type=True)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the client left, or its queue is full: it times out on its own deadline
+            log.debug("shared DHT node: a reply was not sent: %s", exc)
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if poller.poll(POLL_MS):
+                    while True:
+                        try:
+                            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                while True:
+                    try:
+                        client, reply = self._done.get_nowait()
+                    except queue.Empty:
+                        break
+                    if client is not None:
+                        self._answer(client, reply)
+                        continue
+                    key, reply = reply
+                    if reply["ok"]:
+                        if len(self._read) >= MAX_KEYS_KEPT:  # keys are the clients' choice: keep a bounded few
+                            self._read.clear()
+                        self._read[key] = (time.monotonic(), reply)
+                    for client, request_id in self._reading.pop(key, []):
+                        self._answer(client, {**reply, "id": request_id})
+        except Exception:  # noqa: BLE001 - said loudly: the peers of this machine lose their DHT
+            log.exception("shared DHT node: the service thread died; the peers using it can no longer reach the DHT")
+        finally:
+            self._socket.close(0)
+
+    def _answer(self, client: bytes, reply: dict) -> None:
+        """Send the answer to a request that was in flight."""
+        self._pending[client] -= 1
+        if self._pending[client] <= 0:
+            del self._pending[client]
+        self._send(client, reply)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.refused["malformed"] += 1
+            return
+        client, payload = frames
+        try:
+            request = _unpack(payload, MAX_REQUEST_BYTES)
+        except (ValueError, msgpack.UnpackException) as exc:
+            self._refuse(client, None, "malformed", type(exc).__name__)
+            return
+        if not isinstance(request, dict):
+            self._refuse(client, None, "malformed", "not a map")
+            return
+        request_id, op = request.get("id"), request.get("op")
+        if op == "info":
+            self.served[op] += 1
+            self._send(client, {"id": request_id, "ok": True, "result": self._info})
+            return
+        if self._pending[client] >= MAX_IN_FLIGHT:
+            self._refuse(client, request_id, "busy", f"{MAX_IN_FLIGHT} requests of this client in flight")
+            return
+        deadline = request.get("timeout_s")
+        if not isinstance(deadline, (int, float)) or not 0 < deadline <= MAX_DEADLINE_S:
+            deadline = MAX_DEADLINE_S
+        try:
+            if op == "store":
+                futures = self._store(request.get("items"))
+                for item in request["items"]:
+                    self._read.pop(item[0], None)
+            elif op == "get":
+                key = request.get("key")
+                if not isinstance(key, str) or len(key) > 1024:
+                    raise ValueError("key: a string of at most 1024 characters")
+                recent = self._read.get(key)
+                if recent is not None and time.monotonic() - recent[0] < REUSE_S:
+                    self.served["get (reused)"] += 1
+                    self._send(client, {**recent[1], "id": request_id})
+                    return
+                if key in self._reading:
+                    self.served["get (joined)"] += 1
+                    self._pending[client] += 1
+                    self._reading[key].append((client, request_id))
+                    return
+                with self.lock:
+                    futures = [self.dht.get(key, latest=True, return_future=True)]
+                self._reading[key] = [(client, request_id)]
+            else:
+                raise ValueError(f"unknown operation {op!r}")
+        except ValueError as exc:
+            self._refuse(client, request_id, "malformed", str(exc)[:200])
+            return
+        except Exception as exc:  # noqa: BLE001 - a dead node's pipe: the client is told
+            self._send(client, {"id": request_id, "ok": False, "error": f"the DHT node failed: {type(exc).__name__}"})
+            return
+        self.served[op] += 1
+        self._pending[client] += 1
+        tag = request_id if op == "store" else request["key"]
+        threading.Thread(target=self._await, args=(client, tag, op, futures, deadline),
+                         name="dht-node-request", daemon=True).start()
+
+    def _store(self, items: Any) -> list:
+        if not isinstance(items, list) or not 0 < len(items) <= MAX_ITEMS:
+            raise ValueError(f"items: a list of 1..{MAX_ITEMS} entries")
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 4 and isinstance(item[0], str) and len(item[0]) <= 1024
+                    and isinstance(item[1], int) and not isinstance(item[1], bool)
+                    and isinstance(item[3], (int, float))):
+                raise ValueError("an entry: [key, subkey (int), value, expiration]")
+            if self.signed_only and not isinstance(item[2], bytes):
+                raise ValueError("a value must be an envelope signed by its peer")
+        with self.lock:
+            return [self.dht.store(key, value, expiration_time=float(expiration), subkey=subkey, return_future=True)
+                    for key, subkey, value, expiration in items]
+
+    def _await(self, client: bytes, tag: Any, op: str, futures: list, deadline_s: float) -> None:
+        """Wait (on this request's own thread) for the node's answers, within the request's deadline; ``tag``: the
+        store's request id, or the key read (its readers are answered together)."""
+        end = time.monotonic() + deadline_s
+        results = []
+        for future in futures:
+            try:
+                results.append(future.result(timeout=max(0.0, end - time.monotonic())))
+            except Exception as exc:  # noqa: BLE001 - a timeout or the node's failure: that entry failed
+                results.append(exc)
+        if op == "store":
+            self._done.put((client, {"id": tag, "ok": True, "result": [r is True for r in results]}))
+            return
+        if isinstance(results[0], Exception):
+            reply = {"ok": False, "error": f"{type(results[0]).__name__}: {results[0]}"[:300]}
+        else:
+            reply = {"ok": True, "result": _wire_value(results[0])}
+        self._done.put((None, (tag, reply)))
+
+    def close(self) -> None:
+        """Stop serving (waits for the service thread); remove the socket's directory if this service made it."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            log.error("shared DHT node: the service thread did not stop")
+        if self._own_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def __enter__(self) -> NodeService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NodeClient:
+    """A peer's handle on a ``NodeService`` at ``address`` (``ipc://...``): the part of a hivemind ``DHT`` that
+    ``DhtEntries`` uses. ``identity`` and ``swarm`` sign each stored entry here (``record_validator.presign``;
+    no identity: entries are stored as given, for tests of the mechanics). Connecting asks the node's ``info``
+    within ``timeout_s``: ``DirectoryError`` saying what to check when it does not answer."""
+
+    def __init__(self, address: str, *, timeout_s: float, identity: Any = None, swarm: Any = None):
+        if not isinstance(address, str) or not address.startswith("ipc://"):
+            raise DirectoryError(f"a shared DHT node's address is ipc://PATH, got {address!r}")
+        self.address, self.timeout_s = address, float(timeout_s)
+        self.identity, self.swarm = identity, swarm
+        self._ids = itertools.count(1)
+        self._futures: dict[int, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()  # guards _futures
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._context = zmq.Context.instance()
+        self._wake_address = f"inproc://gossiploco-dht-client-{id(self)}"
+        self._wake = self._context.socket(zmq.PULL)
+        self._wake.bind(self._wake_address)
+        self._local = threading.local()
+        self._thread = threading.Thread(target=self._io, name="dht-node-client", daemon=True)
+        self._thread.start()
+        try:
+            info = self._request({"op": "info"}).result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            self.shutdown()
+            raise DirectoryError(f"the shared DHT node at {address} did not answer within {self.timeout_s:g} s: is "
+                                 "the `gossiploco swarm` or `gossiploco dht --local-peers` that serves it running, "
+                                 "as this user?") from None
+        except Exception as exc:
+            self.shutdown()
+            raise DirectoryError(f"the shared DHT node at {address} refused this peer: {exc}") from exc
+        self.host_pid = int(info.get("pid", 0))
+        self.maddrs = [str(a) for a in info.get("maddrs", [])]
+        self.p2p = str(info.get("p2p", ""))
+        self.exitcode = None
+
+    def _io(self) -> None:
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.address)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(200))
+                if self._wake in ready:
+                    while True:
+                        try:
+                            self._wake.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    while True:
+                        try:
+                            socket.send(self._outbox.get_nowait(), zmq.NOBLOCK)
+                        except queue.Empty:
+                            break
+                        except zmq.Again:  # the node is gone or stalled: the request times out on its deadline
+                            break
+                if socket in ready:
+                    while True:
+                        try:
+                            self._settle(socket.recv(zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+        finally:
+            socket.close(0)
+            self._wake.close(0)
+
+    def _settle(self, payload: bytes) -> None:
+        try:
+            reply = _unpack(payload, MAX_REPLY_BYTES)
+            request_id = reply["id"]
+        except Exception:  # noqa: BLE001 - a reply that is not one: its request times out
+            log.warning("shared DHT node: an unreadable reply was ignored")
+            return
+        with self._lock:
+            future = self._futures.pop(request_id, None)
+        if future is None or future.done():
+            return
+        if reply.get("ok"):
+            future.set_result(reply.get("result"))
+        else:
+            future.set_exception(DirectoryError(f"the shared DHT node: {reply.get('error')}"))
+
+    def _request(self, request: dict) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop.is_set():
+            future.set_exception(DirectoryError("the shared DHT node's client was shut down"))
+            return future
+        request_id = next(self._ids)
+        with self._lock:
+            self._futures[request_id] = future
+        future.add_done_callback(lambda _f, rid=request_id: self._forget(rid))
+        self._outbox.put(msgpack.packb({**request, "id": request_id}, use_bin_type=True))
+        wake = getattr(self._local, "wake", None)
+        if wake is None:
+            wake = self._local.wake = self._context.socket(zmq.PUSH)
+            wake.setsockopt(zmq.LINGER, 0)
+            wake.connect(self._wake_address)
+        try:
+            wake.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:  # the client stopped meanwhile: the request fails below
+            pass
+        if self._stop.is_set() and not future.done():
+            future.set_exception(DirectoryError("the shared DHT node's client was shut down"))
+        return future
+
+    def _forget(self, request_id: int) -> None:
+        with self._lock:
+            self._futures.pop(request_id, None)
+
+    def is_alive(self) -> bool:
+        """Whether the process serving the node runs (and this client has not been shut down)."""
+        if self._stop.is_set() or not self._thread.is_alive():
+            return False
+        try:
+            os.kill(self.host_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def store(self, key: str, value: Any, *, expiration_time: float, subkey: int,
+              return_future: bool = True) -> concurrent.futures.Future:
+        """Store ``key``'s ``subkey`` (signed here when this client has an identity); a future of whether at
+        least one DHT node accepted it."""
+        if self.identity is not None:
+            from gossiploco.membership.record_validator import presign
+
+            value = presign(self.identity, self.swarm, key, subkey, value, expiration_time)
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        inner = self._request({"op": "store", "items": [[key, subkey, value, expiration_time]],
+                               "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)})
+
+        def settle(done: concurrent.futures.Future) -> None:
+            if done.exception() is not None:
+                outer.set_exception(done.exception())
+            else:
+                result = done.result()
+                outer.set_result(bool(result[0]) if isinstance(result, list) and result else False)
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def get(self, key: str, *, latest: bool = True, return_future: bool = True) -> concurrent.futures.Future:
+        """``key``'s latest value as hivemind's ``ValueWithExpiration`` (a future)."""
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        inner = self._request({"op": "get", "key": key, "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)})
+
+        def settle(done: concurrent.futures.Future) -> None:
+            try:
+                outer.set_result(_from_wire(done.result()))
+            except Exception as exc:  # noqa: BLE001 - the node's error, or a reply that is not a value
+                outer.set_exception(exc)
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def run_coroutine(self, fn: Any, return_future: bool = True) -> Any:
+        raise DirectoryError("a shared DHT node runs no code for its peers (no relays, tunnels or reconnects)")
+
+    def shutdown(self) -> None:
+        """Stop this client (the node goes on serving the others); pending requests fail."""
+        self._stop.set()
+        self._thread.join(timeout=2)
+        with self._lock:
+            pending, self._futures = list(self._futures.values()), {}
+        for future in pending:
+            if not future.done():
+                future.set_exception(DirectoryError("the shared DHT node's client was shut down"))

@@ -87,7 +87,8 @@ def test_peers_sharing_one_machines_dht_node_train_like_the_virtual_swarm(tmp_pa
         join = node.stdout.readline().split("--join ")[1].split()[0]  # the test's timeout bounds each read
         local = next(line for line in node.stdout if "--dht-node" in line).split("--dht-node ")[1].strip()
         assert local == f"ipc://{tmp_path / 'node' / 'dht.sock'}"
-        args = tiny_peer_args(preset) + ["--dht-node", local, "--reachability", "public"]
+        args = [a for a in tiny_peer_args(preset) if a != "--quiet"]  # the logs say which DHT node a peer uses
+        args += ["--dht-node", local, "--reachability", "public"]
         with LocalPeers(4, tmp_path / "peers", args, env=ENV, join=join, swarm_key=key_file) as peers:
             peers.start()
             codes = peers.wait(180)

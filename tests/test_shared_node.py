@@ -77,8 +77,9 @@ def private_node():
         dht.shutdown()
 
 
-def member(key: SwarmKey, addresses: list[str], made: list, shared: str | None) -> DhtDirectory:
-    directory = DhtDirectory("run", initial_peers=addresses, ttl_s=30, heartbeat_s=0.5, timeout_s=TIMEOUT_S,
+def member(key: SwarmKey, addresses: list[str], made: list, shared: str | None,
+           timeout_s: float = TIMEOUT_S) -> DhtDirectory:
+    directory = DhtDirectory("run", initial_peers=addresses, ttl_s=30, heartbeat_s=0.5, timeout_s=timeout_s,
                              trust=Trust(Identity.generate(), key), shared_node=shared)
     made.append(directory)
     directory.confirm_swarm()
@@ -158,17 +159,19 @@ def test_malformed_unsigned_and_oversized_requests_are_refused_and_counted_and_t
         raw.close(0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_stopped_service_costs_its_clients_one_deadline_and_a_dead_host_is_told(private_node, caplog):
+def test_a_stopped_service_costs_its_clients_one_deadline(private_node):
     key, addresses, service = private_node
     made: list[DhtDirectory] = []
+    deadline_s = 2.0
     try:
-        directory = member(key, addresses, made, service.address)
+        directory = member(key, addresses, made, service.address, timeout_s=deadline_s)
         assert wait_until(lambda: directory.trust.peer_id in directory.peers(), 10)
         service.close()
         started = time.monotonic()
         assert list(directory.peers()) == [directory.trust.peer_id]  # the last known ones
-        assert time.monotonic() - started < TIMEOUT_S + 2
+        assert deadline_s <= time.monotonic() - started < deadline_s + 2
         assert not directory.entries.store_each([(directory.key, directory.trust.peer_id, None)], 2e10, 1.0)[0]
     finally:
         for d in made:
@@ -177,6 +180,7 @@ def test_a_stopped_service_costs_its_clients_one_deadline_and_a_dead_host_is_tol
         NodeClient(service.address, timeout_s=1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_client_knows_when_the_process_serving_its_node_is_killed(tmp_path, caplog):
     host = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""

@@ -245,3 +245,10 @@ def test_a_local_swarm_gives_each_peer_one_torch_thread_when_peers_outnumber_the
     assert peer_environment(32, {"OMP_NUM_THREADS": "3"}) == {"OMP_NUM_THREADS": "3"}  # the caller's word
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert peer_environment(32, None) is None  # the user's environment, inherited
+
+
+def test_a_socket_directory_too_long_for_a_unix_socket_is_a_clear_error(tmp_path):
+    from gossiploco.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="choose a shorter directory"):
+        NodeService(object(), directory=str(tmp_path / ("d" * 120)))

@@ -42,7 +42,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from gossiploco.errors import DirectoryError
+from gossiploco.errors import ConfigError, DirectoryError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ MAX_KEYS_KEPT = 256
 POLL_MS = 20
 """How often the service looks for finished node requests while no client writes (its only wait)."""
 SOCKET_NAME = "dht.sock"
+MAX_SOCKET_PATH = 107
 
 
 def _unpack(data: bytes, max_bytes: int) -> Any:
@@ -115,11 +116,15 @@ class NodeService:
         node without a record validator (tests of the mechanics)."""
         self.lock = lock or threading.Lock()
         self._own_directory = directory is None
-        self.directory = tempfile.mkdtemp(prefix="gossiploco-dht-") if directory is None else directory
         if directory is not None:
+            path = os.path.join(os.path.abspath(directory), SOCKET_NAME)
+            if len(path.encode()) > MAX_SOCKET_PATH:  # the kernel's limit on a Unix socket's path (sun_path)
+                raise ConfigError("--local-peers", f"the socket path {path} is {len(path.encode())} bytes long; "
+                                                   f"Unix sockets allow {MAX_SOCKET_PATH}: choose a shorter directory")
             os.makedirs(directory, mode=0o700, exist_ok=True)
             os.chmod(directory, 0o700)
-        self.address = f"ipc://{os.path.join(self.directory, SOCKET_NAME)}"
+        self.directory = tempfile.mkdtemp(prefix="gossiploco-dht-") if directory is None else directory
+        self.address = f"ipc://{os.path.join(os.path.abspath(self.directory), SOCKET_NAME)}"
         self.served: Counter[str] = Counter()
         """Requests answered, by operation."""
         self.refused: Counter[str] = Counter()

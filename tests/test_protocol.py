@@ -10,7 +10,8 @@ from gossiploco.protocol.agreement import Follow
 from gossiploco.protocol.groups import leader_of
 from gossiploco.protocol.collectives import RingAllReduce, Swap
 from gossiploco.protocol.mailbox import Mailbox
-from gossiploco.protocol.messages import Abort, Data, Decision, Hello, Ready, Send, StateRequest, from_wire, to_wire
+from gossiploco.protocol.messages import (Abort, Data, Decision, Hello, Leading, Ready, Send, StateRequest, from_wire,
+                                          to_wire)
 from gossiploco.protocol.node import PeerNode
 from gossiploco.protocol.ring import ring_steps
 
@@ -94,6 +95,50 @@ def test_a_follower_that_gives_up_tells_its_whole_view():
     assert all(s.message == Abort("mix1/0") for s in step.sends)
 
 
+def test_a_late_leader_costs_its_followers_one_grace_window_and_a_control_send():
+    """The leader never comes (still computing, frozen, gone without a word): its followers give up one window and a
+    control send after their Ready, not two windows (the issue's bound: a late peer costs others one window)."""
+    from gossiploco.protocol.agreement import CONTROL_SEND_S
+
+    leader = leader_of(0, "mix2/0", range(4))
+    me = next(p for p in range(4) if p != leader)
+    node = _nodes(4)[me]
+    node.connected(leader, 0.0)
+    follow = node.group_call("mix2/0", 0, 0.0)
+    follow.start(node)
+    assert follow.deadline == 1.0 + CONTROL_SEND_S
+    assert follow.poll(node, 0.5).sends == [Send(leader, Ready("mix2/0", 0))]  # asked again at half a window
+    step = follow.poll(node, 1.0 + CONTROL_SEND_S)
+    assert step.error is not None and "never said it was there" in str(step.error)
+
+
+def test_a_leader_that_is_there_says_so_when_asked_again_and_is_waited_for_two_windows():
+    """A leader waiting for slow members of its bucket answers a repeated Ready with Leading; its window may have
+    begun at its own start, after the follower's Ready, so the follower then waits two windows, as before."""
+    from gossiploco.protocol.agreement import CONTROL_SEND_S
+
+    chief = leader_of(0, "mix2/0", range(3))
+    a, b = (p for p in range(3) if p != chief)
+    nodes = _nodes(3)
+    for p in (a, b):
+        nodes[chief].connected(p, 0.0)
+    nodes[a].connected(chief, 0.0)
+    follow = nodes[a].group_call("mix2/0", 0, 0.0)
+    follow.start(nodes[a])
+    assert nodes[chief].receive(a, Ready("mix2/0", 0), 0.0) == []  # before the leader starts: kept, not answered
+    assert nodes[chief].receive(a, Ready("mix2/0", 0), 0.2) == []  # asked again, still not leading: nothing to say
+    lead = nodes[chief].group_call("mix2/0", 0, 0.4)
+    lead.start(nodes[chief])
+    answer = nodes[chief].receive(a, Ready("mix2/0", 0), 0.6)  # asked again while leading
+    assert [s.message for s in answer] == [Leading("mix2/0", nodes[chief].current_round)]
+    nodes[a].receive(chief, answer[0].message, 0.6)
+    assert not follow.poll(nodes[a], 1.5).error and follow.deadline == 2.0 + CONTROL_SEND_S
+    step = lead.poll(nodes[chief], 1.4)  # one window from the first Ready (0.0): b never came
+    assert step.done and sorted(lead.outcome()) == sorted([chief, a])
+    assert nodes[chief].receive(a, Ready("mix2/0", 0), 1.5)[0].message.group == tuple(lead.outcome())  # decided
+    assert "mix2/0" not in nodes[chief].leading_now
+
+
 def test_a_restarted_peers_ready_gets_the_group_without_it():
     chief = leader_of(0, "mix1/0", range(3))
     a, b = (p for p in range(3) if p != chief)
@@ -136,7 +181,8 @@ def test_one_sender_cannot_fill_the_mailbox_and_stale_or_unasked_chunks_are_drop
 
 @pytest.mark.parametrize("message", [
     Data("mix1/3", 2, (10, 0, 77), torch.arange(4.0)), Hello(5, 4, ask=3), Hello(-2, 9), Hello(-1, 2, echo=7), Ready("mix2/1", 1),
-    Decision("mix2/1", 3, (0, 2, 5)), Decision("mix2/1", 3, ()), Abort("monitor/2/0"), StateRequest("abc123")])
+    Decision("mix2/1", 3, (0, 2, 5)), Decision("mix2/1", 3, ()), Leading("mix2/1", 3), Abort("monitor/2/0"),
+    StateRequest("abc123")])
 def test_every_message_survives_the_wire(message):
     header, tensors = to_wire(message, sender=4, run_id="r")
     back = from_wire(header, tensors)

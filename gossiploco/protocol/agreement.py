@@ -8,15 +8,18 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
 * The leader (``Lead``) waits until every candidate is ready or has failed, at most ``grace_s`` from its start or
   from the first follower's ``Ready`` if that came earlier, then sends the group (itself plus the ready followers,
   at most ``groups.cap``) to each of them. Nobody waits for a peer outside its bucket: a late or dead member costs
-  its own group one grace window at most; a late leader costs its followers its lateness, at most their deadline
-  (two windows and a control send), after which they do identity.
+  its own group one grace window at most, and so does a late leader (below).
 * Everyone in the group then runs the exchange over exactly that list. Every peer of a group
   holds the same list, so gossip pairings computed from it are mutual.
 * A straggler whose ``Ready`` comes after the decision is told at once and does identity.
 * A follower repeats its ``Ready`` every half grace window (a message lost with a dropped
-  connection costs half a window, not the whole wait).
-* A follower (``Follow``) that hears nothing within ``2 * grace_s`` plus one control send, or whose
-  leader disconnects or abandons the key, fails. It then tells every candidate of its bucket that it
+  connection costs half a window, not the whole wait). A leader that is leading the key answers a repeated
+  ``Ready`` with ``Leading``: it is there and decides within its window.
+* A follower (``Follow``) waits for the decision one grace window plus one control send, or, once its leader said
+  ``Leading``, two windows plus one control send (the leader's window may have begun up to one window later, at
+  its own start). So a leader that is late (still computing, frozen, or gone without a word) costs its
+  followers one window and a control send, then they do identity; a leader that is there and waits for slow
+  members is waited for. A follower also fails at once when its leader disconnects or abandons the key. It then tells every candidate of its bucket that it
   abandons the key (``Abort``), so a peer that counted on it fails at once instead of waiting out
   a deadline (this is what keeps a dead leader from costing more than one grace window).
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.protocol import groups
 from gossiploco.protocol.call import Call, Step
-from gossiploco.protocol.messages import Decision, Ready, Send
+from gossiploco.protocol.messages import Decision, Leading, Ready, Send
 
 if TYPE_CHECKING:
     from gossiploco.protocol.node import PeerNode
@@ -85,7 +88,12 @@ class Lead(_GroupCall):
         self.what = f"group {key!r} (leading {view})"
 
     def start(self, node: PeerNode) -> list[Send]:
+        node.leading_now.put(self.key, True)  # repeated Readys are answered with ``Leading`` (``on_ready``)
         return []
+
+    def close(self, node: PeerNode) -> None:
+        node.leading_now.pop(self.key)
+        super().close(node)
 
     def poll(self, node: PeerNode, now: float) -> Step:
         error = node.open_error(self.what)
@@ -117,6 +125,7 @@ class Lead(_GroupCall):
         if left_out:
             node.note(f"{self.key} goes on without {left_out} (not ready within {self.deadline - self.began:.1f}s)")
         decision = Decision(self.key, node.current_round, tuple(group))
+        node.leading_now.pop(self.key)
         self.finished, self.group = True, group
         refusal = Decision(self.key, node.current_round, ())
         return Step(done=True, sends=[Send(p, decision) for p in group + over if p != node.rank]
@@ -127,8 +136,11 @@ class Follow(_GroupCall):
     """This peer follows ``leader`` for ``key`` of round ``round_index``: send ``Ready``, wait for the decision."""
 
     def __init__(self, key: str, leader: int, round_index: int, view: list[int], began: float, grace_s: float):
-        super().__init__(key, began, began + 2 * grace_s + CONTROL_SEND_S)
+        super().__init__(key, began, began + grace_s + CONTROL_SEND_S)
         self.leader, self.round, self.view = leader, round_index, view
+        self.grace_s = grace_s
+        self.leader_there = False
+        """Whether the leader said ``Leading``: then the wait is two windows, not one."""
         self.what = f"group {key!r} led by {leader}"
 
     def start(self, node: PeerNode) -> list[Send]:
@@ -141,6 +153,9 @@ class Follow(_GroupCall):
         error = node.open_error(self.what)
         if error is not None:
             return Step(error=error)
+        if not self.leader_there and node.leading.get(self.key) == self.leader:
+            self.leader_there = True  # it is there, deciding within its window, which may have begun after ours
+            self.deadline = self.began + 2 * self.grace_s + CONTROL_SEND_S
         told = node.told.get(self.key)
         if told is not None and told[0] == self.leader:
             node.told.pop(self.key)
@@ -164,7 +179,8 @@ class Follow(_GroupCall):
         elif self.leader in node.aborted.get(self.key, ()):
             error = PeerFailed(f"{self.what}: the leader abandoned the exchange")
         elif now >= self.deadline:
-            error = ExchangeTimeout(f"{self.what}: no decision within {self.deadline - self.began:.1f}s")
+            error = ExchangeTimeout(f"{self.what}: no decision within {self.deadline - self.began:.1f}s"
+                                    + ("" if self.leader_there else " (the leader never said it was there)"))
         if error is None:
             resend_at = self.sent_at + READY_REPEAT * node.grace_s
             if now >= resend_at:  # ask again: a Ready lost with a dropped connection must not cost the whole wait
@@ -203,7 +219,10 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
         return [Send(sender, Decision(key, node.current_round, ()))]
     if key not in node.ready:
         node.first_ready.put(key, now)
-    node.ready.put(key, node.ready.get(key, set()) | {sender})
+    known = node.ready.get(key, set())
+    node.ready.put(key, known | {sender})
+    if sender in known and node.leading_now.get(key):  # asked again: say this peer is there and deciding
+        return [Send(sender, Leading(key, node.current_round))]
     return []
 
 

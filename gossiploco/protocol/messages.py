@@ -1,6 +1,6 @@
 """The protocol's messages, the actions it asks a driver to perform, and their wire mapping.
 
-Every message between two peers is one of five kinds (the data plane's chunks, and four control
+Every message between two peers is one of six kinds (the data plane's chunks, and five control
 messages); ``to_wire`` / ``from_wire`` map them onto the codec's header plus two tensors (an
 int64 ``meta`` vector and a float32 or uint8 payload), so the bytes on the wire are the codec's
 (``gossiploco.protocol.codec``), validated before anything is decoded.
@@ -12,10 +12,11 @@ int64 ``meta`` vector and a float32 or uint8 payload), so the bytes on the wire 
     Ready          group                the exchange key     [0, round]
     Decision       group                the exchange key     [1, leader round, digest, *group]  (or [2, leader round]:
                                                              "I do not lead it", an empty group)
+    Leading        group                the exchange key     [3, leader round]
     Abort          abort                the exchange key     [0, 0]
     StateRequest   state                state/req/<nonce>    [0, 0]
 
-``Ready``, ``Decision`` and ``Abort`` travel on each peer pair's control connection (they must
+``Ready``, ``Decision``, ``Leading`` and ``Abort`` travel on each peer pair's control connection (they must
 not queue behind megabytes of data); the others on the data connection, so a peer's ``leave``
 hello arrives after its last data chunk.
 """
@@ -41,7 +42,7 @@ PROBE = -1
 STEPPING_OUT = 2**62
 """Join round of a peer that stays connected but takes no part for now (it is catching up): the
 others leave it out of their views at once instead of waiting a grace window for it per exchange."""
-_READY, _DECISION, _NOT_LEADING = 0, 1, 2
+_READY, _DECISION, _NOT_LEADING, _LEADING = 0, 1, 2, 3
 _EMPTY = torch.empty(0, dtype=torch.float32)
 DATA_OPS = ("mix1", "mix2", "grad", "state")
 PAYLOAD_DTYPES = (torch.float32, torch.uint8)
@@ -105,6 +106,15 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class Leading:
+    """The leader to a follower that asked again: I lead exchange ``key`` and am waiting for its group; my decision
+    comes within my grace window (``agreement.Follow`` then waits for it longer than for a leader not there)."""
+
+    key: str
+    leader_round: int
+
+
+@dataclass(frozen=True)
 class Abort:
     """The sender abandoned exchange ``key`` (or refuses it: it is not the sender's partner)."""
 
@@ -118,8 +128,8 @@ class StateRequest:
     nonce: str
 
 
-Message = Data | Hello | Ready | Decision | Abort | StateRequest
-CONTROL = (Ready, Decision, Abort)
+Message = Data | Hello | Ready | Decision | Leading | Abort | StateRequest
+CONTROL = (Ready, Decision, Leading, Abort)
 """Messages sent on the control connection."""
 
 
@@ -170,6 +180,8 @@ def to_wire(message: Message, sender: int, run_id: str) -> tuple[codec.Header, l
                 meta = [_DECISION, message.leader_round, digest(message.group), *message.group]
             else:
                 meta = [_NOT_LEADING, message.leader_round]
+        elif isinstance(message, Leading):
+            op, key, meta = "group", message.key, [_LEADING, message.leader_round]
         elif isinstance(message, Abort):
             op, key, meta = "abort", message.key, [0, 0]
         else:
@@ -204,6 +216,10 @@ def from_wire(header: codec.Header, tensors: Sequence[torch.Tensor]) -> Message:
             if len(meta) < 2:
                 raise MalformedMessage(f"group reply without the leader's round: {meta}")
             return Decision(key, meta[1], ())
+        if phase == _LEADING:
+            if len(meta) != 2:
+                raise MalformedMessage(f"group leading needs [3, leader round], got {meta}")
+            return Leading(key, meta[1])
         if phase == _DECISION:
             group = tuple(meta[3:])
             if len(meta) < 4 or meta[2] != digest(group) or len(set(group)) != len(group):

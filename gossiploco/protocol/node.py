@@ -31,8 +31,8 @@ from typing import Generic, TypeVar
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
 from gossiploco.protocol import agreement, groups
 from gossiploco.protocol.mailbox import Mailbox
-from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Message, Ready,
-                                          Send, ServeState, StateRequest, op_and_round)
+from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Leading,
+                                          Message, Ready, Send, ServeState, StateRequest, op_and_round)
 from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
 from gossiploco.protocol.state_limit import StateRequestLimit, refusal
 
@@ -111,6 +111,10 @@ class PeerNode:
         its own (possibly later) start."""
         self.decided: Records[str, tuple[list[int], float]] = Records()  # key -> (group, when decided)
         self.told: Records[str, tuple[int, tuple[int, ...]]] = Records()
+        self.leading: Records[str, int] = Records()
+        """key -> the peer that said it leads it and is waiting for the group (``Leading``)."""
+        self.leading_now: Records[str, bool] = Records()
+        """Keys this peer is leading right now (``agreement.Lead`` between its start and its decision)."""
         self.aborted: Records[str, set[int]] = Records()
         self.grouped: Records[str, frozenset[int]] = Records()
         self.finished: Records[str, frozenset[int]] = Records()
@@ -172,6 +176,9 @@ class PeerNode:
             return agreement.on_ready(self, sender, message, now)
         if isinstance(message, Decision):
             agreement.on_decision(self, sender, message)
+            return []
+        if isinstance(message, Leading):
+            self.leading.put(message.key, sender)
             return []
         if isinstance(message, Abort):
             self.aborted.put(message.key, self.aborted.get(message.key, set()) | {sender})
@@ -380,5 +387,6 @@ class PeerNode:
         """Sizes of everything the node keeps, to check it stays bounded."""
         return {"mailbox_bytes": self.mailbox.bytes, "mailbox_chunks": len(self.mailbox), "ready": len(self.ready),
                 "decided": len(self.decided), "told": len(self.told), "aborted": len(self.aborted),
+                "leading": len(self.leading), "leading_now": len(self.leading_now),
                 "grouped": len(self.grouped), "finished": len(self.finished), "running": len(self._expected),
                 "notes": len(self.notes)}

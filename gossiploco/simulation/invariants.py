@@ -3,6 +3,8 @@
     liveness.call_overran      a call ran past its own deadline (plus the lost-peer grace): a wait that did not fire
     liveness.exchange_stalled  one exchange (agreement + data) of a live peer took longer than the bound:
                                2 grace windows + one control send + the call's adaptive deadline + the lost-peer grace
+    liveness.late_leader       a follower whose leader never said it was there (``Leading``) waited for it longer
+                               than one grace window and one control send: a late leader cost more than one window
     liveness.unfinished        a peer that was never crashed did not finish every round by the end of the run
     agreement.group_mismatch   two peers completed the same exchange with different member lists (a ring's
                                order included: the leader's order keeps peers behind NAT apart)
@@ -80,6 +82,10 @@ class Checker:
             limit = call.deadline + FAILED_GRACE_S
         if now > limit + 1e-6 and sim_peer.thawed_at < call.began:  # a frozen process's waits overrun: not a bug
             self.flag("liveness.call_overran", now, sim_peer.pid, f"{call.what} ended {now - limit:.3f}s after its deadline")
+        if (isinstance(call, Follow) and not call.leader_there and sim_peer.thawed_at < call.began
+                and now - call.began > self.grace_s + CONTROL_SEND_S + 1e-6):
+            self.flag("liveness.late_leader", now, sim_peer.pid,
+                      f"{call.what}: waited {now - call.began:.3f}s for a leader that never said it was there")
         self.completed += ok
         self.failed += not ok
         if isinstance(call, Lead):

@@ -191,9 +191,12 @@ class SimSwarm:
                 self._done_dirty = True
         except ExchangeError as exc:  # the runtime's peer stops with this error
             self.note(f"{peer.pid} stops: {exc}")
-            if not any(p != peer.pid and self.peers[p].running and self.finished.get(p, 0) < s.rounds for p in self.peers):
+            if not any(p != peer.pid and self.peers[p].running and self.finished.get(p, 0) < s.rounds
+                       and self.net.is_up(peer.pid, p) for p in self.peers):
                 self._done_dirty = True
-                self.gave_up.add(peer.pid)  # the swarm finished or is gone: nobody to download a state from, the right end
+                # The swarm finished or is gone, or every peer still training is out of this one's reach (their
+                # relay is down): nobody to download a state from, and stopping with that error is the right end
+                self.gave_up.add(peer.pid)
             return
         peer.node.current_round = s.rounds  # as the runtime tells the others it is done
         self.note(f"{peer.pid} finished")

@@ -8,8 +8,8 @@ the lock. It implements ``mixing.exchange.Exchange`` and ``reach.paths.PathContr
 
 Deadlines: a swap or all-reduce gets ``deadlines.deadline_s(key, path class)`` (``AdaptiveDeadlines``:
 a multiple of recent durations of that kind, at most ``timeout_s``; the path class is
-``reach.paths.path_class``); group agreement waits at most ``grace_s`` (leader) or ``2 * grace_s``
-plus one control send (follower); control sends ``CONTROL_SEND_S``; state transfers ``timeout_s``.
+``reach.paths.path_class``); group agreement waits at most ``grace_s`` (leader) or ``grace_s``
+plus one control send (follower; ``2 * grace_s`` plus one once the leader said it leads); control sends ``CONTROL_SEND_S``; state transfers ``timeout_s``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ from gossiploco.transport.fault_injection import FAULT_ENV
 pytestmark = pytest.mark.slow  # every test starts real peer processes (seconds each)
 
 ENV = {"OMP_NUM_THREADS": "1"}  # four processes share two cores
+SHARED_NODE_PRESET = "globalm1-localm2"
+"""The preset the shared-DHT-node test trains (the every-preset test, with a node per peer, runs the others)."""
 
 
 def records(peers: LocalPeers, rank: int) -> list[dict]:
@@ -66,8 +68,9 @@ def assert_exit(peers: LocalPeers, codes: dict[int, int | None], ranks) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("preset", preset_names())
+@pytest.mark.parametrize("preset", [p for p in preset_names() if p != SHARED_NODE_PRESET])
 def test_peers_found_through_one_bootstrap_address_train_every_preset_like_the_virtual_swarm(preset, tmp_path, bootstrap):
+    """Each peer with a DHT node of its own (the shared-node test below runs the remaining preset)."""
     with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start()
         codes = peers.wait(180)
@@ -78,7 +81,7 @@ def test_peers_found_through_one_bootstrap_address_train_every_preset_like_the_v
 def test_peers_sharing_one_machines_dht_node_train_like_the_virtual_swarm(tmp_path):
     """``gossiploco dht --local-peers`` serves its node to the peers of its machine (``--dht-node``): none of them
     starts a DHT process or a p2pd, their records stay their own (signed by them), and they train the same model."""
-    preset = "globalm1-localm2"
+    preset = SHARED_NODE_PRESET
     key_file = tmp_path / "swarm.key"
     node = subprocess.Popen([sys.executable, "-m", "gossiploco", "dht", "--host", "127.0.0.1", "--swarm-key",
                              str(key_file), "--local-peers", str(tmp_path / "node")],

@@ -252,3 +252,44 @@ def test_a_socket_directory_too_long_for_a_unix_socket_is_a_clear_error(tmp_path
 
     with pytest.raises(ConfigError, match="choose a shorter directory"):
         NodeService(object(), directory=str(tmp_path / ("d" * 120)))
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_node_never_answers_fails_by_its_deadline_and_is_forgotten(tmp_path):
+    """A node that answers who it is and then nothing: each request fails a little after its deadline, none is
+    kept, and the client's thread goes on (a later answer to a forgotten request is ignored)."""
+    import os
+    import threading
+
+    context = zmq.Context.instance()
+    mute = context.socket(zmq.ROUTER)
+    mute.setsockopt(zmq.LINGER, 0)
+    address = f"ipc://{tmp_path / 'mute.sock'}"
+    mute.bind(address)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if mute.poll(50):
+                client, payload = mute.recv_multipart()
+                request = msgpack.unpackb(payload)
+                if request["op"] == "info":
+                    reply = {"id": request["id"], "ok": True, "result": {"pid": os.getpid(), "maddrs": [], "p2p": ""}}
+                    mute.send_multipart([client, msgpack.packb(reply)])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = NodeClient(address, timeout_s=0.3)
+    try:
+        futures = [client.store("k", {"v": i}, expiration_time=time.time() + 60, subkey=i) for i in range(5)]
+        started = time.monotonic()
+        for future in futures:
+            with pytest.raises(DirectoryError, match="did not answer in time"):
+                future.result(timeout=5)
+        assert time.monotonic() - started < 0.3 + 2.0 + 1.0
+        assert client.pending() == 0 and client.is_alive()
+    finally:
+        client.shutdown()
+        stop.set()
+        thread.join(5)
+        mute.close(0)

@@ -60,6 +60,8 @@ REUSE_S = 1.0
 N peers reading the same records every few seconds cost the node one search per key and second, not N."""
 MAX_KEYS_KEPT = 256
 POLL_MS = 20
+ANSWER_SLACK_S = 2.0
+"""A client gives a request up this long after the deadline it gave the node for it."""
 """How often the service looks for finished node requests while no client writes (its only wait)."""
 SOCKET_NAME = "dht.sock"
 MAX_SOCKET_PATH = 107
@@ -134,6 +136,7 @@ class NodeService:
         self._pending: Counter[bytes] = Counter()  # requests in flight per client (service thread only)
         self._reading: dict[str, list[tuple[bytes, Any]]] = {}  # key -> (client, request id) waiting for its read
         self._read: dict[str, tuple[float, dict]] = {}  # key -> (when, reply without id): recent reads
+        self._stored_while_read: set[str] = set()  # keys stored through the node while a read of them was in flight
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -183,10 +186,11 @@ class NodeService:
                         self._answer(client, reply)
                         continue
                     key, reply = reply
-                    if reply["ok"]:
+                    if reply["ok"] and key not in self._stored_while_read:  # else it may miss the store: not reused
                         if len(self._read) >= MAX_KEYS_KEPT:  # keys are the clients' choice: keep a bounded few
                             self._read.clear()
                         self._read[key] = (time.monotonic(), reply)
+                    self._stored_while_read.discard(key)
                     for client, request_id in self._reading.pop(key, []):
                         self._answer(client, {**reply, "id": request_id})
         except Exception:  # noqa: BLE001 - said loudly: the peers of this machine lose their DHT
@@ -230,6 +234,8 @@ class NodeService:
                 futures = self._store(request.get("items"))
                 for item in request["items"]:
                     self._read.pop(item[0], None)
+                    if item[0] in self._reading:
+                        self._stored_while_read.add(item[0])
             elif op == "get":
                 key = request.get("key")
                 if not isinstance(key, str) or len(key) > 1024:
@@ -330,7 +336,11 @@ class NodeClient:
         self._wake_address = f"inproc://gossiploco-dht-client-{id(self)}"
         self._wake = self._context.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
-        self._local = threading.local()
+        self._waker = self._context.socket(zmq.PUSH)  # any thread's request wakes the I/O thread through it
+        self._waker.setsockopt(zmq.LINGER, 0)
+        self._waker.connect(self._wake_address)
+        self._waker_lock = threading.Lock()  # a socket is used by one thread at a time
+        self._deadlines: dict[int, float] = {}  # request id -> when it is given up (guarded by _lock)
         self._thread = threading.Thread(target=self._io, name="dht-node-client", daemon=True)
         self._thread.start()
         try:
@@ -378,6 +388,7 @@ class NodeClient:
                             self._settle(socket.recv(zmq.NOBLOCK))
                         except zmq.Again:
                             break
+                self._expire(time.monotonic())
         finally:
             socket.close(0)
             self._wake.close(0)
@@ -406,15 +417,14 @@ class NodeClient:
         request_id = next(self._ids)
         with self._lock:
             self._futures[request_id] = future
+            # Unanswered (the node lost it, or is gone): failed a little after the node's own deadline for it, so
+            # nothing waits or is kept for ever
+            self._deadlines[request_id] = time.monotonic() + request.get("timeout_s", self.timeout_s) + ANSWER_SLACK_S
         future.add_done_callback(lambda _f, rid=request_id: self._forget(rid))
         self._outbox.put(msgpack.packb({**request, "id": request_id}, use_bin_type=True))
-        wake = getattr(self._local, "wake", None)
-        if wake is None:
-            wake = self._local.wake = self._context.socket(zmq.PUSH)
-            wake.setsockopt(zmq.LINGER, 0)
-            wake.connect(self._wake_address)
         try:
-            wake.send(b"", zmq.NOBLOCK)
+            with self._waker_lock:
+                self._waker.send(b"", zmq.NOBLOCK)
         except zmq.ZMQError:  # the client stopped meanwhile: the request fails below
             pass
         if self._stop.is_set() and not future.done():
@@ -424,6 +434,23 @@ class NodeClient:
     def _forget(self, request_id: int) -> None:
         with self._lock:
             self._futures.pop(request_id, None)
+            self._deadlines.pop(request_id, None)
+
+    def _expire(self, now: float) -> None:
+        """Fail the requests the node has not answered by their deadline (the I/O thread, at each wake-up)."""
+        with self._lock:
+            late = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+            futures = [self._futures.pop(rid, None) for rid in late]
+            for rid in late:
+                del self._deadlines[rid]
+        for future in futures:
+            if future is not None and not future.done():
+                future.set_exception(DirectoryError("the shared DHT node did not answer in time"))
+
+    def pending(self) -> int:
+        """Requests awaiting the node's answer (each is failed by its deadline, so this stays bounded)."""
+        with self._lock:
+            return len(self._futures)
 
     def is_alive(self) -> bool:
         """Whether the process serving the node runs (and this client has not been shut down)."""
@@ -480,6 +507,8 @@ class NodeClient:
         """Stop this client (the node goes on serving the others); pending requests fail."""
         self._stop.set()
         self._thread.join(timeout=2)
+        with self._waker_lock:
+            self._waker.close(0)
         with self._lock:
             pending, self._futures = list(self._futures.values()), {}
         for future in pending:

@@ -269,7 +269,7 @@ def test_peer_rejects_bad_arguments_clearly(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_frozen_peer_that_resumes_catches_up_instead_of_dragging_the_others(tmp_path):
     # Rounds long enough (16 real inner steps) that the others are still training when it resumes.
-    args = tiny_peer_args("globalm1-localm2", rounds=60, inner_steps=16, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
+    args = tiny_peer_args("globalm1-localm2", rounds=40, inner_steps=16, **{"monitor.every": 0, "timeouts.exchange_s": 60.0})
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:
         peers.start(env={1: {FAULT_ENV: "STOP:mix2/1:0"}})
         assert wait_stopped(peers.procs[1].pid, 120), "the fault did not freeze the peer"

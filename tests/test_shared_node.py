@@ -164,7 +164,7 @@ def test_malformed_unsigned_and_oversized_requests_are_refused_and_counted_and_t
 def test_a_stopped_service_costs_its_clients_one_deadline(private_node):
     key, addresses, service = private_node
     made: list[DhtDirectory] = []
-    deadline_s = 2.0
+    deadline_s = 1.0
     try:
         directory = member(key, addresses, made, service.address, timeout_s=deadline_s)
         assert wait_until(lambda: directory.trust.peer_id in directory.peers(), 10)
@@ -254,6 +254,7 @@ def test_a_socket_directory_too_long_for_a_unix_socket_is_a_clear_error(tmp_path
         NodeService(object(), directory=str(tmp_path / ("d" * 120)))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_request_the_node_never_answers_fails_by_its_deadline_and_is_forgotten(tmp_path):
     """A node that answers who it is and then nothing: each request fails a little after its deadline, none is

@@ -29,7 +29,7 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
     # late, was left out of the next round's exchanges as a straggler and (by design) caught up again.
     # Mix1 compressed against its reference (the last mean): the newcomer, which holds none, must cost the others
     # no failed Mix1 (its groups differ from the ones their references were made by, so everyone sends fp32 once).
-    args = tiny_peer_args("globalm1-localm2", rounds=40, inner_steps=72,
+    args = tiny_peer_args("globalm1-localm2", rounds=30, inner_steps=72,
                           **{"monitor.every": 0, "timeouts.startup_s": 3.0, "mix1.compression": "4bit"})
     with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start([0, 1, 2])  # they wait 3 s for a fourth, then start without it

@@ -27,7 +27,8 @@ from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.membership.dht_directory import DhtDirectory
 from gossiploco.membership.record import PeerRecord
 from gossiploco.membership.record_validator import SwarmRecordValidator, entry_subkey, presign
-from gossiploco.membership.shared_node import MAX_REQUEST_BYTES, NodeClient, NodeService
+from gossiploco.membership.shared_node import MAX_REQUEST_BYTES, NodeService
+from gossiploco.membership.shared_node_client import NodeClient
 from gossiploco.security.identity import Identity
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust

@@ -165,7 +165,7 @@ class DhtDirectory(Directory):
         self.shared_node = shared_node
         """The address of the shared DHT node this directory uses (``membership.shared_node``), or None: its own."""
         if shared_node is not None:
-            from gossiploco.membership.shared_node import NodeClient
+            from gossiploco.membership.shared_node_client import NodeClient
 
             client = NodeClient(shared_node, timeout_s=self.timeout_s, identity=trust.identity if trust else None,
                                 swarm=trust.swarm if trust else None)

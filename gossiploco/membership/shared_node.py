@@ -6,8 +6,8 @@ each other (DHT reads timing out, records unpublished for minutes). Here one nod
 
 ``NodeService`` (in the process that owns the node: ``gossiploco swarm``'s bootstrap, ``gossiploco dht
 --local-peers``) answers requests on a ZeroMQ ``ipc://`` socket inside a directory only its user can enter
-(mode 0700). ``NodeClient`` (in each peer) is what ``DhtEntries`` needs of a hivemind ``DHT`` handle:
-``store``/``get`` returning futures, ``is_alive``, ``shutdown``.
+(mode 0700). ``membership.shared_node_client.NodeClient`` (in each peer) is what ``DhtEntries`` needs of a hivemind
+``DHT`` handle: ``store``/``get`` returning futures, ``is_alive``, ``shutdown``.
 
 Records stay signed by their own peer. The client signs each entry itself (``record_validator.presign``:
 the same envelope the peer's own node would have made, over the same key, subkey, value and expiration)
@@ -27,8 +27,6 @@ peer behind NAT on a shared node is reached by reverse connections only, never t
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import logging
 import os
 import queue
@@ -42,7 +40,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from gossiploco.errors import ConfigError, DirectoryError
+from gossiploco.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +65,7 @@ SOCKET_NAME = "dht.sock"
 MAX_SOCKET_PATH = 107
 
 
-def _unpack(data: bytes, max_bytes: int) -> Any:
+def unpack_message(data: bytes, max_bytes: int) -> Any:
     return msgpack.unpackb(data, raw=False, strict_map_key=False, max_bin_len=max_bytes, max_str_len=max_bytes,
                            max_array_len=max(MAX_ITEMS, 1 << 16), max_map_len=1 << 16)
 
@@ -84,7 +82,7 @@ def _wire_value(found: Any) -> Any:
     return {"value": value, "expiration": found.expiration_time}
 
 
-def _from_wire(data: Any) -> Any:
+def value_from_wire(data: Any) -> Any:
     """The client's copy of ``_wire_value``'s input (hivemind's ``ValueWithExpiration``s)."""
     from hivemind.utils import ValueWithExpiration
 
@@ -211,7 +209,7 @@ class NodeService:
             return
         client, payload = frames
         try:
-            request = _unpack(payload, MAX_REQUEST_BYTES)
+            request = unpack_message(payload, MAX_REQUEST_BYTES)
         except (ValueError, msgpack.UnpackException) as exc:
             self._refuse(client, None, "malformed", type(exc).__name__)
             return
@@ -314,203 +312,3 @@ class NodeService:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class NodeClient:
-    """A peer's handle on a ``NodeService`` at ``address`` (``ipc://...``): the part of a hivemind ``DHT`` that
-    ``DhtEntries`` uses. ``identity`` and ``swarm`` sign each stored entry here (``record_validator.presign``;
-    no identity: entries are stored as given, for tests of the mechanics). Connecting asks the node's ``info``
-    within ``timeout_s``: ``DirectoryError`` saying what to check when it does not answer."""
-
-    def __init__(self, address: str, *, timeout_s: float, identity: Any = None, swarm: Any = None):
-        if not isinstance(address, str) or not address.startswith("ipc://"):
-            raise DirectoryError(f"a shared DHT node's address is ipc://PATH, got {address!r}")
-        self.address, self.timeout_s = address, float(timeout_s)
-        self.identity, self.swarm = identity, swarm
-        self._ids = itertools.count(1)
-        self._futures: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()  # guards _futures
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
-        self._context = zmq.Context.instance()
-        self._wake_address = f"inproc://gossiploco-dht-client-{id(self)}"
-        self._wake = self._context.socket(zmq.PULL)
-        self._wake.bind(self._wake_address)
-        self._waker = self._context.socket(zmq.PUSH)  # any thread's request wakes the I/O thread through it
-        self._waker.setsockopt(zmq.LINGER, 0)
-        self._waker.connect(self._wake_address)
-        self._waker_lock = threading.Lock()  # a socket is used by one thread at a time
-        self._deadlines: dict[int, float] = {}  # request id -> when it is given up (guarded by _lock)
-        self._thread = threading.Thread(target=self._io, name="dht-node-client", daemon=True)
-        self._thread.start()
-        try:
-            info = self._request({"op": "info"}).result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            self.shutdown()
-            raise DirectoryError(f"the shared DHT node at {address} did not answer within {self.timeout_s:g} s: is "
-                                 "the `gossiploco swarm` or `gossiploco dht --local-peers` that serves it running, "
-                                 "as this user?") from None
-        except Exception as exc:
-            self.shutdown()
-            raise DirectoryError(f"the shared DHT node at {address} refused this peer: {exc}") from exc
-        self.host_pid = int(info.get("pid", 0))
-        self.maddrs = [str(a) for a in info.get("maddrs", [])]
-        self.p2p = str(info.get("p2p", ""))
-        self.exitcode = None
-
-    def _io(self) -> None:
-        socket = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(self.address)
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                ready = dict(poller.poll(200))
-                if self._wake in ready:
-                    while True:
-                        try:
-                            self._wake.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                    while True:
-                        try:
-                            socket.send(self._outbox.get_nowait(), zmq.NOBLOCK)
-                        except queue.Empty:
-                            break
-                        except zmq.Again:  # the node is gone or stalled: the request times out on its deadline
-                            break
-                if socket in ready:
-                    while True:
-                        try:
-                            self._settle(socket.recv(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
-                self._expire(time.monotonic())
-        finally:
-            socket.close(0)
-            self._wake.close(0)
-
-    def _settle(self, payload: bytes) -> None:
-        try:
-            reply = _unpack(payload, MAX_REPLY_BYTES)
-            request_id = reply["id"]
-        except Exception:  # noqa: BLE001 - a reply that is not one: its request times out
-            log.warning("shared DHT node: an unreadable reply was ignored")
-            return
-        with self._lock:
-            future = self._futures.pop(request_id, None)
-        if future is None or future.done():
-            return
-        if reply.get("ok"):
-            future.set_result(reply.get("result"))
-        else:
-            future.set_exception(DirectoryError(f"the shared DHT node: {reply.get('error')}"))
-
-    def _request(self, request: dict) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._stop.is_set():
-            future.set_exception(DirectoryError("the shared DHT node's client was shut down"))
-            return future
-        request_id = next(self._ids)
-        with self._lock:
-            self._futures[request_id] = future
-            # Unanswered (the node lost it, or is gone): failed a little after the node's own deadline for it, so
-            # nothing waits or is kept for ever
-            self._deadlines[request_id] = time.monotonic() + request.get("timeout_s", self.timeout_s) + ANSWER_SLACK_S
-        future.add_done_callback(lambda _f, rid=request_id: self._forget(rid))
-        self._outbox.put(msgpack.packb({**request, "id": request_id}, use_bin_type=True))
-        try:
-            with self._waker_lock:
-                self._waker.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:  # the client stopped meanwhile: the request fails below
-            pass
-        if self._stop.is_set() and not future.done():
-            future.set_exception(DirectoryError("the shared DHT node's client was shut down"))
-        return future
-
-    def _forget(self, request_id: int) -> None:
-        with self._lock:
-            self._futures.pop(request_id, None)
-            self._deadlines.pop(request_id, None)
-
-    def _expire(self, now: float) -> None:
-        """Fail the requests the node has not answered by their deadline (the I/O thread, at each wake-up)."""
-        with self._lock:
-            late = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
-            futures = [self._futures.pop(rid, None) for rid in late]
-            for rid in late:
-                del self._deadlines[rid]
-        for future in futures:
-            if future is not None and not future.done():
-                future.set_exception(DirectoryError("the shared DHT node did not answer in time"))
-
-    def pending(self) -> int:
-        """Requests awaiting the node's answer (each is failed by its deadline, so this stays bounded)."""
-        with self._lock:
-            return len(self._futures)
-
-    def is_alive(self) -> bool:
-        """Whether the process serving the node runs (and this client has not been shut down)."""
-        if self._stop.is_set() or not self._thread.is_alive():
-            return False
-        try:
-            os.kill(self.host_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def store(self, key: str, value: Any, *, expiration_time: float, subkey: int,
-              return_future: bool = True) -> concurrent.futures.Future:
-        """Store ``key``'s ``subkey`` (signed here when this client has an identity); a future of whether at
-        least one DHT node accepted it."""
-        if self.identity is not None:
-            from gossiploco.membership.record_validator import presign
-
-            value = presign(self.identity, self.swarm, key, subkey, value, expiration_time)
-        outer: concurrent.futures.Future = concurrent.futures.Future()
-        inner = self._request({"op": "store", "items": [[key, subkey, value, expiration_time]],
-                               "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)})
-
-        def settle(done: concurrent.futures.Future) -> None:
-            if done.exception() is not None:
-                outer.set_exception(done.exception())
-            else:
-                result = done.result()
-                outer.set_result(bool(result[0]) if isinstance(result, list) and result else False)
-
-        inner.add_done_callback(settle)
-        return outer
-
-    def get(self, key: str, *, latest: bool = True, return_future: bool = True) -> concurrent.futures.Future:
-        """``key``'s latest value as hivemind's ``ValueWithExpiration`` (a future)."""
-        outer: concurrent.futures.Future = concurrent.futures.Future()
-        inner = self._request({"op": "get", "key": key, "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)})
-
-        def settle(done: concurrent.futures.Future) -> None:
-            try:
-                outer.set_result(_from_wire(done.result()))
-            except Exception as exc:  # noqa: BLE001 - the node's error, or a reply that is not a value
-                outer.set_exception(exc)
-
-        inner.add_done_callback(settle)
-        return outer
-
-    def run_coroutine(self, fn: Any, return_future: bool = True) -> Any:
-        raise DirectoryError("a shared DHT node runs no code for its peers (no relays, tunnels or reconnects)")
-
-    def shutdown(self) -> None:
-        """Stop this client (the node goes on serving the others); pending requests fail."""
-        self._stop.set()
-        self._thread.join(timeout=2)
-        with self._waker_lock:
-            self._waker.close(0)
-        with self._lock:
-            pending, self._futures = list(self._futures.values()), {}
-        for future in pending:
-            if not future.done():
-                future.set_exception(DirectoryError("the shared DHT node's client was shut down"))

@@ -266,7 +266,8 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     that directory (made private, mode 0700); ``on_ready`` then gets the socket's address as well.
 
     ``on_ready(addresses)`` is called once the node is up, with multiaddrs ready to paste into
-    ``--join`` (with ``local_peers``, ``on_ready(addresses, socket_address)``). With ``identity_file``, the peers the node is connected to are saved in
+    ``--join`` (with ``local_peers``, ``on_ready(addresses, socket_address)``). With ``identity_file``, the
+    peers the node is connected to are saved in
     ``peers_file_for(identity_file)`` every ``PEERS_SAVE_S`` and at shutdown, for the next start to
     reconnect to. Raises what ``start_bootstrap`` raises, and ``DirectoryError`` if the DHT process
     dies while serving. Ctrl+C (KeyboardInterrupt) propagates once the node is shut down.

@@ -15,7 +15,8 @@ and the node stores the envelope as it is (``SwarmRecordValidator.sign_value`` p
 no peer's key leaves its process, and a client can store only entries it signed, under its own subkey.
 
 Reads of one key coalesce: while one is in flight the others wait for it, and its value answers reads for
-``REUSE_S`` after (until a store through the node changes the key). Requests and replies are msgpack maps: ``{"id", "op": "info"|"store"|"get", ...}`` and ``{"id", "ok",
+``REUSE_S`` after (until a store through the node changes the key).
+Requests and replies are msgpack maps: ``{"id", "op": "info"|"store"|"get", ...}`` and ``{"id", "ok",
 "result"|"error"}``. A request over ``MAX_REQUEST_BYTES`` is dropped by libzmq; a malformed one, or one over
 ``MAX_IN_FLIGHT`` pending for its client, is answered with an error and counted (``refused``); each store or
 get waits at most its request's deadline (capped at ``MAX_DEADLINE_S``). Nothing a client sends can stop the

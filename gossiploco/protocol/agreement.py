@@ -19,9 +19,9 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
   ``Leading``, two windows plus one control send (the leader's window may have begun up to one window later, at
   its own start). So a leader that is late (still computing, frozen, or gone without a word) costs its
   followers one window and a control send, then they do identity; a leader that is there and waits for slow
-  members is waited for. A follower also fails at once when its leader disconnects or abandons the key. It then tells every candidate of its bucket that it
-  abandons the key (``Abort``), so a peer that counted on it fails at once instead of waiting out
-  a deadline (this is what keeps a dead leader from costing more than one grace window).
+  members is waited for. A follower also fails at once when its leader disconnects or abandons the key. It then
+  tells every candidate of its bucket that it abandons the key (``Abort``), so a peer that counted on it fails at
+  once instead of waiting out a deadline (this is what keeps a dead leader from costing more than one grace window).
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
   key) fails the follower's call, counted (``unknown_members``): a group it cannot run is a failed
   exchange, never a crash.

@@ -7,7 +7,8 @@ loopback, with one difference by default: the peers share the bootstrap's DHT no
 (at 32 peers on two cores those starved each other), and skip the dial-back check (on loopback
 they reach each other: ``--reachability public``), running nicer than the node's process
 (``PEER_NICENESS``). ``dht_per_peer`` gives each its own node and check. With more peers than cores,
-each peer gets one torch thread (``peer_environment``). It follows each peer's ``metrics.jsonl`` as it grows and reports the latest
+each peer gets one torch thread (``peer_environment``). It follows each peer's ``metrics.jsonl``
+as it grows and reports the latest
 record of every peer (round, loss, CD_L2, CD_JS) to a callback. When every peer has exited it
 writes ``OUT/summary.json``: the peers' own summaries side by side plus swarm-wide figures.
 Ctrl+C (KeyboardInterrupt) stops every peer (SIGINT: each leaves the run gracefully), shuts the

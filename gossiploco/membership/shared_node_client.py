@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -35,7 +36,8 @@ class NodeClient:
         self.identity, self.swarm = identity, swarm
         self._ids = itertools.count(1)
         self._futures: dict[int, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()  # guards _futures
+        self._readers: dict[int, Callable[[Any], Any]] = {}  # request id -> what makes its reply the future's result
+        self._lock = threading.Lock()  # guards _futures, _readers and _deadlines
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
@@ -62,7 +64,6 @@ class NodeClient:
         self.host_pid = int(info.get("pid", 0))
         self.maddrs = [str(a) for a in info.get("maddrs", [])]
         self.p2p = str(info.get("p2p", ""))
-        self.exitcode = None
 
     def _io(self) -> None:
         socket = self._context.socket(zmq.DEALER)
@@ -107,22 +108,26 @@ class NodeClient:
             log.warning("shared DHT node: an unreadable reply was ignored")
             return
         with self._lock:
-            future = self._futures.pop(request_id, None)
+            future, read = self._futures.pop(request_id, None), self._readers.pop(request_id, None)
         if future is None or future.done():
             return
-        if reply.get("ok"):
-            future.set_result(reply.get("result"))
-        else:
+        if not reply.get("ok"):
             future.set_exception(DirectoryError(f"the shared DHT node: {reply.get('error')}"))
+            return
+        try:
+            future.set_result(read(reply.get("result")))
+        except Exception as exc:  # noqa: BLE001 - a result that is not what was asked for
+            future.set_exception(exc)
 
-    def _request(self, request: dict) -> concurrent.futures.Future:
+    def _request(self, request: dict, read: Callable[[Any], Any] = lambda result: result) -> concurrent.futures.Future:
+        """Send ``request``; a future of ``read(the node's result)``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stop.is_set():
             future.set_exception(DirectoryError("the shared DHT node's client was shut down"))
             return future
         request_id = next(self._ids)
         with self._lock:
-            self._futures[request_id] = future
+            self._futures[request_id], self._readers[request_id] = future, read
             # Unanswered (the node lost it, or is gone): failed a little after the node's own deadline for it, so
             # nothing waits or is kept for ever
             self._deadlines[request_id] = time.monotonic() + request.get("timeout_s", self.timeout_s) + ANSWER_SLACK_S
@@ -140,6 +145,7 @@ class NodeClient:
     def _forget(self, request_id: int) -> None:
         with self._lock:
             self._futures.pop(request_id, None)
+            self._readers.pop(request_id, None)
             self._deadlines.pop(request_id, None)
 
     def _expire(self, now: float) -> None:
@@ -149,6 +155,7 @@ class NodeClient:
             futures = [self._futures.pop(rid, None) for rid in late]
             for rid in late:
                 del self._deadlines[rid]
+                self._readers.pop(rid, None)
         for future in futures:
             if future is not None and not future.done():
                 future.set_exception(DirectoryError("the shared DHT node did not answer in time"))
@@ -178,33 +185,14 @@ class NodeClient:
             from gossiploco.membership.record_validator import presign
 
             value = presign(self.identity, self.swarm, key, subkey, value, expiration_time)
-        outer: concurrent.futures.Future = concurrent.futures.Future()
-        inner = self._request({"op": "store", "items": [[key, subkey, value, expiration_time]],
-                               "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)})
-
-        def settle(done: concurrent.futures.Future) -> None:
-            if done.exception() is not None:
-                outer.set_exception(done.exception())
-            else:
-                result = done.result()
-                outer.set_result(bool(result[0]) if isinstance(result, list) and result else False)
-
-        inner.add_done_callback(settle)
-        return outer
+        return self._request({"op": "store", "items": [[key, subkey, value, expiration_time]],
+                              "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)},
+                             lambda result: bool(result[0]) if isinstance(result, list) and result else False)
 
     def get(self, key: str, *, latest: bool = True, return_future: bool = True) -> concurrent.futures.Future:
         """``key``'s latest value as hivemind's ``ValueWithExpiration`` (a future)."""
-        outer: concurrent.futures.Future = concurrent.futures.Future()
-        inner = self._request({"op": "get", "key": key, "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)})
-
-        def settle(done: concurrent.futures.Future) -> None:
-            try:
-                outer.set_result(value_from_wire(done.result()))
-            except Exception as exc:  # noqa: BLE001 - the node's error, or a reply that is not a value
-                outer.set_exception(exc)
-
-        inner.add_done_callback(settle)
-        return outer
+        return self._request({"op": "get", "key": key, "timeout_s": min(self.timeout_s, MAX_DEADLINE_S)},
+                             value_from_wire)
 
     def run_coroutine(self, fn: Any, return_future: bool = True) -> Any:
         raise DirectoryError("a shared DHT node runs no code for its peers (no relays, tunnels or reconnects)")
@@ -216,7 +204,7 @@ class NodeClient:
         with self._waker_lock:
             self._waker.close(0)
         with self._lock:
-            pending, self._futures = list(self._futures.values()), {}
+            pending, self._futures, self._readers = list(self._futures.values()), {}, {}
         for future in pending:
             if not future.done():
                 future.set_exception(DirectoryError("the shared DHT node's client was shut down"))

@@ -42,7 +42,7 @@ def peer_environment(count: int, env: dict[str, str] | None) -> dict[str, str] |
     cores = os.cpu_count() or 1
     if count <= cores or "OMP_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in (env or {}):
         return env
-    return {**(env or {}), "OMP_NUM_THREADS": str(max(1, cores // count))}
+    return {**(env or {}), "OMP_NUM_THREADS": "1"}
 
 
 @dataclass

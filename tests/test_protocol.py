@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossiploco.errors import MalformedMessage
+from gossiploco.errors import MalformedMessage, PeerFailed
 from gossiploco.protocol.agreement import Follow
 from gossiploco.protocol.groups import leader_of
 from gossiploco.protocol.collectives import RingAllReduce, Swap
@@ -80,6 +80,36 @@ def test_early_chunks_from_strangers_are_refused_when_the_call_starts():
     node.receive(2, Data("mix2/0", 0, (4, 0, 0), torch.zeros(4)), 0.0)
     sends = Swap("mix2/0", 0, 2, torch.ones(4), 5, 0.0, 10.0).start(node)
     assert Send(3, Abort("mix2/0")) in sends and node.mailbox.senders("mix2/0") == {2}
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_member_running_the_all_reduce_over_another_list_fails_it_saying_so(early):
+    """Ranks 0 and 1 run it over [0, 1, 2], rank 2 over [1, 2] (it missed that 0 is back). Rank 2's first chunk goes to
+    rank 1, which expects chunks only from its left (0): refused, whether it came before or after the call began.
+    Rank 1's call must fail at once naming the cause, even if rank 2's answer to the refusal (an Abort) came too."""
+    node = _nodes(3)[1]
+    ring = RingAllReduce("mix1/3", 1, [0, 1, 2], torch.ones(30), 5, 0.0, 10.0)
+    stray = RingAllReduce("mix1/3", 2, [1, 2], torch.ones(30), 5, 0.0, 10.0).start(_nodes(3)[2])
+    assert stray[0].peer == 1
+    if early:
+        node.receive(2, stray[0].message, 0.0)
+    sends = ring.start(node)
+    if not early:
+        sends = node.receive(2, stray[0].message, 0.1)
+    assert Send(2, Abort("mix1/3")) in sends
+    node.receive(2, Abort("mix1/3"), 0.2)
+    step = ring.poll(node, 0.3)
+    assert isinstance(step.error, PeerFailed) and "[2] run this exchange over another member list" in str(step.error)
+    assert {s.peer for s in step.sends} == {0, 2}  # both other members learn at once
+
+
+def test_a_stranger_chunk_over_another_list_does_not_fail_a_call_it_is_not_part_of():
+    node = _nodes(4)[0]
+    ring = RingAllReduce("mix1/3", 0, [0, 1], torch.ones(10), 5, 0.0, 10.0)
+    ring.start(node)
+    node.receive(3, Data("mix1/3", 0, (10, 0, b"another"), torch.zeros(5)), 0.1)  # 3 is no member of [0, 1]
+    step = ring.poll(node, 0.2)
+    assert step.error is None and step.wait_until == 10.0
 
 
 def test_a_follower_that_gives_up_tells_its_whole_view():

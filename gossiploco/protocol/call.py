@@ -91,6 +91,8 @@ class DataCall(Call):
         super().__init__(key, began, deadline)
         self.watch = watch
         """Peers whose ``Abort`` of this key fails the call (they gave up: no chunk will come)."""
+        self.digest: object = None
+        """The digest of the member list the call runs over (on every chunk it sends), None for a call of two."""
 
     @abstractmethod
     def need(self) -> tuple[int, int] | None:
@@ -114,7 +116,7 @@ class DataCall(Call):
         if message is not None:
             node.bytes_received += message.data.numel() * message.data.element_size()
             return Step(mail=message)
-        error, wake = node.fault(self.key, sender, self.watch, self.began, now)
+        error, wake = node.fault(self.key, sender, self.watch, self.began, now, self.digest)
         if error is None and now >= self.deadline:
             error = ExchangeTimeout(f"{self.what}: no chunk {chunk} from {sender} within {self.deadline - self.began:.1f}s")
         if error is not None:

@@ -87,6 +87,11 @@ class Mailbox:
         """Who has chunks of ``key`` waiting here."""
         return {sender for sender, _ in self._boxes.get(key, {})}
 
+    def lists(self, key: str, senders: Container[int]) -> dict[int, object]:
+        """The member-list digest (``meta[2]``) on a waiting chunk of ``key`` from each of ``senders`` that sent one."""
+        return {sender: mail.message.meta[2] for (sender, _), mail in self._boxes.get(key, {}).items()
+                if sender in senders and len(mail.message.meta) >= 3}
+
     def discard(self, key: str, senders: Container[int] | None = None) -> int:
         """Drop the chunks of ``key`` (only those from ``senders`` if given); returns how many."""
         box = self._boxes.get(key)

@@ -116,6 +116,9 @@ class PeerNode:
         self.leading_now: Records[str, bool] = Records()
         """Keys this peer is leading right now (``agreement.Lead`` between its start and its decision)."""
         self.aborted: Records[str, set[int]] = Records()
+        self.other_lists: Records[str, dict[int, object]] = Records()
+        """key -> {sender: the member-list digest on a chunk of it this peer refused}: a call whose member runs the
+        exchange over another list fails at once, saying so (``fault``), whatever reaches whom first."""
         self.grouped: Records[str, frozenset[int]] = Records()
         self.finished: Records[str, frozenset[int]] = Records()
         self.left_out: Records[str, int] = Records(limit=16)
@@ -206,6 +209,8 @@ class PeerNode:
             if (key, sender) in self._refused:
                 return []
             self._refused.put((key, sender), True)
+            if len(message.meta) >= 3:
+                self._other_list(key, {sender: message.meta[2]})
             self.note(f"refused chunks of {key!r} from {sender}: not a partner of this peer in that exchange")
             return [Send(sender, Abort(key))]
         if not running and key in self.finished:
@@ -331,12 +336,17 @@ class PeerNode:
         strangers = self.mailbox.senders(key) - set().union(*self._expected[key])
         if not strangers:
             return []
+        self._other_list(key, self.mailbox.lists(key, strangers))
         self.mailbox.discard(key, strangers)
         self.refused_chunks += 1
         self.note(f"refused chunks of {key!r} from {sorted(strangers)}: not partners of this peer in that exchange")
         for s in strangers:
             self._refused.put((key, s), True)
         return self.aborts(key, sorted(strangers))
+
+    def _other_list(self, key: str, digests: dict[int, object]) -> None:
+        if digests:
+            self.other_lists.put(key, {**self.other_lists.get(key, {}), **digests})
 
     def end(self, key: str) -> None:
         """A data call of ``key`` ended: forget its leftovers (a failed call's late chunks are useless)."""
@@ -359,12 +369,19 @@ class PeerNode:
             return ExchangeBroken(f"rank {self.rank}: exchange broken ({self.broken}) during {what}")
         return None
 
-    def fault(self, key: str, sender: int, watch: list[int], began: float, now: float) -> tuple[ExchangeError | None, float | None]:
+    def fault(self, key: str, sender: int, watch: list[int], began: float, now: float,
+              digest: object = None) -> tuple[ExchangeError | None, float | None]:
         """Why a call of ``key`` that began at ``began`` waiting on ``sender`` cannot go on (None if it
-        can), and the time at which a lost connection will count (to wake up for it)."""
+        can), and the time at which a lost connection will count (to wake up for it). A call over a member
+        list (its ``digest``) fails once a peer of ``watch`` sent chunks of it over another list."""
         error = self.open_error(repr(key))
         if error is not None:
             return error, None
+        if digest is not None:
+            others = self.other_lists.get(key, {})
+            mismatched = sorted(p for p in watch if p in others and others[p] != digest)
+            if mismatched:
+                return PeerFailed(f"{key!r}: peer(s) {mismatched} run this exchange over another member list"), None
         lost = self.peers.lost_since(sender, began)
         if lost is not None and now >= lost + FAILED_GRACE_S:
             return PeerFailed(f"{key!r}: peer {sender} disconnected"), None
@@ -387,6 +404,7 @@ class PeerNode:
         """Sizes of everything the node keeps, to check it stays bounded."""
         return {"mailbox_bytes": self.mailbox.bytes, "mailbox_chunks": len(self.mailbox), "ready": len(self.ready),
                 "decided": len(self.decided), "told": len(self.told), "aborted": len(self.aborted),
+                "other_lists": len(self.other_lists),
                 "leading": len(self.leading), "leading_now": len(self.leading_now),
                 "grouped": len(self.grouped), "finished": len(self.finished), "running": len(self._expected),
                 "notes": len(self.notes)}

@@ -121,6 +121,32 @@ def test_a_dht_that_does_not_answer_the_key_check_is_asked_again_and_never_calle
     assert wrong.asked == 2
 
 
+def test_a_serving_bootstrap_node_publishes_its_beacon_again_before_it_expires():
+    """A peer joining an hour into a run (``gossiploco swarm`` or ``gossiploco dht``) must still find the beacon,
+    whose lifetime is 540 s: the node's keeper stores it again, extending its expiration, each time it is due."""
+    from gossiploco.membership.beacon import BEACON_TTL_S, beacon_key
+    from gossiploco.membership.bootstrap import beacon_keeper
+
+    key = SwarmKey.generate()
+    dht, _ = start_bootstrap("127.0.0.1", 0, swarm=key)
+    try:
+        def expires() -> float:
+            (entry,) = dht.get(beacon_key(key), latest=True).value.values()
+            return entry.expiration_time
+
+        first = expires()
+        keeper = beacon_keeper(dht, threading.Lock(), every_s=0.05)
+        keeper.tick()
+        assert keeper.published == 0 and expires() == first  # not due yet
+        assert wait_until(lambda: keeper.tick() or keeper.published == 1, 5.0)
+        assert expires() > first
+        with pytest.raises(ValueError, match="within its lifetime"):
+            beacon_keeper(dht, threading.Lock(), every_s=BEACON_TTL_S)
+    finally:
+        dht.shutdown()
+    assert beacon_keeper(object(), threading.Lock()) is None  # a node started without a swarm key has no beacon
+
+
 def test_round_claims_only_count_when_another_member_backs_them():
     assert corroborated({1: 5, 2: 5, 3: 11}) == {1: 5, 2: 5}  # a lone far-ahead claim is dropped
     assert corroborated({1: 5, 2: 6}) == {1: 5, 2: 6}  # a boundary between two answers

@@ -1,7 +1,7 @@
 """A private swarm's beacon: how a peer tells that the DHT it joined is its swarm's.
 
-A bootstrap node started with a swarm key publishes the beacon (``store_beacon``, refreshed by
-``bootstrap.serve_bootstrap``): an entry under a key derived from the swarm key, sealed with it like every
+A bootstrap node started with a swarm key publishes the beacon (``store_beacon``, refreshed by a
+``BeaconKeeper`` for as long as the node serves: ``gossiploco dht`` and ``gossiploco swarm``): an entry under a key derived from the swarm key, sealed with it like every
 record of the swarm (``record_validator``), so only holders of the key can write or read it. A peer that
 joined checks it is there (``check_beacon``, called by ``DhtDirectory.confirm_swarm``); a peer given another
 swarm key than its bootstrap node's finds none and stops with an error that says so.
@@ -10,6 +10,8 @@ swarm key than its bootstrap node's finds none and stops with an error that says
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 from gossiploco.errors import DirectoryError
@@ -43,6 +45,29 @@ def store_beacon(dht: Any, swarm: SwarmKey, signer_id: int, timeout_s: float) ->
     except Exception as exc:  # noqa: BLE001 - a missing beacon is reported by the peers that look for it
         log.warning("could not publish the swarm's beacon: %r", exc)
         return False
+
+
+class BeaconKeeper:
+    """Publishes a swarm's beacon again every ``every_s`` (a quarter of its lifetime), for as long as its node
+    serves: a peer that joins an hour into a run must find it. ``tick`` is called from the node's serving loop;
+    ``lock`` is the one every user of the node's pipe takes (it is not thread-safe)."""
+
+    def __init__(self, dht: Any, swarm: SwarmKey, signer_id: int, *, lock: threading.Lock, timeout_s: float,
+                 every_s: float = BEACON_TTL_S / 4):
+        if not 0 < every_s < BEACON_TTL_S:
+            raise ValueError(f"the beacon must be published again within its lifetime ({BEACON_TTL_S} s), got {every_s}")
+        self.dht, self.swarm, self.signer_id = dht, swarm, signer_id
+        self.lock, self.timeout_s, self.every_s = lock, timeout_s, every_s
+        self.next_s = time.monotonic() + every_s
+        self.published = 0
+        """Times it was published again and a node stored it (a failure is logged by ``store_beacon``)."""
+
+    def tick(self) -> None:
+        if time.monotonic() < self.next_s:
+            return
+        with self.lock:
+            self.published += store_beacon(self.dht, self.swarm, self.signer_id, self.timeout_s)
+        self.next_s = time.monotonic() + self.every_s
 
 
 BEACON_TRIES = 3

@@ -54,7 +54,7 @@ from gossiploco.membership.dht_node import (
     start_dht,
     visible_maddrs,
 )
-from gossiploco.membership.beacon import BEACON_TTL_S, store_beacon
+from gossiploco.membership.beacon import BeaconKeeper, store_beacon
 
 if TYPE_CHECKING:
     import hivemind
@@ -232,12 +232,19 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
         dht.shutdown()
         raise
     if swarm is not None and signer is not None:
-        dht.gossiploco_beacon = (swarm, signer.peer_id)  # serve_bootstrap refreshes it
+        dht.gossiploco_beacon = (swarm, signer.peer_id)  # for ``beacon_keeper``: the node's server refreshes it
         store_beacon(dht, swarm, signer.peer_id, timeout_s)
     log.info("bootstrap DHT node up in %.2f s at %s", time.monotonic() - started, ", ".join(addresses))
     if identity_file is not None:
         _reconnect_saved_peers(dht, peers_file_for(Path(identity_file)))
     return dht, addresses
+
+
+def beacon_keeper(dht: hivemind.DHT, lock: threading.Lock, **options: float) -> BeaconKeeper | None:
+    """What keeps the beacon of a node ``start_bootstrap`` started with a swarm key published (None without one);
+    ``options`` go to ``BeaconKeeper``."""
+    beacon = getattr(dht, "gossiploco_beacon", None)
+    return None if beacon is None else BeaconKeeper(dht, *beacon, lock=lock, timeout_s=STARTUP_TIMEOUT_S, **options)
 
 
 def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:
@@ -288,8 +295,7 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     stop = stop if stop is not None else threading.Event()
     peers_file = peers_file_for(Path(identity_file)) if identity_file is not None else None
     next_save = time.monotonic() + PEERS_SAVE_S
-    next_beacon = time.monotonic() + BEACON_TTL_S / 4
-    beacon = getattr(dht, "gossiploco_beacon", None)
+    beacon = beacon_keeper(dht, lock)
     try:
         if service is None:
             on_ready(addresses)
@@ -298,10 +304,8 @@ def serve_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
         while not stop.wait(LIVENESS_POLL_S):
             if not dht.is_alive():
                 raise DirectoryError(f"the bootstrap DHT process exited unexpectedly (exit code {dht.exitcode})")
-            if beacon is not None and time.monotonic() >= next_beacon:
-                with lock:
-                    store_beacon(dht, *beacon, STARTUP_TIMEOUT_S)
-                next_beacon = time.monotonic() + BEACON_TTL_S / 4
+            if beacon is not None:
+                beacon.tick()
             if peers_file is not None and time.monotonic() >= next_save:
                 with lock:
                     save_known_peers(dht, peers_file)

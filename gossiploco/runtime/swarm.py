@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gossiploco.membership.bootstrap import start_bootstrap
+from gossiploco.membership.bootstrap import beacon_keeper, start_bootstrap
 from gossiploco.runtime.launch import LocalPeers
 
 POLL_S = 0.5
@@ -96,10 +97,12 @@ class LocalSwarm:
                 extra = self.on_bootstrap(self.bootstrap, key)
             peer_args = list(self.peer_args)
             niceness = 0
+            lock = threading.Lock()  # the node's pipe is not thread-safe: its service and the beacon take turns
+            beacon = beacon_keeper(dht, lock)  # a peer that joins this swarm later (``gossiploco peer``) must find it
             if not self.dht_per_peer:
                 from gossiploco.membership.shared_node import NodeService
 
-                self.node_service = NodeService(dht)
+                self.node_service = NodeService(dht, lock=lock)
                 self.node_service.describe(self.bootstrap, dht.peer_id.to_base58())
                 peer_args += ["--dht-node", self.node_service.address, "--reachability", "public"]
                 niceness = PEER_NICENESS
@@ -115,6 +118,8 @@ class LocalSwarm:
                             break
                         if timeout_s is not None and time.monotonic() - start > timeout_s:
                             break
+                        if beacon is not None:
+                            beacon.tick()
                         time.sleep(POLL_S)
                 except KeyboardInterrupt:
                     interrupted = True

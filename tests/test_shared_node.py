@@ -295,3 +295,28 @@ def test_a_request_the_node_never_answers_fails_by_its_deadline_and_is_forgotten
         stop.set()
         thread.join(5)
         mute.close(0)
+
+
+@pytest.mark.timeout(60)
+def test_the_service_answers_when_the_node_does_not_on_a_timer(monkeypatch):
+    """The service's thread is woken by each finished node request (``Waker``), not by polling: with its idle poll
+    set to a minute, a store and a read through it still come back at once, and ``close`` still stops it at once."""
+    from gossiploco.membership import shared_node
+
+    monkeypatch.setattr(shared_node, "IDLE_POLL_MS", 60_000)
+    dht, addresses = start_bootstrap("127.0.0.1", 0)  # no swarm key: any record (the mechanics alone)
+    service = NodeService(dht, signed_only=False)
+    client = None
+    try:
+        client = NodeClient(service.address, timeout_s=TIMEOUT_S)
+        stored = client.store("k", {"v": 1}, expiration_time=time.time() + 30, subkey=7).result(timeout=TIMEOUT_S)
+        assert stored
+        found = client.get("k").result(timeout=TIMEOUT_S)
+        assert found.value[7].value == {"v": 1}
+    finally:
+        if client is not None:
+            client.shutdown()
+        start = time.monotonic()
+        service.close()
+        assert time.monotonic() - start < 10.0, "close waited for the idle poll"
+        dht.shutdown()

@@ -42,6 +42,7 @@ import msgpack
 import zmq
 
 from gossiploco.errors import ConfigError
+from gossiploco.membership.zmq_waker import Waker
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ REUSE_S = 1.0
 """How long a key's value read for one peer answers the others' reads of it (a store through the node drops it):
 N peers reading the same records every few seconds cost the node one search per key and second, not N."""
 MAX_KEYS_KEPT = 256
-POLL_MS = 20
+IDLE_POLL_MS = 1000
+"""The service's poll is woken by clients' requests and by finished node requests (``Waker``); this only bounds how
+long a ``close`` could go unnoticed if its wake-up were lost."""
 ANSWER_SLACK_S = 2.0
 """A client gives a request up this long after the deadline it gave the node for it."""
-"""How often the service looks for finished node requests while no client writes (its only wait)."""
+
 SOCKET_NAME = "dht.sock"
 MAX_SOCKET_PATH = 107
 
@@ -143,6 +146,7 @@ class NodeService:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._socket.bind(self.address)
+        self._waker = Waker(self._context, "dht-service")  # a finished node request wakes the service thread
         os.chmod(os.path.join(self.directory, SOCKET_NAME), 0o600)
         self._thread = threading.Thread(target=self._serve, name="dht-node-service", daemon=True)
         self._thread.start()
@@ -167,9 +171,13 @@ class NodeService:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._waker.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if poller.poll(POLL_MS):
+                ready = dict(poller.poll(IDLE_POLL_MS))
+                if self._waker.socket in ready:
+                    self._waker.drain()
+                if self._socket in ready:
                     while True:
                         try:
                             frames = self._socket.recv_multipart(zmq.NOBLOCK)
@@ -196,6 +204,7 @@ class NodeService:
             log.exception("shared DHT node: the service thread died; the peers using it can no longer reach the DHT")
         finally:
             self._socket.close(0)
+            self._waker.close_pull()
 
     def _answer(self, client: bytes, reply: dict) -> None:
         """Send the answer to a request that was in flight."""
@@ -292,19 +301,23 @@ class NodeService:
                 results.append(exc)
         if op == "store":
             self._done.put((client, {"id": tag, "ok": True, "result": [r is True for r in results]}))
+            self._waker.wake()
             return
         if isinstance(results[0], Exception):
             reply = {"ok": False, "error": f"{type(results[0]).__name__}: {results[0]}"[:300]}
         else:
             reply = {"ok": True, "result": _wire_value(results[0])}
         self._done.put((None, (tag, reply)))
+        self._waker.wake()
 
     def close(self) -> None:
         """Stop serving (waits for the service thread); remove the socket's directory if this service made it."""
         self._stop.set()
+        self._waker.wake()
         self._thread.join(timeout=5)
         if self._thread.is_alive():
             log.error("shared DHT node: the service thread did not stop")
+        self._waker.close()
         if self._own_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
 

@@ -17,6 +17,7 @@ import msgpack
 import zmq
 
 from gossiploco.errors import DirectoryError
+from gossiploco.membership.zmq_waker import Waker
 from gossiploco.membership.shared_node import (ANSWER_SLACK_S, MAX_DEADLINE_S, MAX_REPLY_BYTES, unpack_message,
                                                value_from_wire)
 
@@ -41,13 +42,7 @@ class NodeClient:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._context = zmq.Context.instance()
-        self._wake_address = f"inproc://gossiploco-dht-client-{id(self)}"
-        self._wake = self._context.socket(zmq.PULL)
-        self._wake.bind(self._wake_address)
-        self._waker = self._context.socket(zmq.PUSH)  # any thread's request wakes the I/O thread through it
-        self._waker.setsockopt(zmq.LINGER, 0)
-        self._waker.connect(self._wake_address)
-        self._waker_lock = threading.Lock()  # a socket is used by one thread at a time
+        self._waker = Waker(self._context, "dht-client")  # any thread's request wakes the I/O thread through it
         self._deadlines: dict[int, float] = {}  # request id -> when it is given up (guarded by _lock)
         self._thread = threading.Thread(target=self._io, name="dht-node-client", daemon=True)
         self._thread.start()
@@ -72,16 +67,12 @@ class NodeClient:
         socket.connect(self.address)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
-        poller.register(self._wake, zmq.POLLIN)
+        poller.register(self._waker.socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(200))
-                if self._wake in ready:
-                    while True:
-                        try:
-                            self._wake.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
+                if self._waker.socket in ready:
+                    self._waker.drain()
                     while True:
                         try:
                             socket.send(self._outbox.get_nowait(), zmq.NOBLOCK)
@@ -98,7 +89,7 @@ class NodeClient:
                 self._expire(time.monotonic())
         finally:
             socket.close(0)
-            self._wake.close(0)
+            self._waker.close_pull()
 
     def _settle(self, payload: bytes) -> None:
         try:
@@ -133,11 +124,7 @@ class NodeClient:
             self._deadlines[request_id] = time.monotonic() + request.get("timeout_s", self.timeout_s) + ANSWER_SLACK_S
         future.add_done_callback(lambda _f, rid=request_id: self._forget(rid))
         self._outbox.put(msgpack.packb({**request, "id": request_id}, use_bin_type=True))
-        try:
-            with self._waker_lock:
-                self._waker.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:  # the client stopped meanwhile: the request fails below
-            pass
+        self._waker.wake()  # a no-op once the client stopped: the request fails below
         if self._stop.is_set() and not future.done():
             future.set_exception(DirectoryError("the shared DHT node's client was shut down"))
         return future
@@ -201,8 +188,7 @@ class NodeClient:
         """Stop this client (the node goes on serving the others); pending requests fail."""
         self._stop.set()
         self._thread.join(timeout=2)
-        with self._waker_lock:
-            self._waker.close(0)
+        self._waker.close()
         with self._lock:
             pending, self._futures, self._readers = list(self._futures.values()), {}, {}
         for future in pending:

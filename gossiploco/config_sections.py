@@ -350,10 +350,13 @@ class TimeoutConfig:
     """How often a DHT-joined peer looks up the run's peers and refreshes its own announcement."""
     announce_ttl_s: float = 20.0
     """Lifetime of a peer's DHT announcement; a peer that stops refreshing it (crashed) disappears after this."""
+    reverse_s: float = 20.0
+    """How long a reachable peer waits for a peer behind NAT to dial the reverse connection it offered, before it
+    relays to that peer instead (its ephemeral ports may be closed: only --port forwarded)."""
 
     def check(self, p: str) -> None:
         for name in ("exchange_s", "startup_s", "hello_s", "grace_s", "min_exchange_s", "heartbeat_s", "discovery_s",
-                     "announce_ttl_s"):
+                     "announce_ttl_s", "reverse_s"):
             _positive(f"{p}.{name}", getattr(self, name))
         if self.adaptive_factor < 1:
             raise ConfigError(f"{p}.adaptive_factor", f"must be at least 1, got {self.adaptive_factor}")

@@ -58,7 +58,8 @@ def test_a_killed_peer_and_a_frozen_peer_while_the_rest_finish(tmp_path, bootstr
         # Mix1 is global (every member sends its chunk 0); Mix2 pairs 3 live members, so one sits a round out
         peers.start(env={1: {FAULT_ENV: "KILL:mix1/1:2"}, 2: {FAULT_ENV: "STOP:mix1/2:0"}})
         codes = peers.wait(180, ranks=[0, 1, 3])
-        assert wait_stopped(peers.procs[2].pid, 1), "the frozen peer must still exist, stopped"
+        assert wait_stopped(peers.procs[2].pid, 1), ("the frozen peer must still exist, stopped", codes,
+                                                     *(peers.log(r)[-2500:] for r in (0, 2, 3)))
     assert codes[1] == -signal.SIGKILL
     assert_exit(peers, codes, [0, 3])
     for rank in (0, 3):

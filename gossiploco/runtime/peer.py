@@ -198,7 +198,7 @@ class NetworkPeer:
         """The address other peers reach this one at."""
         self.reach = reach or Reach()
         self.paths = PathPlanner(rank, self.reach, self.exchange, getattr(directory, "run_in_node", None),
-                                 topology_ring=cfg.transport.ring_order == "topology")
+                                 topology_ring=cfg.transport.ring_order == "topology", reverse_wait_s=t.reverse_s)
         self.progress = TrainingProgress()
         """What the next record carries, the run's counters and tokens, the round's starting state."""
         self.discovery = Discovery(cfg, rank, self.run_id, self.endpoint, self.exchange, directory, runs=self.runs,

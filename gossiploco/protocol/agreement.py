@@ -100,14 +100,17 @@ class Lead(_GroupCall):
         if error is not None:
             return Step(error=error)
         ready = node.ready.get(self.key, set())
-        waiting = [p for p in self.view if p != node.rank and p not in node.peers.failed and p not in ready]
+        # A member that abandoned the key (``Abort``: its own leader, by its view, disconnected or never decided)
+        # sends no Ready: waiting for it would cost the rest of the window, then its next exchange with this peer
+        gave_up = node.aborted.get(self.key, set())
+        waiting = [p for p in self.view
+                   if p != node.rank and p not in node.peers.failed and p not in ready and p not in gave_up]
         first = node.first_ready.get(self.key)
         if first is not None and first < self.began:  # followers were waiting already: one window from the first
             self.deadline = min(self.deadline, max(self.began, first + node.grace_s))
         if waiting and now < self.deadline:
             return Step(wait_until=self.deadline)
-        ready = node.ready.pop(self.key, set())
-        gave_up = node.aborted.get(self.key, set())  # an early follower whose wait ran out: it does identity
+        ready = node.ready.pop(self.key, set())  # an early follower whose wait ran out (in gave_up) does identity
         chosen = {node.rank} | {p for p in ready if p not in node.peers.failed and p not in gave_up}
         # A Ready accepted while this peer's view had another size (a member came or went meanwhile) may come from
         # outside the bucket this call leads: told "not leading", as any peer asking the wrong leader is.

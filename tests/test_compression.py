@@ -169,6 +169,36 @@ def test_the_4bit_format_is_the_linear_grid_because_it_loses_less_than_e3m0_on_p
     assert error(e3m0, heavy) < error(int4, heavy)
 
 
+@pytest.mark.parametrize("rows, width, k", [(64, 4096, 82), (3, 4096, 123), (5, 1024, 21), (7, 2048, 2),
+                                           (2, 65536, 1311), (4, 512, 11), (3, 4096, 1024)])
+def test_the_sampled_selection_keeps_exactly_each_rows_k_largest(rows, width, k):
+    """``largest`` (a threshold from a sample, then a selection among the candidates) against ``torch.topk`` over
+    each whole row, on rows that defeat the sample: all zeros, a run of equal values, a NaN, three nonzero values,
+    and a heavy tail."""
+    from gossiploco.mixing.compression import largest
+
+    def check(magnitudes):
+        values, columns = largest(magnitudes, k)
+        reference = magnitudes.topk(k, dim=1, sorted=False).values
+        assert values.shape == columns.shape == (rows, k)
+        assert torch.equal(magnitudes.gather(1, columns).nan_to_num(9.0), values.nan_to_num(9.0))  # values at columns
+        assert torch.equal(values.sort(dim=1).values.nan_to_num(9.0), reference.sort(dim=1).values.nan_to_num(9.0))
+        assert all(len(set(row.tolist())) == k for row in columns)  # k distinct columns
+
+    generator = torch.Generator().manual_seed(rows * width + k)
+    magnitudes = torch.randn(rows, width, generator=generator).abs()
+    check(magnitudes)
+    check(torch.distributions.StudentT(1.5).sample((rows, width)).abs())
+    magnitudes[0] = 0.0
+    magnitudes[-1, :3 * k] = 5.0  # more values equal to the k-th largest than k
+    check(magnitudes)
+    magnitudes[-1, 17] = float("nan")
+    check(magnitudes)
+    sparse = torch.zeros(rows, width)
+    sparse[:, :3] = 1.0
+    check(sparse)
+
+
 def test_topk_keeps_each_chunks_largest_values_with_their_sign():
     codec = TopKCodec(density=0.05, chunk=100, bits=2)
     x = vec(1050, 3)

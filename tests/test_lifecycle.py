@@ -205,6 +205,25 @@ def test_without_a_usable_state_a_member_goes_on_with_its_own_and_a_fresh_proces
     assert script.fetched == [1, 1], "a fresh process tries again at the next boundary before giving up"
 
 
+def test_a_peer_waiting_for_a_boundary_stops_once_every_peer_ahead_is_gone():
+    """Seen in a real swarm: the one other survivor ran ahead alone and finished its run while this peer waited a
+    whole ``boundary_s`` (60 s there) for it to begin a round. Once every peer of the newest round lost its connection
+    or left, nobody can begin one: the peer goes on with its own state at once."""
+    node = node_of(0, [0, 1, 2], connected=[1, 2], join_round=0)
+
+    def finish(script):  # both peers ahead finish their runs once this peer has waited a little
+        if script.now >= 0.5:
+            node.disconnected(1, script.now)
+            node.disconnected(2, script.now)
+
+    script = Script(node, answers={1: 6, 2: 6}, states={1: PeerFailed("disconnected"), 2: PeerFailed("gone")},
+                    at_wait=finish)
+    position = script.run(lifecycle.catch_up(node, settings(boundary_s=60.0), {1: 6, 2: 6}, current=4))
+    assert position.round == 4 and position.state is None
+    assert script.now < 1.0, "waited for peers that were gone"
+    assert any("is gone" in text for _, text in node.notes)
+
+
 def test_maybe_catch_up_decides_from_the_node_alone():
     life = settings()
     node = node_of(0, [0, 1], connected=[1], join_round=0)

@@ -288,6 +288,11 @@ def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Pro
     shift = node.rank % len(newest_peers)
     rotated = newest_peers[shift:] + newest_peers[:shift]  # their next round is the boundary
     while now < deadline:
+        if all(p in node.peers.failed or p in node.peers.left for p in newest_peers):
+            # Each lost its connection or said it leaves (a swarm's last other peer finishing its run, say): nobody
+            # is left to begin a round, and waiting out ``boundary_s`` for one would only stall this peer
+            node.note(f"every peer in round {latest} is gone ({newest_peers}); not waiting for a round boundary")
+            return ahead
         sample = [p for p in rotated if p in node.peers.connected][:BOUNDARY_SAMPLE]  # the live ones, asked each time
         rounds = yield from ask_rounds(node, s, sample)
         newest = max(rounds.values(), default=-1)

@@ -169,17 +169,23 @@ def test_a_leader_that_is_there_says_so_when_asked_again_and_is_waited_for_two_w
     assert "mix2/0" not in nodes[chief].leading_now
 
 
+def _leading(key: str):
+    """Three connected peers and the agreement call of the one that leads ``key``: (leader, the two others, its node,
+    its call)."""
+    chief = leader_of(0, key, range(3))
+    a, b = (p for p in range(3) if p != chief)
+    node = _nodes(3)[chief]
+    for p in (a, b):
+        node.connected(p, 0.0)
+    return chief, a, b, node, node.group_call(key, 0, 0.0)
+
+
 def test_a_leader_stops_waiting_for_a_member_that_abandoned_the_exchange():
     """Views differ for a moment after a peer dies: a member that still counted the dead peer in followed it, failed
     ("the leader disconnected") and told its whole view (Abort). The leader by the new view decides at once instead
     of waiting out its window for a Ready that will not come (a cascade seen in a real swarm: the late decision
     then made this leader late for the next exchange, and the two surviving peers kept missing each other)."""
-    chief = leader_of(0, "monitor/1/2", range(3))
-    a, b = (p for p in range(3) if p != chief)
-    node = _nodes(3)[chief]
-    for p in (a, b):
-        node.connected(p, 0.0)
-    lead = node.group_call("monitor/1/2", 0, 0.0)
+    chief, a, b, node, lead = _leading("monitor/1/2")
     lead.start(node)
     node.receive(a, Ready("monitor/1/2", 0), 0.1)
     assert lead.poll(node, 0.2).wait_until == 1.0  # b has said nothing yet: waited for
@@ -190,12 +196,7 @@ def test_a_leader_stops_waiting_for_a_member_that_abandoned_the_exchange():
 
 
 def test_a_restarted_peers_ready_gets_the_group_without_it():
-    chief = leader_of(0, "mix1/0", range(3))
-    a, b = (p for p in range(3) if p != chief)
-    leader = _nodes(3)[chief]
-    for p in (a, b):
-        leader.connected(p, 0.0)
-    lead = leader.group_call("mix1/0", 0, 0.0)
+    chief, a, b, leader, lead = _leading("mix1/0")
     leader.receive(a, Ready("mix1/0", 0), 0.1)
     leader.receive(b, Ready("mix1/0", 0), 0.1)
     assert lead.poll(leader, 0.2).done and lead.outcome() == [0, 1, 2]

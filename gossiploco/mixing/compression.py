@@ -347,10 +347,20 @@ class TopKCodec(Codec):
     def encode(self, flat):
         flat = flat.detach().reshape(-1).to(torch.float32)
         n, k = self._shape(flat.numel())
-        chunks = torch.nn.functional.pad(flat, (0, n * self.chunk - flat.numel())).view(n, self.chunk)
-        magnitudes, positions = largest(chunks.abs(), k)
-        positions = positions.sort(dim=1).values  # ascending: a canonical order
-        values = chunks.gather(1, positions)
+        # A piece of rows at a time (a few MB): the magnitudes and masks stay in cache and their memory is reused,
+        # where whole-vector temporaries cost a page fault per 4 KiB (half the encode at 16M values)
+        rows = max(1, 4 * PIECE_VALUES // self.chunk)
+        pieces = []
+        for first in range(0, n, rows):
+            last = min(n, first + rows)
+            piece = flat[first * self.chunk:last * self.chunk]
+            if piece.numel() < (last - first) * self.chunk:  # the last chunk, cut: zero-padded
+                piece = torch.nn.functional.pad(piece, (0, (last - first) * self.chunk - piece.numel()))
+            piece = piece.view(last - first, self.chunk)
+            magnitudes, positions = largest(piece.abs(), k)
+            positions = positions.sort(dim=1).values  # ascending: a canonical order
+            pieces.append((magnitudes, positions, piece.gather(1, positions)))
+        magnitudes, positions, values = (torch.cat(parts) for parts in zip(*pieces))
         low, high = magnitudes.amin(dim=1), magnitudes.amax(dim=1)
         # the levels are the midpoints of ``levels`` equal bins of [low, high]: the nearest is the bin's
         span = torch.where(high > low, high - low, torch.ones_like(high))

@@ -121,6 +121,7 @@ def test_a_dht_that_does_not_answer_the_key_check_is_asked_again_and_never_calle
     assert wrong.asked == 2
 
 
+@pytest.mark.slow  # a real DHT node (the fast subset keeps its margin)
 def test_a_serving_bootstrap_node_publishes_its_beacon_again_before_it_expires():
     """A peer joining an hour into a run (``gossiploco swarm`` or ``gossiploco dht``) must still find the beacon,
     whose lifetime is 540 s: the node's keeper stores it again, extending its expiration, each time it is due."""

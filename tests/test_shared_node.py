@@ -298,6 +298,7 @@ def test_a_request_the_node_never_answers_fails_by_its_deadline_and_is_forgotten
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow  # a real DHT node (the fast subset keeps its margin)
 def test_the_service_answers_when_the_node_does_not_on_a_timer(monkeypatch):
     """The service's thread is woken by each finished node request (``Waker``), not by polling: with its idle poll
     set to a minute, a store and a read through it still come back at once, and ``close`` still stops it at once."""

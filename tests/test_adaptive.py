@@ -65,6 +65,7 @@ def test_adaptive_needs_monitors_and_a_mixing_kind(make_config):
         make_config("globalm1", **{"mix1.mode": "adaptive"})
 
 
+@pytest.mark.slow  # a virtual swarm of several rounds (4 s): the fast subset keeps its margin
 def test_the_swarm_mixes_exactly_the_blocks_each_decision_names(make_config, corpus):
     cfg = make_config("globalm1-adaptive", rounds=6, **{"adaptive.grow_factor": 1.01, "adaptive.calm_factor": 1.0,
                                                         "adaptive.warmup_rounds": 1})

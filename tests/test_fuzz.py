@@ -277,6 +277,7 @@ def test_any_msgpack_header_decodes_or_raises_malformed(header, payload):
     check_decode([msgpack.packb(header, use_bin_type=True), *payload])
 
 
+@pytest.mark.slow  # 600 examples (2 s): the fast subset keeps its margin
 @pytest.mark.timeout(60)
 @settings(HYPOTHESIS, max_examples=600)
 @given(frames=near_valid_frames(), frame_type=frame_types, copy=st.booleans())

@@ -1,10 +1,11 @@
 """A private swarm's beacon: how a peer tells that the DHT it joined is its swarm's.
 
-A bootstrap node started with a swarm key publishes the beacon (``store_beacon``, refreshed by a
-``BeaconKeeper`` for as long as the node serves: ``gossiploco dht`` and ``gossiploco swarm``): an entry under a key derived from the swarm key, sealed with it like every
-record of the swarm (``record_validator``), so only holders of the key can write or read it. A peer that
-joined checks it is there (``check_beacon``, called by ``DhtDirectory.confirm_swarm``); a peer given another
-swarm key than its bootstrap node's finds none and stops with an error that says so.
+A bootstrap node started with a swarm key publishes the beacon (``store_beacon``, refreshed by a ``BeaconKeeper``
+for as long as the node serves: ``gossiploco dht`` and ``gossiploco swarm``): an entry under a key derived from the
+swarm key, sealed with it like every record of the swarm (``record_validator``), so only holders of the key can
+write or read it. A peer that joined checks it is there (``check_beacon``, called by
+``DhtDirectory.confirm_swarm``); a peer given another swarm key than its bootstrap node's finds none and stops with
+an error that says so.
 """
 
 from __future__ import annotations

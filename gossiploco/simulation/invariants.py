@@ -15,8 +15,9 @@
     correctness.swap           a completed swap did not hand over the partner's input (the pair's sum is not kept)
     correctness.identity       a failed exchange changed the value it was given
     recovery.state             a downloaded state differs from the donor's state of that round
-    recovery.not_mixing        a restarted or resumed peer was not in an agreed group of 2 or more again
-                               within 2 rounds of the swarm (checked when no other fault overlaps its recovery)
+    recovery.not_mixing        a restarted or resumed peer was not in an agreed group of 2 or more again (or alone
+                               in its bucket by the draw) within 2 rounds of the swarm (checked when no other fault
+                               overlaps its recovery)
     bounded.growth             a node's mailbox or records went past their limits
 """
 

@@ -227,6 +227,10 @@ class SimSwarm:
                 return value
             group = yield from peer.run_call(call)
             if len(group) == 1:
+                if call.view == [peer.pid] and len(peer.node.members(r)) > 1:
+                    # alone in its bucket by the draw (protocol.groups, small group sizes): it took part in its
+                    # exchange as agreed, with nobody to mix with, which is no failure to recover from
+                    self._mixed(peer.pid, r)
                 peer.node.isolated(group, key, r)  # counted as the real peer counts it (it then fails that mix)
                 return value
             self._mixed(peer.pid, r)  # back in a group (an unmatched gossip peer takes part too)

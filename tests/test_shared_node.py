@@ -319,5 +319,6 @@ def test_the_service_answers_when_the_node_does_not_on_a_timer(monkeypatch):
             client.shutdown()
         start = time.monotonic()
         service.close()
-        assert time.monotonic() - start < 10.0, "close waited for the idle poll"
+        # below the 5 s close() gives the thread before it gives up on it: a close that waited for the poll fails
+        assert time.monotonic() - start < 4.0, "close waited for the idle poll"
         dht.shutdown()

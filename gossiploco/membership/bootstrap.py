@@ -54,7 +54,7 @@ from gossiploco.membership.dht_node import (
     start_dht,
     visible_maddrs,
 )
-from gossiploco.membership.beacon import BeaconKeeper, store_beacon
+from gossiploco.membership.beacon import BEACON_TTL_S, BeaconKeeper, store_beacon
 
 if TYPE_CHECKING:
     import hivemind
@@ -240,11 +240,13 @@ def start_bootstrap(host: str = "0.0.0.0", port: int = 0, announce: Sequence[str
     return dht, addresses
 
 
-def beacon_keeper(dht: hivemind.DHT, lock: threading.Lock, **options: float) -> BeaconKeeper | None:
-    """What keeps the beacon of a node ``start_bootstrap`` started with a swarm key published (None without one);
-    ``options`` go to ``BeaconKeeper``."""
+def beacon_keeper(dht: hivemind.DHT, lock: threading.Lock, every_s: float = BEACON_TTL_S / 4) -> BeaconKeeper | None:
+    """What keeps the beacon of a node ``start_bootstrap`` started with a swarm key published, every ``every_s``
+    (None without a key)."""
     beacon = getattr(dht, "gossiploco_beacon", None)
-    return None if beacon is None else BeaconKeeper(dht, *beacon, lock=lock, timeout_s=STARTUP_TIMEOUT_S, **options)
+    if beacon is None:
+        return None
+    return BeaconKeeper(dht, *beacon, lock=lock, timeout_s=STARTUP_TIMEOUT_S, every_s=every_s)
 
 
 def _reconnect_saved_peers(dht: hivemind.DHT, path: Path) -> None:

@@ -22,6 +22,8 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
   members is waited for. A follower also fails at once when its leader disconnects or abandons the key. It then
   tells every candidate of its bucket that it abandons the key (``Abort``), so a peer that counted on it fails at
   once instead of waiting out a deadline (this is what keeps a dead leader from costing more than one grace window).
+  A leader stops waiting for a member that sent ``Abort`` for the key (it followed another leader by an older
+  view): no ``Ready`` will come from it.
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
   key) fails the follower's call, counted (``unknown_members``): a group it cannot run is a failed
   exchange, never a crash.

@@ -3,6 +3,7 @@
 The protocol (``gossiploco.protocol``) is sans-I/O; ``ZmqDriver`` gives it I/O. Its parts, one concern each:
 
     zmq_sockets      the ROUTER, the DEALERs per peer (data and control), their monitors, CurveZMQ
+    zmq_sealed       the sealed data path: chunks sealed with AES-GCM on a second port (with ``trust``)
     zmq_receiver     the receiver thread: validates each message and feeds it to the node (``_feed``)
     admission        who a sender is (routing id, header, authenticated key) and which process (pure)
     zmq_service      the service thread: sends what the receiver decided, serves state uploads
@@ -58,7 +59,8 @@ class ZmqDriver:
                  max_message_bytes: int = 64 << 20, chunk_bytes: int = 4 << 20, mailbox_bytes: int = 1 << 30,
                  grace_s: float = 10.0, *, bind: str | None = None, join_round: int | None = 0,
                  heartbeat_s: float | None = None, trust: Trust | None = None, sender_mailbox_bytes: int | None = None,
-                 fault: SendHook | None = None, io_threads: int | None = None, stripes: int | None = None):
+                 fault: SendHook | None = None, io_threads: int | None = None, stripes: int | None = None,
+                 sealed_port: int | None = 0):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -88,9 +90,13 @@ class ZmqDriver:
                               join_round=join_round)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._sockets = ZmqSockets(rank, bind or self.endpoints[rank], self.endpoints[rank], heartbeat_s=heartbeat_s,
+        if sealed_port is not None and not 0 <= sealed_port < 65536:
+            raise ValueError(f"sealed_port must be a TCP port (0: any) or None, got {sealed_port}")
+        bind = bind or self.endpoints[rank]
+        self._sockets = ZmqSockets(rank, bind, self.endpoints[rank], heartbeat_s=heartbeat_s,
                                    max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust,
-                                   io_threads=io_threads, stripes=stripes)
+                                   io_threads=io_threads, stripes=stripes,
+                                   sealed_bind=None if sealed_port is None else f"{bind.rpartition(':')[0]}:{sealed_port}")
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers
         for peer, endpoint in endpoints.items():
@@ -99,9 +105,10 @@ class ZmqDriver:
         closed = lambda: self._closed  # noqa: E731
         self._receiver_work = Receiver(rank, self._sockets, self.admission, run_id=run_id,
                                        max_message_bytes=max_message_bytes, feed=self._feed,
-                                       flush_notes=self._flush_notes, closed=closed, endpoints=self.known_endpoints)
+                                       flush_notes=self._flush_notes, closed=closed, endpoints=self.known_endpoints,
+                                       transport_send=lambda message: self._service_work.submit(message))
         self._service_work = Service(rank, self._send, self.traffic, chunk_elems=self._node.chunk_elems,
-                                     timeout_s=timeout_s, closed=closed)
+                                     timeout_s=timeout_s, closed=closed, send_frames=self._send_frames)
         self._receiver = threading.Thread(target=self._guarded, args=(self._receiver_work.run, "receiver"),
                                           name=f"zmq-exchange-{rank}-recv", daemon=True)
         self._service = threading.Thread(target=self._guarded, args=(self._service_work.run, "service"),
@@ -293,6 +300,11 @@ class ZmqDriver:
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
         self.traffic.sent(message, frames)
         return tracker
+
+    def _send_frames(self, peer: int, frames: list, deadline: float, what: str) -> None:
+        """Queue the transport's own message ``frames`` on the control connection to ``peer``."""
+        self._sockets.send(peer, frames, control=True, deadline=deadline, what=what, zero_copy=False,
+                           closed=lambda: self._closed)
 
     def _dispatch(self, actions: list) -> None:
         """Hand the node's actions to the service thread (never sends on the calling thread)."""

@@ -52,7 +52,9 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
     which round it takes part. ``trust``: CurveZMQ on every socket, members' keys only. ``fault``: a
     hook run before each send (``fault_injection``; None in normal use). ``io_threads``: libzmq I/O threads, where
     CURVE's crypto runs (None: ``zmq_sockets.default_io_threads``); ``stripes``: data connections to each directly
-    dialed peer (None: as many as I/O threads; ``zmq_sockets``). Construction raises
+    dialed peer (None: as many as I/O threads; ``zmq_sockets``). ``sealed_port`` (with ``trust``): the TCP port of
+    this peer's sealed port, where peers that dial it directly send their data chunks sealed with AES-256-GCM instead
+    of CurveZMQ (``zmq_sealed``; 0: any free port; None: none, so data to this peer stays on CurveZMQ). Construction raises
     ``ExchangeError`` if the bind fails and ``ValueError`` for bad arguments. Every public method is
     thread-safe.
     """
@@ -62,7 +64,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
                  join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None,
                  sender_mailbox_bytes: int | None = None, fault: SendHook | None = None, io_threads: int | None = None,
-                 stripes: int | None = None):
+                 stripes: int | None = None, sealed_port: int | None = 0):
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self._scatter_began: dict[str, float] = {}
         """Start of each compressed mean's first phase, by key (``all_to_all``)."""
@@ -70,7 +72,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         super().__init__(rank, endpoints, run_id, timeout_s, max_message_bytes, chunk_bytes, mailbox_bytes, grace_s,
                          bind=bind, join_round=join_round, heartbeat_s=heartbeat_s, trust=trust,
                          sender_mailbox_bytes=sender_mailbox_bytes, fault=fault, io_threads=io_threads,
-                         stripes=stripes)
+                         stripes=stripes, sealed_port=sealed_port)
 
     # -- the Exchange interface ------------------------------------------------------------------
 

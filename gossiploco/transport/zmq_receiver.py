@@ -28,7 +28,10 @@ from gossiploco.errors import ExchangeError, MalformedMessage
 from gossiploco.protocol import codec
 from gossiploco.protocol.messages import from_wire
 from gossiploco.protocol.node import PeerNode
+from gossiploco.security.trust import parse_routing_id
 from gossiploco.transport.admission import Admission
+from gossiploco.transport.sealed import OFFER
+from gossiploco.transport.zmq_service import TransportMessage
 from gossiploco.transport.zmq_sockets import ZmqSockets
 
 log = logging.getLogger(__name__)
@@ -53,7 +56,8 @@ class Receiver:
 
     def __init__(self, rank: int, sockets: ZmqSockets, admission: Admission, *, run_id: str, max_message_bytes: int,
                  feed: Callable[[Event], None], flush_notes: Callable[[], None], closed: Callable[[], bool],
-                 endpoints: Callable[[], dict[int, str]]):
+                 endpoints: Callable[[], dict[int, str]],
+                 transport_send: Callable[[TransportMessage], None] | None = None):
         self.rank = rank
         self.sockets = sockets
         self.admission = admission
@@ -63,6 +67,8 @@ class Receiver:
         self.flush_notes = flush_notes
         self.closed = closed
         self.endpoints = endpoints
+        self.transport_send = transport_send
+        self.sealed = sockets.sealed
         self._dials: queue.SimpleQueue = queue.SimpleQueue()  # (old, new) endpoints for the ROUTER to dial
 
     def dial(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
@@ -75,6 +81,9 @@ class Receiver:
         router = self.sockets.router
         poller.register(router, zmq.POLLIN)
         poller.register(self.sockets.router_monitor, zmq.POLLIN)
+        sealed = self.sealed
+        if sealed is not None and sealed.router is not None:
+            poller.register(sealed.router, zmq.POLLIN)
         while not self.closed():
             while not self.sockets.new_monitors.empty():  # peers added since the last poll
                 poller.register(self.sockets.new_monitors.get(), zmq.POLLIN)
@@ -85,9 +94,15 @@ class Receiver:
                 self._dial_with_router(*self._dials.get())
             if self.sockets.handshakes.pending:
                 self.sockets.retry_refused(time.monotonic(), self.endpoints())
+            if sealed is not None:
+                sealed.dial_pending()
             for sock, _ in poller.poll(POLL_MS):
                 if sock is router:
                     self._drain_router()
+                elif sealed is not None and sock is sealed.router:
+                    self._drain_sealed()
+                elif sealed is not None and sock in sealed.monitors:
+                    self._drain_sealed_monitor(sock)
                 elif sock is self.sockets.router_monitor:
                     self.sockets.count_handshake_failures()
                 else:
@@ -107,13 +122,19 @@ class Receiver:
                 log.warning("rank %d: cannot dial a reverse connection at %s: %s", self.rank, endpoint, exc)
 
     def _drain_router(self) -> None:
+        self._drain(self.sockets.router, self._file)
+
+    def _drain_sealed(self) -> None:
+        self._drain(self.sealed.router, self._file_sealed)
+
+    def _drain(self, sock: zmq.Socket, file: Callable[[list], None]) -> None:
         for _ in range(DRAIN_BATCH):
             try:
-                frames = self.sockets.router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             try:
-                self._file(frames)
+                file(frames)
             except (TypeError, ValueError, OverflowError, KeyError, IndexError, AttributeError) as exc:
                 # Validation itself failed on this input (a bug in it): the message is refused like
                 # a malformed one, loudly, instead of the receiving thread dying for every message.
@@ -133,15 +154,41 @@ class Receiver:
         return counted[0]
 
     def _file(self, frames: list) -> None:
-        """Validate one ROUTER message (routing id + codec frames) and feed it to the node."""
+        """Validate one ROUTER message (routing id + codec frames, or a sealed-data key offer) and act on it."""
         if len(frames) < 2:
             raise MalformedMessage("no codec frames after the routing id")
-        # copy=False: the chunk is a view of the zmq frame (which it keeps alive), not a copy.
-        header, tensors = codec.decode(frames[1:], expect_run=self.run_id, max_bytes=self.max_message_bytes, copy=False)
-        message = from_wire(header, tensors)
         authenticated_as = frames[1].get("User-Id") if self.admission.authenticated else None  # what ZAP authenticated
+        if frames[1].buffer.nbytes == len(OFFER) and frames[1].bytes == OFFER:
+            self._accept_offer(frames[0].bytes, frames[2:], authenticated_as)
+            return
+        self._admit(frames[0].bytes, frames[1:], authenticated_as)
+
+    def _file_sealed(self, frames: list) -> None:
+        """Open one message of the sealed port (its routing id, then envelope + sealed frames) and admit it as
+        from the peer whose key sealed it (``zmq_sealed``)."""
+        if len(frames) < 3:
+            raise MalformedMessage("a sealed message without sealed frames")
+        peer, routing, plain = self.sealed.open(frames[1:])
+        if not plain:
+            raise MalformedMessage("a sealed message without codec frames")
+        self._admit(routing, plain, str(peer))
+
+    def _accept_offer(self, routing: bytes, frames: list, authenticated_as: str | None) -> None:
+        """A member's key for sealing data to it: only on its authenticated control connection."""
+        claimed = parse_routing_id(routing)
+        if self.sealed is None or claimed is None or not claimed[2] or authenticated_as != str(claimed[0]):
+            raise MalformedMessage(f"a sealed-data key offer on connection {routing[:32]!r}, authenticated as "
+                                   f"{authenticated_as!r}")
+        peer = claimed[0]
+        self.sealed.accept(peer, frames, self.sockets.dialed_endpoint(peer))
+
+    def _admit(self, routing: bytes, codec_frames: list, authenticated_as: str | None) -> None:
+        """Validate one message (codec frames) that came on connection ``routing`` and feed it to the node."""
+        # copy=False: the chunk is a view of the frame (which it keeps alive), not a copy.
+        header, tensors = codec.decode(codec_frames, expect_run=self.run_id, max_bytes=self.max_message_bytes, copy=False)
+        message = from_wire(header, tensors)
         sender = header.sender
-        incarnation = self.admission.identify(frames[0].bytes, sender, message, authenticated_as)
+        incarnation = self.admission.identify(routing, sender, message, authenticated_as)
 
         def event(node: PeerNode, now: float) -> list:
             note = self.admission.pin(sender, incarnation, node.peers.lost_at.get(sender, -math.inf), now)
@@ -160,6 +207,7 @@ class Receiver:
                 break
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.sockets.handshakes.succeeded(peer)
+                self._offer_key(peer)
                 self.feed(lambda node, now: node.connected(peer, now))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.feed(lambda node, now: node.disconnected(peer, now))
@@ -171,3 +219,17 @@ class Receiver:
                         f"peer {peer} refused the handshake ({refusals} time(s); it may not have read this peer's "
                         f"record yet, or the keys differ); trying again in {delay:g} s") or [])
         self.flush_notes()
+
+    def _offer_key(self, peer: int) -> None:
+        """The connection to ``peer`` is (again) made: offer it a fresh key for sealing its data to this peer."""
+        offer = self.sealed.offer(peer) if self.sealed is not None and self.transport_send is not None else None
+        if offer is not None:
+            self.transport_send(TransportMessage(peer, offer, "sealed-data key offer"))
+
+    def _drain_sealed_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.sealed.event(monitor, event["event"], event["endpoint"].decode())

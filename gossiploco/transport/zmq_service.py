@@ -2,7 +2,7 @@
 
 The receiver thread never sends (a full queue to a slow peer would stall every peer's messages),
 and a failing call does not block on its aborts: the node's ``Send`` actions (hello replies,
-decisions, aborts) and ``ServeState`` requests are queued here (``submit``, bounded: a full queue
+decisions, aborts), ``ServeState`` requests and the transport's own ``TransportMessage``s are queued here (``submit``, bounded: a full queue
 drops the action, counted in ``Traffic.dropped``) and carried out in order on this thread, each
 send bounded by ``CONTROL_SEND_S``, each state upload by ``timeout_s``.
 """
@@ -13,6 +13,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -28,22 +29,36 @@ QUEUE_SIZE = 1024
 POLL_S = 0.1
 """How often the thread wakes to notice ``close()``."""
 
+@dataclass(frozen=True)
+class TransportMessage:
+    """A message of the transport itself (not the protocol's), sent as ready-made ``frames`` to ``peer`` on
+    its control connection: a sealed-data key offer (``zmq_sealed``)."""
+
+    peer: int
+    frames: list
+    what: str
+
+
 StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
 """Returns (round, flat fp32 state) to hand a catching-up peer, or None when there is none yet."""
 SendFn = Callable[[Send, float, str], object]
 """The driver's send: ``send(action, deadline, what)``; raises ``ExchangeError``."""
+SendFramesFn = Callable[[int, list, float, str], object]
+"""The driver's send of a ``TransportMessage``: ``send(peer, frames, deadline, what)``; raises ``ExchangeError``."""
 
 
 class Service:
     """The service thread's work for peer ``rank`` (``run`` is the thread's body); see the module docstring.
 
-    ``send``: the driver's send; ``chunk_elems``: values per state chunk; ``closed()``: the driver is closing.
+    ``send``: the driver's send; ``send_frames``: its send of a ``TransportMessage``; ``chunk_elems``: values per
+    state chunk; ``closed()``: the driver is closing.
     """
 
     def __init__(self, rank: int, send: SendFn, traffic: Traffic, *, chunk_elems: int, timeout_s: float,
-                 closed: Callable[[], bool]):
+                 closed: Callable[[], bool], send_frames: SendFramesFn | None = None):
         self.rank = rank
         self.send = send
+        self.send_frames = send_frames
         self.traffic = traffic
         self.chunk_elems = chunk_elems
         self.timeout_s = timeout_s
@@ -52,7 +67,7 @@ class Service:
         """What ``ServeState`` uploads (``ZmqExchange.serve_state``); None: "no state yet"."""
         self._tasks: queue.Queue = queue.Queue(maxsize=QUEUE_SIZE)
 
-    def submit(self, action: Send | ServeState) -> None:
+    def submit(self, action: Send | ServeState | TransportMessage) -> None:
         """Queue ``action`` for this thread; never blocks (a full queue drops it, logged and counted). Any thread."""
         try:
             self._tasks.put_nowait(action)
@@ -70,12 +85,18 @@ class Service:
             try:
                 if isinstance(action, ServeState):
                     self._serve_state(action)
+                elif isinstance(action, TransportMessage):
+                    if self.send_frames is None:
+                        raise ExchangeError("this service has no way to send transport messages")
+                    self.send_frames(action.peer, action.frames, time.monotonic() + CONTROL_SEND_S, action.what)
                 else:
                     self.send(action, time.monotonic() + CONTROL_SEND_S, type(action.message).__name__)
             except ExchangeClosed:
                 return
             except ExchangeError as exc:
-                log.info("rank %d: %s to %d not sent: %s", self.rank, type(action).__name__, action.peer, exc)
+                log.log(logging.WARNING if isinstance(action, TransportMessage) else logging.INFO,
+                        "rank %d: %s to %d not sent: %s", self.rank, getattr(action, "what", type(action).__name__),
+                        action.peer, exc)
 
     def _serve_state(self, action: ServeState) -> None:
         deadline = time.monotonic() + self.timeout_s

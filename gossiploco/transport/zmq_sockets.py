@@ -47,6 +47,7 @@ from gossiploco.security.trust import MAX_STRIPES, Trust, routing_id
 from gossiploco.protocol import codec
 from gossiploco.transport.retry import HandshakeBackoff, send_wait_s
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
+from gossiploco.transport.zmq_sealed import SealedLinks
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -105,7 +106,8 @@ class ZmqSockets:
     """
 
     def __init__(self, rank: int, bind: str, advertised: str, *, heartbeat_s: float | None, max_message_bytes: int,
-                 chunk_bytes: int, trust: Trust | None, io_threads: int | None = None, stripes: int | None = None):
+                 chunk_bytes: int, trust: Trust | None, io_threads: int | None = None, stripes: int | None = None,
+                 sealed_bind: str | None = None):
         self.rank = rank
         self.trust = trust
         self.incarnation = uuid.uuid4().hex[:12]
@@ -181,6 +183,7 @@ class ZmqSockets:
         """Each peer's further data DEALERs (``stripes - 1``), used while it is dialed directly."""
         self._striped: set[int] = set()  # peers whose further data DEALERs are connected (dialed directly)
         self._relayed: dict[int, bool] = {}
+        self._direct: dict[int, str] = {}  # peer -> its endpoint while this peer dials it directly (not relayed)
         self._turn: dict[int, itertools.count] = {}  # peer -> which stripe the next data message takes
         self.stripe_sends = [0] * self.stripes
         """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
@@ -192,6 +195,22 @@ class ZmqSockets:
         """Reverse connections: peer -> the (data, control) endpoints its DEALERs listen on for it to dial."""
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
+        self.sealed: SealedLinks | None = None
+        """With ``trust``: data chunks sealed with AES-GCM on directly dialed paths (``zmq_sealed``); this peer's
+        own sealed port is bound at ``sealed_bind`` (None: none, and this peer offers no key)."""
+        if trust is not None:
+            try:
+                self.sealed = SealedLinks(self.ctx, rank, routing_id(rank, self.incarnation, False), sealed_bind,
+                                          max_frame_bytes=max_message_bytes + codec.MAX_HEADER_BYTES,
+                                          heartbeat_ms=self.heartbeat_ms, sndhwm=self.sndhwm,
+                                          monitors_out=self.new_monitors)
+            except zmq.ZMQError as exc:
+                self.router.close(linger=0)
+                self.router_monitor.close(linger=0)
+                if self.auth is not None:
+                    self.auth.stop()
+                self.ctx.term()
+                raise ExchangeError(f"rank {rank}: cannot bind the sealed port {sealed_bind}: {exc}") from exc
 
     def _client(self, server_key: bytes | None, control: bool, incarnation: str | None = None, stripe: int = 0) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -241,6 +260,12 @@ class ZmqSockets:
         """Dial ``endpoint`` with the DEALERs of ``peer`` (every data stripe when the path is direct), or listen on
         ``listen`` with its first data DEALER and its control DEALER (recording the ports)."""
         (dealer, _), (control, _) = self.dealers[peer], self.controls[peer]
+        if listen is None and not self._relayed[peer]:
+            self._direct[peer] = endpoint
+        else:
+            self._direct.pop(peer, None)
+        if self.sealed is not None:  # only a directly dialed path is sealed (zmq_sealed)
+            self.sealed.redial(peer, self._direct.get(peer))
         if listen is None:
             dealer.connect(endpoint)
             control.connect(endpoint)
@@ -290,6 +315,10 @@ class ZmqSockets:
             for lock in locks:
                 lock.release()
 
+    def dialed_endpoint(self, peer: int) -> str | None:
+        """``peer``'s endpoint while this peer dials it directly, not through a relay; else None. Any thread."""
+        return self._direct.get(peer)
+
     def data_connections(self, peer: int) -> int:
         """How many data DEALERs carry messages to ``peer`` now (its stripes in use)."""
         return 1 + len(self.extra_stripes[peer]) if peer in self._striped else 1
@@ -312,6 +341,9 @@ class ZmqSockets:
         sockets = self.controls if control else self.dealers
         if peer not in sockets:
             raise PeerFailed(f"{what}: {peer} is not a known peer")
+        if not control and self.sealed is not None and self.sealed.send(peer, frames, deadline=deadline, what=what,
+                                                                        closed=closed):
+            return None  # sealed into new buffers: the caller's memory is free again at once
         dealer, lock = sockets[peer]
         striped = not control and peer in self._striped
         stripe = next(self._turn[peer]) % (1 + len(self.extra_stripes[peer])) if striped else 0
@@ -385,7 +417,9 @@ class ZmqSockets:
         return counts
 
     def close_router(self) -> None:
-        """Close the ROUTER and its monitor (by the receiving thread, which owns them)."""
+        """Close the ROUTER, the sealed port and the ROUTER's monitor (by the receiving thread, which owns them)."""
+        if self.sealed is not None:
+            self.sealed.close_router()
         try:
             self.router.disable_monitor()
         except zmq.ZMQError:
@@ -414,6 +448,8 @@ class ZmqSockets:
         for control, lock in self.controls.values():
             with lock:
                 control.close(linger=int(1000 * linger_s))
+        if self.sealed is not None:
+            self.sealed.close(linger_s)
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()

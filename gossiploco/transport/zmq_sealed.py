@@ -1,0 +1,234 @@
+"""The sealed data path: data chunks sealed with AES-256-GCM (``transport.sealed``) over NULL-mechanism sockets.
+
+With ``trust`` each peer may bind a second ROUTER, the *sealed port* (``bind``: a ``tcp://HOST:PORT``, port 0
+for any), whose connections carry no CurveZMQ: every message on it is sealed, and opened (or refused) with
+the keys this peer issued (``Opener``). A peer R offers each member S a key once its CurveZMQ connection to S
+is up (``offer``; the receiver thread hands the frames to the service thread, which sends them on R's control
+connection). S then dials R's sealed port, at the host it already dials R at (``accept``), with one DEALER
+that has no routing id of its own (the ROUTER names it: nothing a passive observer reads off the wire can be
+replayed to take the connection over) and ZMTP heartbeats, and from the moment its handshake succeeded sends
+its data chunks to R there (``send``). The sender's routing id travels as the first sealed frame, so the
+receiver admits the message exactly as one from R's CurveZMQ data connection (``admission``), authenticated
+by the key instead of by ZAP.
+
+Only a directly dialed path is sealed (``dial``; a reverse or relayed connection keeps CurveZMQ: a relay
+forwards one port). When the sealed connection is not up (not yet, refused by a firewall that forwards only
+the main port, dropped) data goes over CurveZMQ as before: ``send`` returns False and the caller sends it
+there. Control messages, hellos, state uploads and the keys themselves always use CurveZMQ.
+
+Thread rules: the ROUTER, ``opener``, the monitors and the making and dialing of DEALERs (``dial_pending``) belong
+to the receiving thread; any thread may ask for a path change (``dial``, ``redial``: the link counts as down at
+once, so a sender waiting on a full queue gives up the sealed path). Each DEALER has a lock, which ``send`` holds
+while it sends and ``dial_pending`` only tries to take: the receiving thread never waits for a sender, and
+applies a change its sender held up on a later poll. ``sealer`` is thread-safe.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.transport.retry import send_wait_s
+from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
+
+RECONNECT_MAX_MS = 10_000
+"""A sealed port that does not answer (a firewall) is dialed again at most this often once backoff grew."""
+
+
+class SealedLinks:
+    """One peer's sealed port and its sealed DEALERs to others; see the module docstring.
+
+    ``bind``: where to bind the sealed ROUTER (None: this peer offers no key, but still uses others' offers);
+    ``max_frame_bytes``: the largest plaintext frame; ``heartbeat_ms``/``sndhwm``: as on the CurveZMQ data
+    DEALERs; ``monitors_out``: where new monitor sockets are announced to the receiving thread.
+    """
+
+    def __init__(self, ctx: zmq.Context, rank: int, routing: bytes, bind: str | None, *, max_frame_bytes: int,
+                 heartbeat_ms: int, sndhwm: int, monitors_out: queue.SimpleQueue):
+        self.ctx = ctx
+        self.rank = rank
+        self.routing = routing
+        """This peer's data routing id, sealed into every message (``admission`` reads it)."""
+        self.heartbeat_ms = heartbeat_ms
+        self.sndhwm = sndhwm
+        self.monitors_out = monitors_out
+        self.opener = Opener()
+        self.sealer = Sealer()
+        self.router: zmq.Socket | None = None
+        self.port: int | None = None
+        """The sealed port other peers dial (None: none bound)."""
+        self.dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
+        self.monitors: dict[zmq.Socket, int] = {}
+        self._dialed: dict[int, str] = {}  # peer -> the sealed endpoint its DEALER dials
+        self._connected: dict[int, str] = {}  # peer -> the sealed endpoint whose handshake succeeded, until it drops
+        self._pending: dict[int, str | None] = {}  # peer -> an endpoint to dial (None: hang up) not applied yet
+        self._state = threading.Lock()  # guards the three above (senders read them)
+        self.sent = 0
+        """Data messages sent sealed (for tests and diagnostics)."""
+        if bind is None:
+            return
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.RCVHWM, 1000)
+        router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + TAG_BYTES)
+        router.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        router.setsockopt(zmq.TCP_KEEPALIVE, 1)
+        router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
+        try:
+            router.bind(bind)
+        except zmq.ZMQError:
+            router.close(linger=0)
+            raise
+        self.router = router
+        self.port = int(router.getsockopt(zmq.LAST_ENDPOINT).decode().rsplit(":", 1)[1])
+
+    # -- the receiving thread ------------------------------------------------------------------------
+
+    def offer(self, peer: int) -> list[bytes] | None:
+        """A fresh key for ``peer`` and the control message offering it (None without a sealed port)."""
+        if self.port is None:
+            return None
+        key_id, key = self.opener.issue(peer)
+        return offer_frames(key_id, key, self.port)
+
+    def accept(self, peer: int, frames: Sequence, endpoint: str | None) -> None:
+        """Take ``peer``'s offer (frames after ``OFFER``; ``MalformedMessage`` if malformed); dial its sealed port
+        at ``endpoint``'s host when ``endpoint`` (its CurveZMQ address, dialed directly) is given."""
+        self.sealer.accept(peer, frames)
+        self.redial(peer, endpoint)
+        self.dial_pending()
+
+    def open(self, frames: list) -> tuple[int, bytes, list]:
+        """(key holder, its routing id, codec frames) of one sealed message; ``MalformedMessage`` if refused."""
+        peer, plain = self.opener.open([f.buffer if hasattr(f, "buffer") else f for f in frames])
+        return peer, bytes(plain[0]), plain[1:]
+
+    def event(self, monitor: zmq.Socket, kind: int, endpoint: str) -> None:
+        """A monitor event of a sealed DEALER: the handshake with ``endpoint`` succeeded, or that connection dropped."""
+        peer = self.monitors[monitor]
+        with self._state:
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected[peer] = endpoint
+            elif self._connected.get(peer) == endpoint:
+                del self._connected[peer]
+
+    # -- paths -----------------------------------------------------------------------------------------
+
+    def redial(self, peer: int, endpoint: str | None) -> None:
+        """``peer``'s path is direct to ``endpoint`` (its CurveZMQ address): dial its sealed port at that host, if
+        it offered one; or it is not direct (None): hang up. Any thread."""
+        port = self.sealer.port_of(peer)
+        self.dial(peer, None if endpoint is None or port is None else f"{endpoint.rpartition(':')[0]}:{port}")
+
+    def dial(self, peer: int, endpoint: str | None) -> None:
+        """Dial ``peer``'s sealed port at ``endpoint`` (None: hang up) from the next ``dial_pending`` on. The link counts
+        as down at once (a sender waiting on it gives up and sends over CurveZMQ). Any thread."""
+        with self._state:
+            self._pending[peer] = endpoint
+
+    def dial_pending(self) -> None:
+        """Apply the dials asked for (by the receiving thread, after every poll)."""
+        with self._state:
+            pending = list(self._pending.items())
+        for peer, endpoint in pending:
+            if peer not in self.dealers:
+                if endpoint is None:
+                    with self._state:
+                        self._pending.pop(peer, None)
+                    continue
+                self._make_dealer(peer)
+            sock, lock = self.dealers[peer]
+            if not lock.acquire(blocking=False):
+                continue
+            try:
+                with self._state:
+                    if peer not in self._pending or self._pending[peer] != endpoint:
+                        continue  # applied by another thread, or a newer dial came in: a later pass applies it
+                    del self._pending[peer]
+                    old = self._dialed.pop(peer, None)
+                    if endpoint is not None:
+                        self._dialed[peer] = endpoint
+                if old is not None and old != endpoint:
+                    try:
+                        sock.disconnect(old)
+                    except zmq.ZMQError:
+                        pass
+                if endpoint is not None and old != endpoint:
+                    sock.connect(endpoint)
+            finally:
+                lock.release()
+
+    def _make_dealer(self, peer: int) -> None:
+        sock = self.ctx.socket(zmq.DEALER)  # no ROUTING_ID: the ROUTER names the connection
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.sndhwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing on a connection not yet (or no longer) made
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor.setsockopt(zmq.LINGER, 0)
+        self.dealers[peer] = (sock, threading.Lock())
+        self.monitors[monitor] = peer
+        self.monitors_out.put(monitor)
+
+    def is_up(self, peer: int) -> bool:
+        """``peer``'s sealed connection is made, to the endpoint it should dial, with no dial pending."""
+        with self._state:
+            dialed = self._dialed.get(peer)
+            return peer not in self._pending and dialed is not None and self._connected.get(peer) == dialed
+
+    # -- sending (any thread) --------------------------------------------------------------------------
+
+    def send(self, peer: int, frames: list, *, deadline: float, what: str, closed: Callable[[], bool]) -> bool:
+        """Seal ``frames`` for ``peer`` and queue them on its sealed connection, retrying a full queue until
+        ``deadline``. False (nothing sent) when that connection is not up or ``peer`` offered no key."""
+        if not self.is_up(peer) or len(frames) + 1 > MAX_FRAMES:
+            return False
+        sealed = self.sealer.seal(peer, [self.routing, *frames])
+        if sealed is None:
+            return False
+        sock, lock = self.dealers[peer]
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise ExchangeTimeout(f"{what}: the sealed connection to {peer} stayed busy past the deadline")
+        try:
+            while True:
+                if closed():
+                    raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
+                try:
+                    sock.send_multipart(sealed, flags=zmq.NOBLOCK, copy=False)
+                    self.sent += 1
+                    return True
+                except zmq.Again:
+                    if not self.is_up(peer):  # dropped while we waited: the caller sends it over CurveZMQ
+                        return False
+                except zmq.ZMQError as exc:
+                    raise PeerFailed(f"{what}: sending sealed to {peer} failed: {exc}") from exc
+                wait_s = send_wait_s(deadline, time.monotonic())
+                if wait_s is None:
+                    raise ExchangeTimeout(f"{what}: peer {peer} did not take sealed data by the deadline")
+                sock.poll(max(1, int(1000 * wait_s)), zmq.POLLOUT)
+        finally:
+            lock.release()
+
+    def close(self, linger_s: float) -> None:
+        """Close the DEALERs (messages already queued get ``linger_s``) and their monitors (the ROUTER:
+        ``close_router``, by the receiving thread)."""
+        monitors = {peer: monitor for monitor, peer in self.monitors.items()}
+        for peer, (sock, lock) in self.dealers.items():
+            with lock:
+                try:
+                    sock.disable_monitor()
+                except zmq.ZMQError:
+                    pass
+                monitors[peer].close(linger=0)
+                sock.close(linger=int(1000 * linger_s))
+
+    def close_router(self) -> None:
+        if self.router is not None:
+            self.router.close(linger=0)

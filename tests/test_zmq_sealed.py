@@ -1,0 +1,205 @@
+"""The sealed data path on real sockets (``gossiploco.transport.zmq_sealed``): data chunks sealed with AES-256-GCM on
+a second port, keys offered over CurveZMQ, CurveZMQ whenever the sealed port is not reachable, and what an attacker
+on the wire can do to it (replay, tamper, garbage): refused and counted, the exchange unharmed."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import zmq
+
+from conftest import free_ports, wait_until
+from gossiploco.security.swarm_key import SwarmKey
+from gossiploco.security.trust import Trust
+from gossiploco.transport.sealed import ENVELOPE
+from gossiploco.transport.zmq_exchange import ZmqExchange
+
+CHUNK = 1 << 14
+
+
+def run_all(fns):
+    with ThreadPoolExecutor(max_workers=len(fns)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
+
+
+def _swarm(n: int, sealed_ports=None, key=None):
+    key = key or SwarmKey.generate()
+    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(n)]
+    ports = sealed_ports or [0] * n
+    exchanges = [ZmqExchange(r, endpoints, "sealed", 10.0, chunk_bytes=CHUNK, trust=Trust.static(key, r, n),
+                             sealed_port=ports[r]) for r in range(n)]
+    assert all(ex.wait_connected(10.0) for ex in exchanges)
+    return exchanges
+
+
+def _sealed_up(exchanges, pairs) -> bool:
+    return wait_until(lambda: all(exchanges[s].sockets.sealed.is_up(r) for s, r in pairs), 10.0)
+
+
+def _all_reduce(exchanges, key: str, seed: int = 0):
+    n = len(exchanges)
+    values = [torch.randn(100_003, generator=torch.Generator().manual_seed(seed * 100 + r)) for r in range(n)]
+    out = run_all([lambda r=r: exchanges[r].all_reduce_mean(key, values[r], list(range(n))) for r in range(n)])
+    expected = (sum(v.double() for v in values) / n).float()
+    assert all(torch.allclose(o, expected, atol=1e-6) and torch.equal(o, out[0]) for o in out)
+
+
+def _curve_data(ex) -> int:
+    """Data messages this peer sent over CurveZMQ (every stripe)."""
+    return sum(ex.sockets.stripe_sends)
+
+
+def _close(exchanges):
+    for ex in exchanges:
+        ex.close()
+
+
+def test_encrypted_peers_send_every_data_chunk_sealed_and_get_the_same_results():
+    exchanges = _swarm(3)
+    try:
+        assert _sealed_up(exchanges, [(s, r) for s in range(3) for r in range(3) if s != r])
+        _all_reduce(exchanges, "mix1/0")
+        values = [torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
+        assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
+        parts = {r: {m: torch.full((5000 + m,), r, dtype=torch.uint8) for m in range(3) if m != r} for r in range(3)}
+        got = run_all([lambda r=r: exchanges[r].all_to_all("mix2/1/scatter", parts[r], [0, 1, 2],
+                                                           {m: 5000 + r for m in range(3) if m != r}) for r in range(3)])
+        assert all(torch.equal(got[r][m], torch.full((5000 + r,), m, dtype=torch.uint8)) for r in range(3) for m in got[r])
+        for ex in exchanges:
+            assert ex.sockets.sealed.sent > 0 and _curve_data(ex) == 0, (ex.sockets.sealed.sent, ex.sockets.stripe_sends)
+            assert ex.admission.total_rejected == 0
+    finally:
+        _close(exchanges)
+
+
+def test_a_peer_without_a_sealed_port_gets_its_data_over_curvezmq_and_seals_what_it_sends():
+    exchanges = _swarm(3, sealed_ports=[0, 0, None])
+    try:
+        assert _sealed_up(exchanges, [(s, r) for s in range(3) for r in (0, 1) if s != r])
+        _all_reduce(exchanges, "mix1/0")
+        assert exchanges[2].sockets.sealed.port is None and not exchanges[0].sockets.sealed.is_up(2)
+        assert exchanges[2].sockets.sealed.sent > 0 and _curve_data(exchanges[2]) == 0
+        # in the ring 0 -> 1 -> 2 -> 0, peer 1 sends to peer 2: over CurveZMQ
+        assert _curve_data(exchanges[1]) > 0
+    finally:
+        _close(exchanges)
+
+
+def test_an_unreachable_sealed_port_costs_nothing_data_goes_over_curvezmq():
+    """A firewall that forwards only the main port: the sealed handshake never succeeds, so nothing waits on it."""
+    exchanges = _swarm(2)
+    try:
+        assert _sealed_up(exchanges, [(0, 1), (1, 0)])
+        closed_port = free_ports(1)[0]
+        exchanges[0].sockets.sealed.dial(1, f"tcp://127.0.0.1:{closed_port}")  # nothing listens there
+        assert not exchanges[0].sockets.sealed.is_up(1)
+        before = exchanges[0].sockets.sealed.sent
+        _all_reduce(exchanges, "mix1/0")
+        assert exchanges[0].sockets.sealed.sent == before and _curve_data(exchanges[0]) > 0
+        assert exchanges[1].sockets.sealed.sent > 0
+    finally:
+        _close(exchanges)
+
+
+def test_a_restarted_peer_offers_a_new_key_on_a_new_port_and_is_sent_sealed_again():
+    key = SwarmKey.generate()
+    exchanges = _swarm(2, key=key)
+    try:
+        assert _sealed_up(exchanges, [(0, 1), (1, 0)])
+        old_port = exchanges[1].sockets.sealed.port
+        endpoint = exchanges[1].endpoints[1]
+        exchanges[1].close()
+        exchanges[1] = ZmqExchange(1, [exchanges[0].endpoints[0], endpoint], "sealed", 10.0, chunk_bytes=CHUNK,
+                                   trust=Trust.static(key, 1, 2))
+        assert exchanges[1].wait_connected(10.0)
+        new_port = exchanges[1].sockets.sealed.port
+        assert wait_until(lambda: exchanges[0].sockets.sealed.sealer.port_of(1) == new_port
+                          and exchanges[0].sockets.sealed.is_up(1), 10.0), (old_port, new_port)
+        before = exchanges[0].sockets.sealed.sent
+        _all_reduce(exchanges, "mix1/1")
+        assert exchanges[0].sockets.sealed.sent > before
+        assert exchanges[1].admission.total_rejected == 0
+    finally:
+        _close(exchanges)
+
+
+class _Tap:
+    """A man in the middle on the sealed path from one peer to another: it forwards each message and keeps a copy."""
+
+    def __init__(self, target: str):
+        self.ctx = zmq.Context.instance()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.back = self.ctx.socket(zmq.DEALER)
+        self.back.setsockopt(zmq.LINGER, 0)
+        self.back.connect(target)
+        self.seen: list[list[bytes]] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.front.poll(50):
+                frames = self.front.recv_multipart()[1:]  # without the routing id the ROUTER added
+                self.seen.append(frames)
+                self.back.send_multipart(frames)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(5)
+        self.front.close()
+        self.back.close()
+
+
+def test_replayed_tampered_and_forged_messages_on_the_sealed_port_are_refused_and_counted():
+    exchanges = _swarm(2)
+    target = f"tcp://127.0.0.1:{exchanges[0].sockets.sealed.port}"
+    tap = _Tap(target)
+    attacker = zmq.Context.instance().socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    try:
+        assert _sealed_up(exchanges, [(0, 1), (1, 0)])
+        exchanges[1].sockets.sealed.dial(0, tap.endpoint)  # peer 1's data to peer 0 now passes the tap
+        assert _sealed_up(exchanges, [(1, 0)])
+        _all_reduce(exchanges, "mix1/0")
+        assert tap.seen and exchanges[1].sockets.sealed.sent > 0
+        assert exchanges[0].admission.total_rejected == 0
+        attacker.connect(target)  # anyone may connect to the sealed port: it has no handshake to refuse them
+        replayed = tap.seen[: min(5, len(tap.seen))]
+        for frames in replayed:
+            attacker.send_multipart(frames)
+        tampered = list(tap.seen[-1])
+        tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
+        attacker.send_multipart(tampered)
+        attacker.send_multipart([b"garbage", b"more garbage"])
+        attacker.send_multipart([ENVELOPE.pack(b"K" * 8, 0, 1), b"x" * 100])  # a well-formed envelope under no key
+        rejected = lambda: exchanges[0].security_counts()["rejected_messages"]  # noqa: E731
+        assert wait_until(lambda: sum(rejected().values()) == len(replayed) + 3, 10.0), rejected()
+        reasons = rejected()
+        assert reasons.get("sealed message replayed") == len(replayed), reasons
+        assert reasons.get("sealed frame failed authentication") == 1, reasons
+        assert reasons.get("sealed message under an unknown key") == 1, reasons
+        _all_reduce(exchanges, "mix1/1", seed=1)  # none of it touched the exchange
+    finally:
+        attacker.close()
+        tap.close()
+        _close(exchanges)
+
+
+@pytest.mark.parametrize("size", [0, 1, 3 * CHUNK // 4 + 1])
+def test_payloads_of_every_size_cross_the_sealed_path_exactly(size):
+    exchanges = _swarm(2)
+    try:
+        assert _sealed_up(exchanges, [(0, 1), (1, 0)])
+        values = [torch.randn(size, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
+        assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
+    finally:
+        _close(exchanges)

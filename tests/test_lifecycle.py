@@ -170,6 +170,27 @@ def test_a_peer_that_joins_a_running_swarm_waits_for_the_boundary_and_downloads_
         "a fresh peer takes part in nothing yet: nothing to step out of"
 
 
+@pytest.mark.parametrize("poll_s", [lifecycle.BOUNDARY_POLL_S, 0.0125])
+def test_a_peer_waiting_for_a_boundary_learns_of_it_within_its_poll(poll_s):
+    """Seen in the simulator (seed 106212, 43 peers): the boundary poll was a real run's 0.25 s on a clock whose
+    grace window is 0.5 s, so a caught-up peer began its round up to half a window after the others and missed
+    its next exchange's window. The poll is ``boundary_poll_s``: the boundary is seen within it (two here: ``Script``
+    answers a question with the rounds as they were at its last wait)."""
+    node = node_of(3, [1, 2, 3], connected=[1, 2], static=False)
+    good = torch.arange(6, dtype=torch.float32)
+    script = Script(node, answers={1: 4, 2: 4}, states={1: (5, good), 2: (5, good)})
+    began = 0.3
+
+    def boundary(script):
+        if script.now >= began:
+            script.answers = {1: 5, 2: 5}
+
+    script.at_wait = boundary
+    position = script.run(lifecycle.join(node, settings(boundary_poll_s=poll_s), start_round=0))
+    assert position.round == 5 and position.fresh_join
+    assert began <= script.now <= began + 2 * poll_s + 1e-9, (script.now, poll_s)
+
+
 def test_a_resumed_peer_one_round_behind_downloads_at_once():
     node = node_of(1, [1, 2], connected=[2])
     state = torch.zeros(6)

@@ -60,7 +60,9 @@ RECENT_LOSS_S = 10.0
 """A peer alone at a round start that lost connections this recently first waits (``hello_s``)
 for them to come back, then asks where the others are."""
 BOUNDARY_POLL_S = 0.25
-"""How often a catching-up peer asks the others' rounds while it waits for the next round to begin."""
+"""How often a catching-up peer asks the others' rounds while it waits for the next round to begin (by default;
+``Settings.boundary_poll_s``): a fortieth of the default grace window (``[timeouts] grace_s`` = 10 s), so a peer
+that caught up at a boundary lags the others by far less than the window its next exchange waits for it."""
 BOUNDARY_SAMPLE = 8
 """While it waits for a round boundary a catching-up peer asks at most this many peers of the newest round (not the
 whole swarm every ``BOUNDARY_POLL_S``: at 128 peers that was 45 hellos per peer per restart)."""
@@ -125,6 +127,9 @@ class Settings:
     """A one-peer run with a static list: nobody to catch up with."""
     rejoin_error: str | None = None
     """Why this peer cannot download a state and rejoin (the sync-dp baseline); None: it can."""
+    boundary_poll_s: float = BOUNDARY_POLL_S
+    """How often a catching-up peer asks the others' rounds while it waits for a round boundary (the simulator, whose
+    clock runs rounds and grace windows 20 times shorter than a real run's, shortens it in proportion)."""
 
 
 @dataclass
@@ -276,7 +281,7 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
 
 def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Program:
     """Until some peer begins a round after those in ``ahead`` (asking at most ``BOUNDARY_SAMPLE`` of the newest
-    round's peers every ``BOUNDARY_POLL_S``, at most ``boundary_s``); returns the peers in the newest round then
+    round's peers every ``boundary_poll_s``, at most ``boundary_s``); returns the peers in the newest round then
     (``ahead`` if none began one)."""
     latest = max(ahead.values())
     if latest >= s.rounds:
@@ -299,7 +304,7 @@ def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Pro
         if newest > latest:
             return {p: k for p, k in rounds.items() if k == newest}
         now = yield Now()
-        now = yield from _wait(node, Sleep(min(deadline, now + BOUNDARY_POLL_S)), "the wait for a round boundary")
+        now = yield from _wait(node, Sleep(min(deadline, now + s.boundary_poll_s)), "the wait for a round boundary")
     node.note(f"no peer began a round after {latest} within {s.boundary_s:.1f}s; catching up from round {latest}")
     return ahead
 

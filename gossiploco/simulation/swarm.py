@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gossiploco.config_sections import TimeoutConfig
 from gossiploco.errors import ExchangeError
 from gossiploco.mixing.operators import pair_matching
 from gossiploco.protocol import lifecycle
@@ -295,6 +296,7 @@ class SimSwarm:
         return lifecycle.Settings(
             rounds=s.rounds, hello_s=s.hello_s, connect_s=s.hello_s, boundary_s=s.exchange_s + 2 * s.inner_s,
             state_s=s.exchange_s, state_size=s.values,
+            boundary_poll_s=lifecycle.BOUNDARY_POLL_S * s.grace_s / TimeoutConfig().grace_s,  # a real run's ratio
             nonce=lambda: f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}")
 
     def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor) -> tuple[int, torch.Tensor]:

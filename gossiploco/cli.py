@@ -101,6 +101,7 @@ def peer(
     host: str = typer.Option("0.0.0.0", "--host", help="With --join: address to listen on."),
     port: int = typer.Option(0, "--port", help="With --join: data-plane TCP port (0: any free port)."),
     announce: Optional[str] = typer.Option(None, "--announce", help="With --join: the host (or HOST:PORT) other peers reach this one at: your LAN or public address, or a forwarded port."),
+    sealed_port: int = typer.Option(0, "--sealed-port", help="TCP port where peers that dial this one directly send their data sealed with AES-256-GCM, several times cheaper than CurveZMQ (0: any free port; -1: none, data stays on CurveZMQ). Behind a router, forward it too, or data to this peer stays on CurveZMQ."),
     dht_port: int = typer.Option(0, "--dht-port", help="With --join: TCP port of this peer's own DHT node (0: any; give one, forwarded, with --announce behind NAT)."),
     dht_node: Optional[str] = typer.Option(None, "--dht-node", help="With --join: use the DHT node another process of this machine serves at ipc://PATH (`gossiploco dht --local-peers`, `gossiploco swarm`) instead of starting one; several peers of one machine then share one node and its p2pd."),
     workers: Optional[int] = typer.Option(None, "--workers", "-m", help="With --join: the number of peers of the run, waited for before the first round (default: the preset's); every peer needs the same value."),
@@ -157,10 +158,10 @@ def peer(
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,
                                relays=relay or [], reachability=reachability, new_run=new_run, fault=fault_hook,
-                               shared_node=dht_node)
+                               shared_node=dht_node, sealed_port=sealed_port)
             rank = trust.peer_id
         else:
-            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id, fault=fault_hook,
+            node = NetworkPeer(cfg, rank, endpoints, run_id=run_id, fault=fault_hook, sealed_port=sealed_port,
                                trust=peer_trust(swarm, static_rank=rank, static_count=len(endpoints)))
         if adversary is not None:
             node.set_adversary(adversary)

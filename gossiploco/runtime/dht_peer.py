@@ -60,10 +60,11 @@ def verified_by_join(found: Reachability, join: list[str]) -> bool:
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
                 announce: str | None, run_id: str, dht_port: int = 0, *, relays: list[str] | None = None,
                 reachability: str = "auto", new_run: bool = False, fault: SendHook | None = None,
-                shared_node: str | None = None) -> NetworkPeer:
+                shared_node: str | None = None, sealed_port: int = 0) -> NetworkPeer:
     """A ``NetworkPeer`` that finds its run through the DHT at ``join`` (bootstrap multiaddrs), listens
     on ``host:port``, and tells the others ``announce`` (``HOST`` or ``HOST:PORT``); ``dht_port``
-    fixes its DHT node's port. ``stream``: its data stream (default: its peer id).
+    fixes its DHT node's port; ``sealed_port`` its sealed port's (``NetworkPeer``). ``stream``: its data stream
+    (default: its peer id).
 
     First it finds out whether others can dial its data port (``reachability``: see
     ``find_reachability``; what it does when no checker gave a verdict: ``reachable_as``), prints it, and
@@ -119,7 +120,8 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
         reach = Reach(reachable=not behind_nat, relays=tuple(relay_list) if behind_nat else (),
                       p2p=directory.p2p_id, verified=verified_by_join(found, join))
         return NetworkPeer(cfg, trust.peer_id, directory=directory, bind=f"tcp://{host}:{port}", advertise=advertise,
-                           run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run, fault=fault)
+                           run_id=run_id, trust=trust, stream=stream, reach=reach, new_run=new_run, fault=fault,
+                           sealed_port=sealed_port)
     except BaseException:
         directory.close()
         raise

@@ -171,6 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra config override for every peer (TOML value), repeatable")
     parser.add_argument("--faults", default="",
                         help="comma-separated kinds to draw from (default: kill,stop,restart and, with --netem, loss,delay,partition)")
+    parser.add_argument("--orphan-check-s", type=float, default=ORPHAN_CHECK_S,
+                        help="look for a killed peer's leftover processes this long after the kill (a faulted run "
+                             "lasts at least until then)")
     parser.add_argument("--netem", action="store_true", help="run in network namespaces and add network faults (root)")
     parser.add_argument("--prefix", default="glc", help="name prefix of the namespaces (--netem)")
     parser.add_argument("--trial-timeout-s", type=float, default=0.0,
@@ -655,7 +658,7 @@ def run_one(ctx: Context, spec: RunSpec) -> dict:
             note(now, f"{life.name}: {len(found)} process(es) of its tree left {now - killed_at:.1f}s after the kill")
             for p in found:  # measured; now clean up
                 signal_pid(p.pid, signal.SIGKILL)
-        schedule(killed_at + ORPHAN_CHECK_S, f"orphan check {life.name}", check)
+        schedule(killed_at + ctx.args.orphan_check_s, f"orphan check {life.name}", check)
 
     def inject(now: float) -> None:
         state["injected_at"] = now
@@ -934,7 +937,7 @@ def markdown(command: str, report: dict) -> str:
            f"monitor exchanges, summed. Lost: the slowest survivor's wall time minus the fault-free run's (noisy: it also "
            f"moves with the machine's load, which others share).", "",
            "| run | fault | injected | survivors finished | max survivor stall s | failures | lost s | val loss (Δ vs fault-free) "
-           "| orphans 10 s after kill | wall s | result |",
+           "| orphans at the check (--orphan-check-s after the kill) | wall s | result |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         delta = f" ({r['val_loss_delta']:+.4f})" if r["val_loss_delta"] is not None else ""

@@ -17,13 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(600)
 def test_chaos_real_bench_runs_the_scenario_and_a_trial_and_reports_them(tmp_path):
     out = tmp_path / "chaos"
-    # The bench as `python -m bench.chaos_real` runs it, except that it looks for a killed peer's orphans 2 s after the
-    # kill instead of 10 s (ORPHAN_CHECK_S): a run lasts until that check, which here came 3-7 s after the survivors
-    # had finished, in both faulted runs. What is asserted of the check (it ran, once per killed peer) and of
-    # leftovers (none once the bench exits: it kills what the check finds) does not depend on when it looks.
-    bench = ("import sys, bench.chaos_real as bench; bench.ORPHAN_CHECK_S = 2.0; sys.argv[0] = bench.__file__; "
-             "sys.exit(bench.main())")
-    run = subprocess.run([sys.executable, "-c", bench, "--trials", "1", "--faults", "kill",
+    # The orphan check 2 s after a kill instead of 10 s: a faulted run lasts until that check, which with 10 s came
+    # 3-7 s after the survivors had finished, in both faulted runs. What is asserted of the check (it ran, once per
+    # killed peer) and of leftovers (none once the bench exits: it kills what the check finds) does not depend on it.
+    run = subprocess.run([sys.executable, "-m", "bench.chaos_real", "--trials", "1", "--faults", "kill",
+                          "--orphan-check-s", "2",
                           "--rounds", "4", "--inner-steps", "40", "--monitor-every", "20", "--out", str(out)],
                          capture_output=True, text=True, timeout=560, cwd=ROOT)
     assert run.returncode in (0, 1), run.stdout[-3000:] + run.stderr[-3000:]

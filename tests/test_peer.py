@@ -199,6 +199,9 @@ def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **
         assert s["bytes_sent"] > 0 and s["malformed_messages"] == 0
         if reference.summary["mode"] == "factored":
             assert all("mix1_wait_s" in r and "mix2_s" in r for r in mine[1:] if r["h"] == 0)
+    # Data chunks went sealed with AES-GCM (transport.zmq_sealed) wherever a peer dials another directly.
+    sealed = [summary(peers, rank)["security"] for rank in range(4)]
+    assert all(s["encrypted"] and s["sealed_port"] for s in sealed) and sum(s["sealed_messages"] for s in sealed) > 0
 
 
 @pytest.mark.timeout(180)

@@ -495,6 +495,7 @@ class NetworkPeer:
             "isolated_mixes": self.exchange.isolated_mixes,
             "security": {"private": self.trust is not None and not self.trust.open,
                          "encrypted": self.trust is not None, **self.exchange.security_counts(),
+                         **self.exchange.sealed_counts(),
                          "conflicting_run_entries": self.runs.conflicting_entries, **robust_summary(self.algo)},
             "dropped_messages": self.exchange.dropped_messages,
             "final_model": "averaged" if self.monitor.final_params is not None else "own",

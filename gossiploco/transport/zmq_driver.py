@@ -197,6 +197,15 @@ class ZmqDriver:
         return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected,
                 "refused_state_requests": state}
 
+    def sealed_counts(self) -> dict[str, object]:
+        """The sealed data path (``zmq_sealed``): this peer's sealed port (None: none), the data messages it sent
+        sealed, and the peers it sends to sealed now (the others get data over CurveZMQ)."""
+        sealed = self._sockets.sealed
+        if sealed is None:
+            return {"sealed_port": None, "sealed_messages": 0, "sealed_to": []}
+        return {"sealed_port": sealed.port, "sealed_messages": sealed.sent,
+                "sealed_to": sorted(p for p in self.known_endpoints() if p != self.rank and sealed.is_up(p))}
+
     def grow_mailbox(self, total_bytes: int, per_sender_bytes: int) -> None:
         """Let the mailbox of early chunks hold at least ``total_bytes``, ``per_sender_bytes`` from one
         peer (a benchmark's payload larger than the exchange was sized for). Never shrinks it."""

@@ -203,3 +203,43 @@ def test_payloads_of_every_size_cross_the_sealed_path_exactly(size):
         assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
     finally:
         _close(exchanges)
+
+
+def test_the_buffer_pool_reuses_a_buffer_once_zmq_released_it_and_bounds_what_one_peer_queues():
+    import time
+
+    from gossiploco.errors import ExchangeTimeout
+    from gossiploco.transport.zmq_sealed import MAX_SENDING, POOLED_MIN_BYTES, BufferPool
+
+    ctx = zmq.Context()
+    pool = BufferPool()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        sent_ok = ctx.socket(zmq.PUSH)
+        sent_ok.connect(f"tcp://127.0.0.1:{port}")
+        stuck = ctx.socket(zmq.PUSH)
+        stuck.connect(f"tcp://127.0.0.1:{free_ports(1)[0]}")  # nobody listens: its messages stay queued
+        assert pool.take(POOLED_MIN_BYTES - 1, []) is None  # small frames are not pooled
+        taken: list = []
+        view = pool.take(POOLED_MIN_BYTES, taken)
+        view[:] = b"x" * POOLED_MIN_BYTES
+        tracker = sent_ok.send(view, copy=False, track=True)
+        pool.retire(1, tracker, taken)
+        assert pull.recv() == b"x" * POOLED_MIN_BYTES
+        assert wait_until(lambda: tracker.done, 5.0)
+        again: list = []
+        pool.take(POOLED_MIN_BYTES, again)
+        assert again[0] is taken[0], "a released buffer large enough is reused, not a new one made"
+        pool.retire(1, None, again)
+        for _ in range(MAX_SENDING):  # fill what peer 7 may have queued
+            held: list = []
+            pool.take(POOLED_MIN_BYTES, held)
+            pool.retire(7, stuck.send(memoryview(held[0]), copy=False, track=True), held)
+        began = time.monotonic()
+        with pytest.raises(ExchangeTimeout, match="still queued"):
+            pool.wait_room(7, began + 0.3, "test")
+        assert time.monotonic() - began >= 0.3
+        pool.wait_room(8, time.monotonic() + 0.3, "test")  # another peer is not held back by peer 7's queue
+    finally:
+        ctx.destroy(linger=0)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from cryptography.exceptions import InvalidTag
@@ -183,8 +183,10 @@ class Sealer:
         with self._lock:
             self._keys.pop(peer, None)
 
-    def seal(self, peer: int, frames: Sequence) -> list[bytes] | None:
-        """``frames`` (bytes or buffers) sealed for ``peer``: envelope first; None without a key from it."""
+    def seal(self, peer: int, frames: Sequence, into: Callable[[int], memoryview | None] | None = None) -> list | None:
+        """``frames`` (bytes or buffers) sealed for ``peer``: envelope first; None without a key from it. ``into(n)``:
+        a writable buffer of exactly ``n`` bytes to seal a frame into (None: a new ``bytes``), so that a sender can
+        reuse buffers whose pages are already mapped instead of faulting in fresh ones for every chunk."""
         with self._lock:
             key = self._keys.get(peer)
             if key is None:
@@ -195,7 +197,15 @@ class Sealer:
             raise ValueError(f"a sealed message has 1 to {MAX_FRAMES} frames, got {len(frames)}")
         envelope = ENVELOPE.pack(key.key_id, counter, len(frames))
         aead = AESGCM(key.key)  # one per message (2.7 us): whether threads may share one is not documented
-        return [envelope, *(aead.encrypt(_nonce(counter, i), frame, envelope) for i, frame in enumerate(frames))]
+        sealed: list = [envelope]
+        for i, frame in enumerate(frames):
+            out = into(memoryview(frame).nbytes + TAG_BYTES) if into is not None else None
+            if out is None:
+                sealed.append(aead.encrypt(_nonce(counter, i), frame, envelope))
+            else:
+                aead.encrypt_into(_nonce(counter, i), frame, envelope, out)
+                sealed.append(out)
+        return sealed
 
 
 def offer_frames(key_id: bytes, key: bytes, port: int) -> list[bytes]:

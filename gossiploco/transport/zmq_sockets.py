@@ -16,7 +16,11 @@ A data call's chunks carry their index and wait in the receiver's mailbox until 
 arrive in does not matter. Only the first data DEALER has a monitor (liveness is the peer's, not a connection's);
 a reverse or relayed path uses the first alone (a relay's slots and link are shared).
 
-Security (``trust``, always given by ``gossiploco peer``): every socket speaks CurveZMQ
+Sealed data (``trust``; ``zmq_sealed``): a peer also binds a NULL-mechanism ROUTER, its sealed port, and each peer
+dialing it directly sends its data messages there sealed with AES-256-GCM (keys offered over CurveZMQ) once that
+connection is up: ``send`` tries that first and falls back to the CurveZMQ data DEALERs below.
+
+Security (``trust``, always given by ``gossiploco peer``): every socket but the sealed ones speaks CurveZMQ
 (encrypted and authenticated with the peers' Curve25519 keys); the ROUTER admits a client only
 if its key is a member's (its ZAP handler, ``zmq_auth``), so a stranger's connection is
 closed after the handshake, before any of its messages is read. ``trust=None`` is plaintext, for

@@ -154,6 +154,8 @@ def peer(
         cfg = load_config(config, training_overrides(workers=workers, inner_steps=inner_steps, rounds=rounds, seed=seed,
                                                      model=model, device=device, data=data, init=init,
                                                      sets=set_, log=log))
+        if not -1 <= sealed_port < 65536:
+            raise ConfigError("--sealed-port", f"must be a TCP port, 0 (any free one) or -1 (none), got {sealed_port}")
         if join:
             trust = peer_trust(swarm, identity_file=identity or (out or Path("runs")) / "identity.key")
             node = joined_peer(cfg, trust, rank, join, host, port, announce, run_id or run_id_for(cfg), dht_port,

@@ -129,10 +129,8 @@ class NetworkPeer:
 
     ``trust`` (``gossiploco.security``): its identity and the run's swarm key; the data plane is
     encrypted and admits members only, and its DHT records are signed and sealed. ``gossiploco
-    peer`` always gives it; None (plaintext, unauthenticated) is for in-process unit tests. ``sealed_port``
-    (with ``trust``): the port where peers that dial this one directly send data chunks sealed with AES-GCM
-    (``transport.zmq_sealed``; 0: any free port, -1: none). ``fault``: the exchange's fault-injection hook
-    (``transport.fault_injection``; tests only).
+    peer`` always gives it; None (plaintext, unauthenticated) is for in-process unit tests. ``sealed_port``: of
+    AES-GCM sealed data (``transport.zmq_sealed``; 0: any, -1: none). ``fault``: the exchange's test hook.
 
     Built from parts with their own state: ``progress`` (``TrainingProgress``: what the next record carries,
     counters, tokens, the round's starting state given to peers catching up), ``monitor`` (``PeerMonitor``:
@@ -146,8 +144,6 @@ class NetworkPeer:
                  run_id: str | None = None, corpus: Corpus | None = None, device: str | None = None,
                  trust: Trust | None = None, stream: int | None = None, reach: Reach | None = None,
                  new_run: bool = False, fault: SendHook | None = None, sealed_port: int = 0):
-        if not -1 <= sealed_port < 65536:
-            raise ConfigError("sealed_port", f"must be a TCP port, 0 (any free one) or -1 (none), got {sealed_port}")
         if (endpoints is None) == (directory is None):
             raise ConfigError("peers", "give either a static peer list or a directory to join, not both or neither")
         if endpoints is not None:
@@ -197,7 +193,7 @@ class NetworkPeer:
                                     bind=bind, join_round=None, heartbeat_s=t.heartbeat_s,  # join round: decided in _join
                                     trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
                                     sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault,
-                                    sealed_port=None if sealed_port < 0 else sealed_port)
+                                    sealed_port=None if sealed_port == -1 else sealed_port)  # else: 0-65535
         self.exchange.set_grouping(cfg.seed, cfg.groups.size)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""

@@ -214,6 +214,7 @@ def test_subset_mix2_mixes_only_the_selected_blocks(make_config, corpus):
                 assert torch.equal(a.z[n], b.z[n]), n
 
 
+@pytest.mark.slow  # 2.4 s: in the slow set, so that the fast subset keeps its margin under 2 minutes
 def test_subset_preset_runs_and_mixes_fewer_bytes(make_config, corpus):
     full = VirtualSwarm(make_config("globalm1-localm2", **{"model.size": "small"}), corpus=corpus)
     subset = VirtualSwarm(make_config("globalm1-localm2-subset", **{"model.size": "small"}), corpus=corpus)

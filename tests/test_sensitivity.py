@@ -160,6 +160,7 @@ def test_preset_is_loadable(tmp_path):
     assert text.startswith("# a comment\n# another\n")
 
 
+@pytest.mark.slow  # 2.2 s: in the slow set, so that the fast subset keeps its margin under 2 minutes
 @pytest.mark.timeout(120)
 def test_tracking_leaves_training_unchanged():
     cfg = tiny_config("globalm1", workers=2, rounds=2)

@@ -18,6 +18,21 @@ from testbed.processes import wait_until  # noqa: F401 - every test that waits f
 torch.set_num_threads(2)
 
 
+def assert_three_peers_exchange_exactly(exchanges, run_all) -> None:
+    """Three connected exchanges run an all-reduce, a swap and a compressed all-to-all, each exact (``run_all``:
+    the test's way of running one call per peer at once)."""
+    values = [torch.randn(200_003, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    out = run_all([lambda r=r: exchanges[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    expected = (sum(v.double() for v in values) / 3).float()
+    assert all(torch.allclose(o, expected, atol=1e-6) and torch.equal(o, out[0]) for o in out)
+    swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
+    assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
+    parts = {r: {m: torch.full((5000 + m,), r, dtype=torch.uint8) for m in range(3) if m != r} for r in range(3)}
+    got = run_all([lambda r=r: exchanges[r].all_to_all("mix2/1/scatter", parts[r], [0, 1, 2],
+                                                       {m: 5000 + r for m in range(3) if m != r}) for r in range(3)])
+    assert all(torch.equal(got[r][m], torch.full((5000 + r,), m, dtype=torch.uint8)) for r in range(3) for m in got[r])
+
+
 TINY = {**TINY_OVERRIDES, "workers": 4}
 """``config.TINY_OVERRIDES`` with 4 workers: what the tests scale presets down to."""
 

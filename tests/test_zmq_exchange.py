@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import wait_until
+from conftest import assert_three_peers_exchange_exactly, wait_until
 from gossiploco.mixing import GlobalMix
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
 from gossiploco.protocol import codec
@@ -603,16 +603,7 @@ def test_striped_data_connections_carry_the_same_exchanges(encrypted):
                  for r in range(3)]  # no sealed port: data stays on CurveZMQ's stripes
     try:
         assert all(ex.wait_connected(10.0) for ex in exchanges)
-        values = [torch.randn(200_003, generator=torch.Generator().manual_seed(r)) for r in range(3)]
-        out = run_all([lambda r=r: exchanges[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
-        expected = (sum(v.double() for v in values) / 3).float()
-        assert all(torch.allclose(o, expected, atol=1e-6) and torch.equal(o, out[0]) for o in out)
-        swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
-        assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
-        parts = {r: {m: torch.full((5000 + m,), r, dtype=torch.uint8) for m in range(3) if m != r} for r in range(3)}
-        got = run_all([lambda r=r: exchanges[r].all_to_all("mix2/1/scatter", parts[r], [0, 1, 2],
-                                                           {m: 5000 + r for m in range(3) if m != r}) for r in range(3)])
-        assert all(torch.equal(got[r][m], torch.full((5000 + r,), m, dtype=torch.uint8)) for r in range(3) for m in got[r])
+        assert_three_peers_exchange_exactly(exchanges, run_all)
         for ex in exchanges:
             sends = ex.sockets.stripe_sends
             assert len(sends) == 3 and min(sends) > 0, sends

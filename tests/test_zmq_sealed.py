@@ -11,7 +11,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import free_ports, wait_until
+from conftest import assert_three_peers_exchange_exactly, free_ports, wait_until
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust
 from gossiploco.transport.sealed import ENVELOPE
@@ -61,14 +61,7 @@ def test_encrypted_peers_send_every_data_chunk_sealed_and_get_the_same_results()
     exchanges = _swarm(3)
     try:
         assert _sealed_up(exchanges, [(s, r) for s in range(3) for r in range(3) if s != r])
-        _all_reduce(exchanges, "mix1/0")
-        values = [torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(2)]
-        swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
-        assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
-        parts = {r: {m: torch.full((5000 + m,), r, dtype=torch.uint8) for m in range(3) if m != r} for r in range(3)}
-        got = run_all([lambda r=r: exchanges[r].all_to_all("mix2/1/scatter", parts[r], [0, 1, 2],
-                                                           {m: 5000 + r for m in range(3) if m != r}) for r in range(3)])
-        assert all(torch.equal(got[r][m], torch.full((5000 + r,), m, dtype=torch.uint8)) for r in range(3) for m in got[r])
+        assert_three_peers_exchange_exactly(exchanges, run_all)
         for ex in exchanges:
             assert ex.sockets.sealed.sent > 0 and _curve_data(ex) == 0, (ex.sockets.sealed.sent, ex.sockets.stripe_sends)
             assert ex.admission.total_rejected == 0

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
-from gossiploco.transport.retry import send_wait_s
+from gossiploco.errors import ExchangeTimeout
+from gossiploco.transport.zmq_send import GaveUp, send_until
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 
 RECONNECT_MAX_MS = 10_000
@@ -272,29 +272,16 @@ class SealedLinks:
             return False
         tracker = None
         sock, lock = self.dealers[peer]
-        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            self.pool.retire(peer, None, taken)
-            raise ExchangeTimeout(f"{what}: the sealed connection to {peer} stayed busy past the deadline")
         try:
-            while True:
-                if closed():
-                    raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
-                try:
-                    tracker = sock.send_multipart(sealed, flags=zmq.NOBLOCK, copy=False, track=bool(taken))
-                    self.sent += 1
-                    return True
-                except zmq.Again:
-                    if not self.is_up(peer):  # dropped while we waited: the caller sends it over CurveZMQ
-                        return False
-                except zmq.ZMQError as exc:
-                    raise PeerFailed(f"{what}: sending sealed to {peer} failed: {exc}") from exc
-                wait_s = send_wait_s(deadline, time.monotonic())
-                if wait_s is None:
-                    raise ExchangeTimeout(f"{what}: peer {peer} did not take sealed data by the deadline")
-                sock.poll(max(1, int(1000 * wait_s)), zmq.POLLOUT)
+            tracker = send_until(sock, lock, sealed, deadline=deadline, what=what, peer=peer, rank=self.rank,
+                                 closed=closed, copy=False, track=bool(taken),
+                                 give_up=lambda: not self.is_up(peer))  # dropped meanwhile: CurveZMQ takes it
+        except GaveUp:
+            return False
         finally:
-            lock.release()
             self.pool.retire(peer, tracker, taken)  # not sent (tracker None): free at once
+        self.sent += 1
+        return True
 
     def close(self, linger_s: float) -> None:
         """Close the DEALERs (messages already queued get ``linger_s``) and their monitors (the ROUTER:

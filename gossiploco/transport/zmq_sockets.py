@@ -29,7 +29,7 @@ the benchmarks that measure what encryption costs.
 Thread rules (zmq sockets are not thread-safe): the ROUTER and the monitors belong to the one
 thread that receives; each DEALER has a lock, and any thread may send on it while holding it.
 Sends never block for long: ``NOBLOCK`` with a poll/retry loop bounded by the caller's deadline,
-so a dead peer whose queue is full cannot hold a sender forever. When to try again, how long to wait
+so a dead peer whose queue is full cannot hold a sender forever (``zmq_send``). When to try again, how long to wait
 and when to give up (a full queue, a refused handshake) is ``gossiploco.transport.retry``.
 """
 
@@ -46,12 +46,13 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import MAX_STRIPES, Trust, routing_id
 from gossiploco.protocol import codec
-from gossiploco.transport.retry import HandshakeBackoff, send_wait_s
+from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.zmq_sealed import SealedLinks
+from gossiploco.transport.zmq_send import send_until
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -355,24 +356,8 @@ class ZmqSockets:
             dealer, lock = self.extra_stripes[peer][stripe - 1]
         if not control:
             self.stripe_sends[stripe] += 1
-        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise ExchangeTimeout(f"{what}: the connection to {peer} stayed busy past the deadline")
-        try:
-            while True:
-                if closed():
-                    raise ExchangeClosed(f"rank {self.rank}: exchange closed during {what}")
-                try:
-                    return dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=not zero_copy, track=zero_copy)
-                except zmq.Again:
-                    pass
-                except zmq.ZMQError as exc:
-                    raise PeerFailed(f"{what}: sending to {peer} failed: {exc}") from exc
-                wait_s = send_wait_s(deadline, time.monotonic())
-                if wait_s is None:
-                    raise ExchangeTimeout(f"{what}: peer {peer} did not take data by the deadline")
-                dealer.poll(max(1, int(1000 * wait_s)), zmq.POLLOUT)
-        finally:
-            lock.release()
+        return send_until(dealer, lock, frames, deadline=deadline, what=what, peer=peer, rank=self.rank, closed=closed,
+                          copy=not zero_copy, track=zero_copy)
 
     @staticmethod
     def wait_sent(trackers: list[zmq.MessageTracker], deadline: float, what: str) -> None:

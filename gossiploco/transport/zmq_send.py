@@ -1,0 +1,48 @@
+"""One bounded send on a DEALER shared by several threads: the lock, ``NOBLOCK`` and the poll/retry loop.
+
+A send never blocks for long: it takes the socket's lock and retries a full queue (``NOBLOCK``, then a poll for
+room, ``retry.send_wait_s``) until the caller's deadline, so a dead peer whose queue is full cannot hold a sender
+forever. Used by ``zmq_sockets`` (the CurveZMQ DEALERs) and ``zmq_sealed`` (the sealed ones).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import zmq
+
+from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.transport.retry import send_wait_s
+
+
+class GaveUp(Exception):
+    """``give_up()`` said to stop retrying a full queue (the caller sends elsewhere); nothing was sent."""
+
+
+def send_until(sock: zmq.Socket, lock: threading.Lock, frames: list, *, deadline: float, what: str, peer: int,
+               rank: int, closed: Callable[[], bool], copy: bool = True, track: bool = False,
+               give_up: Callable[[], bool] | None = None) -> zmq.MessageTracker | None:
+    """Queue ``frames`` on ``sock`` (holding ``lock``) for ``peer``, retrying a full queue until ``deadline``.
+    Returns zmq's tracker (with ``track``). Raises ``ExchangeTimeout`` at the deadline, ``ExchangeClosed`` once
+    ``closed()``, ``PeerFailed`` on a socket error, and ``GaveUp`` when the queue is full and ``give_up()`` holds."""
+    if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+        raise ExchangeTimeout(f"{what}: the connection to {peer} stayed busy past the deadline")
+    try:
+        while True:
+            if closed():
+                raise ExchangeClosed(f"rank {rank}: exchange closed during {what}")
+            try:
+                return sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy, track=track)
+            except zmq.Again:
+                if give_up is not None and give_up():
+                    raise GaveUp from None
+            except zmq.ZMQError as exc:
+                raise PeerFailed(f"{what}: sending to {peer} failed: {exc}") from exc
+            wait_s = send_wait_s(deadline, time.monotonic())
+            if wait_s is None:
+                raise ExchangeTimeout(f"{what}: peer {peer} did not take data by the deadline")
+            sock.poll(max(1, int(1000 * wait_s)), zmq.POLLOUT)
+    finally:
+        lock.release()

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from gossiploco.errors import ExchangeTimeout
-from gossiploco.transport.zmq_send import GaveUp, send_until
+from gossiploco.transport.zmq_send import GaveUp, close_monitored, send_until
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 
 RECONNECT_MAX_MS = 10_000
@@ -288,13 +288,7 @@ class SealedLinks:
         ``close_router``, by the receiving thread)."""
         monitors = {peer: monitor for monitor, peer in self.monitors.items()}
         for peer, (sock, lock) in self.dealers.items():
-            with lock:
-                try:
-                    sock.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                monitors[peer].close(linger=0)
-                sock.close(linger=int(1000 * linger_s))
+            close_monitored(sock, lock, monitors[peer], linger_s)
 
     def close_router(self) -> None:
         if self.router is not None:

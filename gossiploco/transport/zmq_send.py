@@ -1,4 +1,5 @@
-"""One bounded send on a DEALER shared by several threads: the lock, ``NOBLOCK`` and the poll/retry loop.
+"""A DEALER shared by several threads: one bounded send (the lock, ``NOBLOCK``, the poll/retry loop), and closing
+it with its monitor.
 
 A send never blocks for long: it takes the socket's lock and retries a full queue (``NOBLOCK``, then a poll for
 room, ``retry.send_wait_s``) until the caller's deadline, so a dead peer whose queue is full cannot hold a sender
@@ -46,3 +47,16 @@ def send_until(sock: zmq.Socket, lock: threading.Lock, frames: list, *, deadline
             sock.poll(max(1, int(1000 * wait_s)), zmq.POLLOUT)
     finally:
         lock.release()
+
+
+def close_monitored(sock: zmq.Socket, lock: threading.Lock, monitor: zmq.Socket, linger_s: float) -> None:
+    """Close ``sock`` (messages already queued get ``linger_s``) and its ``monitor``, holding ``lock``: senders notice
+    the close within ``retry.SEND_RETRY_S`` and release it. The monitor is stopped while its reader is still open:
+    libzmq's "monitor stopped" event is a blocking send that would hang on a closed reader."""
+    with lock:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+        sock.close(linger=int(1000 * linger_s))

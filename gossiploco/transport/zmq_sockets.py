@@ -52,7 +52,7 @@ from gossiploco.protocol import codec
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.zmq_sealed import SealedLinks
-from gossiploco.transport.zmq_send import send_until
+from gossiploco.transport.zmq_send import close_monitored, send_until
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -421,15 +421,7 @@ class ZmqSockets:
         must be closed first, by its thread (``router.close``)."""
         monitors = {peer: monitor for monitor, peer in self.monitors.items()}
         for peer, (dealer, lock) in self.dealers.items():
-            with lock:  # senders notice the close within retry.SEND_RETRY_S and release it
-                # Stop the monitor while its reader is still open: libzmq's "monitor stopped"
-                # event is a blocking send that would hang on a closed reader.
-                try:
-                    dealer.disable_monitor()
-                except zmq.ZMQError:
-                    pass
-                monitors[peer].close(linger=0)
-                dealer.close(linger=int(1000 * linger_s))
+            close_monitored(dealer, lock, monitors[peer], linger_s)
         for extras in self.extra_stripes.values():
             for extra, lock in extras:
                 with lock:

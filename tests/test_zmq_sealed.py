@@ -236,3 +236,64 @@ def test_the_buffer_pool_reuses_a_buffer_once_zmq_released_it_and_bounds_what_on
         pool.wait_room(8, time.monotonic() + 0.3, "test")  # another peer is not held back by peer 7's queue
     finally:
         ctx.destroy(linger=0)
+
+
+def test_the_sealed_port_admits_connections_only_from_members_addresses_and_a_refused_sender_dials_again():
+    """A stranger cannot even hold a connection open on the sealed port unless it shares a member's address; a
+    member whose sealed connection came before its CurveZMQ one was admitted is refused once, then dials again."""
+    import queue
+    import time
+
+    from zmq.utils.monitor import recv_monitor_message
+
+    from gossiploco.transport.zmq_auth import SEALED_REFUSAL, SwarmAuthenticator, secure_client, secure_server
+    from gossiploco.transport.zmq_sealed import SealedLinks
+
+    key = SwarmKey.generate()
+    receiver, sender = Trust.static(key, 0, 2), Trust.static(key, 1, 2)
+    ctx, other = zmq.Context(), zmq.Context()
+    auth = SwarmAuthenticator(ctx, receiver, "rank 0")
+    auth.start()
+    auth.allow(sender.identity.curve_public, 1)
+    links = [SealedLinks(ctx, 0, b"0.r", "tcp://127.0.0.1:0", max_frame_bytes=1 << 20, heartbeat_ms=5000, sndhwm=10,
+                         monitors_out=queue.SimpleQueue()),
+             SealedLinks(other, 1, b"1.s", None, max_frame_bytes=1 << 20, heartbeat_ms=5000, sndhwm=10,
+                         monitors_out=queue.SimpleQueue())]
+    target = f"tcp://127.0.0.1:{links[0].port}"
+    try:
+        stranger = other.socket(zmq.DEALER)  # from 127.0.0.2: no member's CurveZMQ connection came from there
+        stranger_events = stranger.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        stranger.connect(f"tcp://127.0.0.2:0;127.0.0.1:{links[0].port}")
+        assert stranger_events.poll(5000), "the stranger's handshake was not refused"
+        assert auth.refusals().get(SEALED_REFUSAL) == 1
+
+        def drive() -> None:  # what the receiving thread does: apply dials, read the sealed DEALER's monitor
+            links[1].dial_pending()
+            for monitor in links[1].monitors:
+                while monitor.poll(0):
+                    event = recv_monitor_message(monitor)
+                    links[1].event(monitor, event["event"], event["endpoint"].decode())
+
+        links[1].dial(0, target)  # before any CurveZMQ connection from this address: refused
+        assert wait_until(lambda: drive() or links[1].refusals.refusals(0) >= 1, 5.0)
+        assert not links[1].is_up(0) and auth.refusals()[SEALED_REFUSAL] >= 2
+        router = ctx.socket(zmq.ROUTER)  # a CurveZMQ connection of member 1 from 127.0.0.1 is admitted ...
+        secure_server(router, receiver)
+        curve_port = router.bind_to_random_port("tcp://127.0.0.1")
+        client = other.socket(zmq.DEALER)
+        secure_client(client, sender, receiver.identity.curve_public)
+        client.connect(f"tcp://127.0.0.1:{curve_port}")
+        client.send(b"hello")
+        assert router.poll(5000) and router.recv_multipart()[1] == b"hello"
+        began = time.monotonic()  # ... and the sealed DEALER, dialing again after its backoff, gets in
+        assert wait_until(lambda: drive() or links[1].is_up(0), 10.0)
+        assert time.monotonic() - began < 5.0
+        for sock in (stranger_events, stranger, router, client):
+            sock.close(linger=0)
+    finally:
+        for link in links:
+            link.close(0.0)
+            link.close_router()
+        auth.stop()
+        ctx.destroy(linger=0)
+        other.destroy(linger=0)

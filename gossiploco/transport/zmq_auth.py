@@ -8,6 +8,11 @@ other key. A joining peer's connections are refused until this peer has read its
 zmq sockets retry every 100 ms, so they get in within one discovery period). Every refusal
 is counted by reason and logged (at most one line per reason and ``LOG_EVERY_S``), so a peer under
 attack says so without flooding its log.
+
+The sealed port (``zmq_sealed``) has no keys to check at the handshake (ZeroMQ's NULL mechanism: its messages are
+authenticated one by one with AES-GCM). Its connections are admitted by address instead: only from an address a
+member's CurveZMQ connection came from (``SEALED_DOMAIN``), so a stranger elsewhere cannot even hold a connection
+open there. A member dials the sealed port only after it received its key over CurveZMQ, from the same host.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ from gossiploco.security.trust import Trust
 log = logging.getLogger(__name__)
 
 DOMAIN = "gossiploco"
+SEALED_DOMAIN = "gossiploco-sealed"
+"""The ZAP domain of the sealed port (``zmq_sealed``): NULL-mechanism connections, admitted by address."""
 LOG_EVERY_S = 10.0
 EXPECTED_REFUSALS = 8
+MAX_MEMBER_ADDRESSES = 4096
+"""Addresses remembered as members' (the newest kept): those the sealed port admits."""
+SEALED_REFUSAL = "sealed port: address of no member"
 
 
 class SwarmAuthenticator(ThreadAuthenticator):
@@ -39,6 +49,7 @@ class SwarmAuthenticator(ThreadAuthenticator):
         self.refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._members: dict[bytes, int] = {trust.identity.curve_public: trust.peer_id}
+        self._addresses: dict[str, None] = {}  # where members' CurveZMQ connections came from, oldest first
         self._last_log = -LOG_EVERY_S
         self.configure_curve_callback(domain=DOMAIN, credentials_provider=self)
 
@@ -53,6 +64,40 @@ class SwarmAuthenticator(ThreadAuthenticator):
             for old in [k for k, p in self._members.items() if p == peer and k != key]:
                 del self._members[old]
             self._members[key] = peer
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        """The sealed port's NULL connections: admitted from members' addresses only. CurveZMQ ones: as pyzmq
+        does (``callback``), remembering the address of each member's."""
+        if len(msg) >= 6 and msg[5] == b"NULL" and msg[2] == SEALED_DOMAIN.encode():
+            address = msg[3].decode("utf-8", "replace")
+            with self._lock:
+                admitted = address in self._addresses
+                if not admitted:
+                    self.refused[SEALED_REFUSAL] += 1
+            if not admitted:
+                self._log_refusal(SEALED_REFUSAL, address)
+            self._send_zap_reply(msg[1], b"200" if admitted else b"400", b"OK" if admitted else b"address of no member")
+            return
+        if len(msg) >= 7 and msg[5] == b"CURVE":
+            address = msg[3].decode("utf-8", "replace")
+            with self._lock:
+                if msg[6] in self._members:
+                    self._addresses.pop(address, None)
+                    self._addresses[address] = None
+                    while len(self._addresses) > MAX_MEMBER_ADDRESSES:
+                        del self._addresses[next(iter(self._addresses))]
+        await super().handle_zap_message(msg)
+
+    def _log_refusal(self, reason: str, who: str) -> None:
+        with self._lock:
+            count = self.refused[reason]
+            now = time.monotonic()
+            due = now - self._last_log >= LOG_EVERY_S
+            if due:
+                self._last_log = now
+        if due:
+            log.log(logging.WARNING if count > EXPECTED_REFUSALS else logging.INFO,
+                    "%s: refused a connection (%s, from %s; %d so far)", self.owner, reason, who, count)
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
         key = zmq.utils.z85.decode(z85_key)

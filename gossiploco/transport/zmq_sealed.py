@@ -11,6 +11,10 @@ its data chunks to R there (``send``). The sender's routing id travels as the fi
 receiver admits the message exactly as one from R's CurveZMQ data connection (``admission``), authenticated
 by the key instead of by ZAP.
 
+The sealed port admits connections only from addresses a member's CurveZMQ connection came from (``zmq_auth``); a
+sealed DEALER refused because its member's CurveZMQ connection was not admitted yet dials again with backoff
+(``refusals``: libzmq gives up on a refused handshake).
+
 Only a directly dialed path is sealed (``dial``; a reverse or relayed connection keeps CurveZMQ: a relay
 forwards one port). When the sealed connection is not up (not yet, refused by a firewall that forwards only
 the main port, dropped) data goes over CurveZMQ as before: ``send`` returns False and the caller sends it
@@ -34,10 +38,14 @@ import zmq
 
 from gossiploco.errors import ExchangeTimeout
 from gossiploco.transport.zmq_send import GaveUp, close_monitored, send_until
+from gossiploco.transport.retry import HandshakeBackoff
+from gossiploco.transport.zmq_auth import SEALED_DOMAIN
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 
 RECONNECT_MAX_MS = 10_000
 """A sealed port that does not answer (a firewall) is dialed again at most this often once backoff grew."""
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 POOLED_MIN_BYTES = 1 << 16
 """Frames at least this large are sealed into pooled buffers (``BufferPool``); smaller ones into new ``bytes``."""
 POOL_KEEP = 8
@@ -139,7 +147,10 @@ class SealedLinks:
         self._dialed: dict[int, str] = {}  # peer -> the sealed endpoint its DEALER dials
         self._connected: dict[int, str] = {}  # peer -> the sealed endpoint whose handshake succeeded, until it drops
         self._pending: dict[int, str | None] = {}  # peer -> an endpoint to dial (None: hang up) not applied yet
-        self._state = threading.Lock()  # guards the three above (senders read them)
+        self._again: set[int] = set()  # pending peers to dial again at the same endpoint (after a refusal)
+        self._state = threading.Lock()  # guards the four above (senders read them)
+        self.refusals = HandshakeBackoff()
+        """Sealed ports that refused our handshake, and when to dial each again (libzmq does not; receiving thread)."""
         self.sent = 0
         """Data messages sent sealed (for tests and diagnostics)."""
         self.pool = BufferPool()
@@ -150,6 +161,8 @@ class SealedLinks:
         router.setsockopt(zmq.RCVHWM, 1000)
         router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes + TAG_BYTES)
         router.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+        router.setsockopt(zmq.ZAP_DOMAIN, SEALED_DOMAIN.encode())  # members' addresses only (zmq_auth)
+        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         router.setsockopt(zmq.TCP_KEEPALIVE, 1)  # as the CurveZMQ ROUTER: a dead machine's connection goes in ~16 s
         router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 10)
         router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 2)
@@ -186,9 +199,13 @@ class SealedLinks:
     def event(self, monitor: zmq.Socket, kind: int, endpoint: str) -> None:
         """A monitor event of a sealed DEALER: the handshake with ``endpoint`` succeeded, or that connection dropped."""
         peer = self.monitors[monitor]
+        if kind & HANDSHAKE_FAILURES:  # refused (this peer's CurveZMQ connection not admitted there yet): retry
+            self.refusals.refused(peer, time.monotonic())
+            return
         with self._state:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected[peer] = endpoint
+                self.refusals.succeeded(peer)
             elif self._connected.get(peer) == endpoint:
                 del self._connected[peer]
 
@@ -207,8 +224,13 @@ class SealedLinks:
             self._pending[peer] = endpoint
 
     def dial_pending(self) -> None:
-        """Apply the dials asked for (by the receiving thread, after every poll)."""
+        """Apply the dials asked for, and dial again the sealed ports that refused a handshake (by the receiving
+        thread, after every poll)."""
         with self._state:
+            for peer in self.refusals.due(time.monotonic()) if self.refusals.pending else ():
+                if peer in self._dialed and peer not in self._pending:
+                    self._pending[peer] = self._dialed[peer]
+                    self._again.add(peer)  # the same endpoint, disconnected and dialed again
             pending = list(self._pending.items())
         for peer, endpoint in pending:
             if peer not in self.dealers:
@@ -228,12 +250,14 @@ class SealedLinks:
                     old = self._dialed.pop(peer, None)
                     if endpoint is not None:
                         self._dialed[peer] = endpoint
-                if old is not None and old != endpoint:
+                    changed = old != endpoint or peer in self._again
+                    self._again.discard(peer)
+                if old is not None and changed:
                     try:
                         sock.disconnect(old)
                     except zmq.ZMQError:
                         pass
-                if endpoint is not None and old != endpoint:
+                if endpoint is not None and changed:
                     sock.connect(endpoint)
             finally:
                 lock.release()
@@ -246,7 +270,7 @@ class SealedLinks:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
         self.dealers[peer] = (sock, threading.Lock())
         self.monitors[monitor] = peer

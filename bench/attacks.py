@@ -375,14 +375,16 @@ def oversize(sw: Swarm, ids: dict[int, int], learnt: dict) -> Result:
 def connection_flood(sw: Swarm, ids: dict[int, int], learnt: dict) -> Result:
     """Mounted before the last peer starts (see ``run_flood``): it must join through the flood."""
     res = Result("connection-flood", "300 and 1,000 idle TCP connections (kept up all run) to two peers' data "
-                                     "ports, 300 to a DHT port, 50 slowloris: idle ones dropped after 5 s, a new "
-                                     "peer joins meanwhile, everyone finishes")
+                                     "ports, 300 to a sealed port, 300 to a DHT port, 50 slowloris: idle ones "
+                                     "dropped after 5 s, a new peer joins meanwhile, everyone finishes")
     targets = []
     for rank, count in ((0, 300), (1 % sw.count, 1000)):
         host, port = sw.endpoints[rank][1].removeprefix("tcp://").rsplit(":", 1)
         targets.append((f"data port of {rank}", host, int(port), count, False))
-    dht_ports = listening_ports(sw.peers.procs[0].pid) - {int(sw.endpoints[0][1].rsplit(":", 1)[1])}
-    for port in sorted(dht_ports)[:1]:
+    own = listening_ports(sw.peers.procs[0].pid, tree=False)  # the peer process: its data and sealed ports
+    for port in sorted(own - {int(sw.endpoints[0][1].rsplit(":", 1)[1])})[:1]:
+        targets.append((f"sealed port of 0 ({port})", "127.0.0.1", port, 300, False))
+    for port in sorted(listening_ports(sw.peers.procs[0].pid) - own)[:1]:  # its DHT node's processes
         targets.append((f"DHT port of 0 ({port})", "127.0.0.1", port, 300, False))
     host, port = sw.endpoints[0][1].removeprefix("tcp://").rsplit(":", 1)
     targets.append(("slowloris on 0", host, int(port), 50, True))
@@ -417,6 +419,8 @@ def connection_flood(sw: Swarm, ids: dict[int, int], learnt: dict) -> Result:
                             f"victim 1: {security(sw.summary(1 % sw.count))}")
         if not any(dropped[label] for label in dropped if label.startswith("data")):
             res.fail("idle connections to a data port were never dropped")
+        if not any(dropped[label] for label in dropped if label.startswith("sealed")):
+            res.fail("idle connections to the sealed port were never dropped (or it was not found)")
     res.check = check
     return res
 

@@ -35,10 +35,11 @@ def announced(log_text: str) -> tuple[int, str] | None:
     return (int(found.group(1)), found.group(2)) if found else None
 
 
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports some process of ``pid``'s tree listens on (the data port, the DHT's p2pd port)."""
+def listening_ports(pid: int, tree: bool = True) -> set[int]:
+    """TCP ports some process of ``pid``'s tree listens on (the data port, the sealed port, the DHT's p2pd port);
+    ``tree=False``: ``pid`` itself only (a peer's data and sealed ports, not its DHT's)."""
     inodes = set()
-    for p in [pid] + [info.pid for info in descendants(process_table(), pid)]:
+    for p in [pid] + ([info.pid for info in descendants(process_table(), pid)] if tree else []):
         try:
             for fd in os.listdir(f"/proc/{p}/fd"):
                 target = os.readlink(f"/proc/{p}/fd/{fd}")

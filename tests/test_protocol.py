@@ -195,6 +195,21 @@ def test_a_leader_stops_waiting_for_a_member_that_abandoned_the_exchange():
     assert [s.peer for s in step.sends] == [a]
 
 
+def test_a_peer_that_abandoned_an_exchange_is_not_waited_for_in_its_later_phases():
+    """Seen in a real swarm (a peer killed mid-measurement): one peer finished the monitor's first all-reduce while
+    the others failed it and told everyone (Abort 'monitor/0/2'); it then waited a whole deadline in the second phase
+    ('monitor/0/2/terms') for a chunk from a peer that would never run it."""
+    node = PeerNode(1, range(3), grace_s=1.0, chunk_elems=4, mailbox_bytes=1 << 20)
+    for p in (0, 2):
+        node.connected(p, 0.0)
+    assert node.fault("monitor/0/2/terms", 0, [0, 2], 0.0, 0.1)[0] is None
+    node.receive(0, Abort("monitor/0/2"), 0.2)
+    error, _ = node.fault("monitor/0/2/terms", 0, [0, 2], 0.0, 0.3)
+    assert isinstance(error, PeerFailed) and "[0] abandoned" in str(error)
+    assert node.fault("monitor/0/20/terms", 0, [0, 2], 0.0, 0.3)[0] is None  # another exchange: not its phase
+    assert node.fault("monitor/0", 0, [0, 2], 0.0, 0.3)[0] is None  # nor the exchange it is a phase of
+
+
 def test_a_restarted_peers_ready_gets_the_group_without_it():
     chief, a, b, leader, lead = _leading("mix1/0")
     leader.receive(a, Ready("mix1/0", 0), 0.1)

@@ -385,7 +385,10 @@ class PeerNode:
         lost = self.peers.lost_since(sender, began)
         if lost is not None and now >= lost + FAILED_GRACE_S:
             return PeerFailed(f"{key!r}: peer {sender} disconnected"), None
-        quit_ = sorted(p for p in watch if p in self.aborted.get(key, ()))
+        # A peer that abandoned an exchange runs none of its later phases ('monitor/0/2/terms' after 'monitor/0/2'):
+        # seen in a real swarm, where one peer finished a phase the others failed and waited a whole deadline in the next.
+        phases = [key, *("/".join(key.split("/")[:n]) for n in range(2, key.count("/") + 1))]
+        quit_ = sorted(p for p in watch if any(p in self.aborted.get(k, ()) for k in phases))
         if quit_:
             return PeerFailed(f"{key!r}: peer(s) {quit_} abandoned the exchange"), None
         return None, None if lost is None else lost + FAILED_GRACE_S

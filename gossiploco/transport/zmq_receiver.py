@@ -50,14 +50,14 @@ class Receiver:
 
     ``feed(event)``: the driver runs ``event`` under its lock and performs the actions; ``flush_notes()``:
     it logs what the node noted; ``closed()``: the driver is closing; ``endpoints()``: a copy of the
-    peers' endpoints (to connect again after a refused handshake). ``admission`` is guarded by the
+    peers' endpoints (to connect again after a refused handshake); ``transport_send(message)``: the service thread
+    sends the transport's own message (a sealed-data key offer). ``admission`` is guarded by the
     driver's lock: the receiver only touches it inside ``feed``.
     """
 
     def __init__(self, rank: int, sockets: ZmqSockets, admission: Admission, *, run_id: str, max_message_bytes: int,
                  feed: Callable[[Event], None], flush_notes: Callable[[], None], closed: Callable[[], bool],
-                 endpoints: Callable[[], dict[int, str]],
-                 transport_send: Callable[[TransportMessage], None] | None = None):
+                 endpoints: Callable[[], dict[int, str]], transport_send: Callable[[TransportMessage], None]):
         self.rank = rank
         self.sockets = sockets
         self.admission = admission
@@ -222,7 +222,7 @@ class Receiver:
 
     def _offer_key(self, peer: int) -> None:
         """The connection to ``peer`` is (again) made: offer it a fresh key for sealing its data to this peer."""
-        offer = self.sealed.offer(peer) if self.sealed is not None and self.transport_send is not None else None
+        offer = self.sealed.offer(peer) if self.sealed is not None else None
         if offer is not None:
             self.transport_send(TransportMessage(peer, offer, "sealed-data key offer"))
 

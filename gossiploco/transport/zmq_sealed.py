@@ -37,23 +37,22 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from gossiploco.errors import ExchangeTimeout
-from gossiploco.transport.zmq_send import GaveUp, close_monitored, send_until
 from gossiploco.transport.retry import HandshakeBackoff
-from gossiploco.transport.zmq_auth import SEALED_DOMAIN
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
+from gossiploco.transport.zmq_auth import SEALED_DOMAIN
+from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, GaveUp, close_monitored, send_until
 
 RECONNECT_MAX_MS = 10_000
 """A sealed port that does not answer (a firewall) is dialed again at most this often once backoff grew."""
-HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 POOLED_MIN_BYTES = 1 << 16
 """Frames at least this large are sealed into pooled buffers (``BufferPool``); smaller ones into new ``bytes``."""
 POOL_KEEP = 8
 """Free buffers a pool keeps (each the size of the largest sealed frame so far, a chunk: 32 MiB at 4 MiB chunks)."""
 MAX_SENDING = 16
 """Sealed buffers queued in zmq toward one peer at once (64 MiB at 4 MiB chunks); a sender sealing more for that peer
-waits for the oldest to go out (per peer: a frozen peer's full queue holds back nobody else's). Plaintext chunks are sent in place, sealed ones are copies: without a bound, a ring step queues
-a whole segment's ciphertext (measured: 0.45 of the payload in extra peak memory)."""
+waits for the oldest to go out (per peer: a frozen peer's full queue holds back nobody else's). Plaintext chunks
+are sent in place, sealed ones are copies: without a bound, a ring step queues a whole segment's ciphertext
+(measured: 0.45 of the payload in extra peak memory)."""
 
 
 class BufferPool:

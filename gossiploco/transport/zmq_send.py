@@ -1,5 +1,5 @@
-"""A DEALER shared by several threads: one bounded send (the lock, ``NOBLOCK``, the poll/retry loop), and closing
-it with its monitor.
+"""A DEALER shared by several threads: one bounded send (the lock, ``NOBLOCK``, the poll/retry loop), closing it
+with its monitor, and the monitor events of a failed handshake.
 
 A send never blocks for long: it takes the socket's lock and retries a full queue (``NOBLOCK``, then a poll for
 room, ``retry.send_wait_s``) until the caller's deadline, so a dead peer whose queue is full cannot hold a sender
@@ -16,6 +16,10 @@ import zmq
 
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
 from gossiploco.transport.retry import send_wait_s
+
+HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+"""Monitor events of a handshake that failed (libzmq then gives up on that connection: the owner dials again)."""
 
 
 class GaveUp(Exception):

@@ -2,8 +2,8 @@
 
 The receiver thread never sends (a full queue to a slow peer would stall every peer's messages),
 and a failing call does not block on its aborts: the node's ``Send`` actions (hello replies,
-decisions, aborts), ``ServeState`` requests and the transport's own ``TransportMessage``s are queued here (``submit``, bounded: a full queue
-drops the action, counted in ``Traffic.dropped``) and carried out in order on this thread, each
+decisions, aborts), ``ServeState`` requests and the transport's own ``TransportMessage``s are queued
+here (``submit``, bounded: a full queue drops the action, counted in ``Traffic.dropped``) and carried out in order on this thread, each
 send bounded by ``CONTROL_SEND_S``, each state upload by ``timeout_s``.
 """
 
@@ -55,7 +55,7 @@ class Service:
     """
 
     def __init__(self, rank: int, send: SendFn, traffic: Traffic, *, chunk_elems: int, timeout_s: float,
-                 closed: Callable[[], bool], send_frames: SendFramesFn | None = None):
+                 closed: Callable[[], bool], send_frames: SendFramesFn):
         self.rank = rank
         self.send = send
         self.send_frames = send_frames
@@ -86,8 +86,6 @@ class Service:
                 if isinstance(action, ServeState):
                     self._serve_state(action)
                 elif isinstance(action, TransportMessage):
-                    if self.send_frames is None:
-                        raise ExchangeError("this service has no way to send transport messages")
                     self.send_frames(action.peer, action.frames, time.monotonic() + CONTROL_SEND_S, action.what)
                 else:
                     self.send(action, time.monotonic() + CONTROL_SEND_S, type(action.message).__name__)

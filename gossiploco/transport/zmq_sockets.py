@@ -52,7 +52,7 @@ from gossiploco.protocol import codec
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.zmq_sealed import SealedLinks
-from gossiploco.transport.zmq_send import close_monitored, send_until
+from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, close_monitored, send_until
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -62,8 +62,6 @@ queued on the connection, so it must exceed the time one chunk takes on the slow
 RELAYED_HEARTBEAT_FACTOR = 4
 """Measured (bench/results/reach.md): a 4 MiB chunk through a relay whose link is 12.5 Mbit/s took
 longer than the default 5 s, and every relayed Mix2 then lost its connection."""
-HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 OPEN_FILES_WANTED = 65536
 HANDSHAKE_MS = 5000
 """A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""

@@ -238,6 +238,17 @@ def test_decoding_rejects_payloads_no_encoder_makes(name):
         bad[-1] = 255  # code 255: outside [0, 254]
         with pytest.raises(PeerFailed):
             codec.decode(bad, 64)
+    if isinstance(codec, BlockCodec) and codec.bits == 4:
+        for byte in (0x7F, 0xF7):  # code 15 (outside [0, 14]) in the low nibble, then in the high one
+            bad = payload.clone()
+            bad[-3] = byte
+            with pytest.raises(PeerFailed):
+                codec.decode(bad, 64)
+        odd = codec.encode(vec(63, 1))
+        assert int(odd[-1]) >> 4 == 0  # an odd count's last high nibble is padding: 0, and never read
+        padded = odd.clone()
+        padded[-1] |= 0xF0
+        assert torch.equal(codec.decode(padded, 63), codec.decode(odd, 63))
     if name == "topk":
         bad = payload.clone()
         bad[8 * 4:8 * 4 + 2] = torch.tensor([0xFF, 0x00], dtype=torch.uint8)  # position 255 in a chunk of 16

@@ -189,6 +189,8 @@ def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **
         for got, want in zip(mine, reference.records):
             if (got["round"], got["h"]) in postponed:
                 continue
+            assert "cd_l2" in got, (f"peer {rank}'s record of round {got['round']} h {got['h']} has no measurement: "
+                                    f"{got.get('monitor_cause')}; log:\n{peers.log(rank)[-4000:]}")
             assert got["cd_l2"] == pytest.approx(want["cd_l2"], rel=1e-3, abs=1e-6)
             assert got["cd_js"] == pytest.approx(want["cd_js"], rel=1e-3, abs=1e-6)
             assert got["compute_s"] >= 0 and got["monitor_s"] >= 0 and got["members"] == 4

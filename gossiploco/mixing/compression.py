@@ -170,7 +170,7 @@ class BlockCodec(Codec):
         pieces = self._pieces(numel)
         room = max(end - start for start, end in pieces) if pieces else 0
         room = self._blocks(room) * self.block + 1  # whole blocks, and one more code for an odd 4-bit count
-        work, small = torch.empty(room), torch.empty(room, dtype=torch.int8)  # reused by every piece
+        work, sums = torch.empty(room), torch.empty((room + 1) // 2)  # reused by every piece
         for start, end in pieces:
             n, first = end - start, start // self.block
             blocks = self._blocks(n)
@@ -182,12 +182,14 @@ class BlockCodec(Codec):
             if self.levels:  # a linear grid: code = round(x / step) + levels, step = absmax / levels
                 step = torch.where(scale > 0, scale / self.levels, torch.ones_like(scale))
                 torch.div(padded, step[:, None], out=unit).round_()  # |x / step| <= levels: nothing to clamp
-                into = codes_out[self._code_range(start, end)].view(torch.int8) if self.bits == 8 else small
-                codes = self._linear_codes(unit.view(-1)[:n], into)  # 8-bit codes: written in the payload already
+                into = codes_out[self._code_range(start, end)].view(torch.int8)  # written in the payload directly
+                if self.bits == 4:
+                    self._linear_pairs(work, n, into, sums)  # ``work``: ``unit`` and a spare for an odd count
+                else:
+                    self._linear_codes(unit.view(-1)[:n], into)
             else:  # a table: the nearest grid value (halfway between two: the lower)
                 torch.div(padded, torch.where(scale > 0, scale, torch.ones_like(scale))[:, None], out=unit)
                 codes = self._e3m0_codes(unit.view(-1)[:n])
-            if self.bits == 4:
                 if n % 2:
                     codes = torch.nn.functional.pad(codes, (0, 1))
                 codes_out[self._code_range(start, end)] = _pack_nibbles(codes)
@@ -200,6 +202,19 @@ class BlockCodec(Codec):
         codes = small[:rounded.numel()]
         codes.copy_(rounded)
         return codes.view(torch.uint8).add_(self.levels)
+
+    def _linear_pairs(self, rounded: torch.Tensor, n: int, into: torch.Tensor, sums: torch.Tensor) -> None:
+        """The bytes of ``n`` 4-bit codes ``rounded + levels`` (integral values in [-levels, levels], at least ``n + 1``
+        of them: a spare for an odd count), two a byte, the first in the low nibble, built in one pass over pairs of
+        floats: ``a + 16 b`` is in [-17 levels, 17 levels], an int8, and adding ``17 levels`` in 8-bit arithmetic
+        (which wraps modulo 256) gives ``(a + levels) + 16 (b + levels)``. An odd count's last byte has a high
+        nibble of 0 (its spare is set to ``-levels``). Written into ``into`` (int8, ``ceil(n / 2)`` long); ``sums``: a
+        float buffer at least as long, reused."""
+        if n % 2:
+            rounded[n] = -self.levels
+        pairs = rounded[:n + n % 2].view(-1, 2)
+        into.copy_(torch.add(pairs[:, 0], pairs[:, 1], alpha=16, out=sums[:into.numel()]))
+        into.view(torch.uint8).add_(17 * self.levels)
 
     def _e3m0_codes(self, unit: torch.Tensor) -> torch.Tensor:
         """E3M0 codes of ``unit`` (values in [-1, 1]): the grid value nearest, halfway between two the lower, as
@@ -231,6 +246,9 @@ class BlockCodec(Codec):
             n, first = end - start, start // self.block
             blocks = self._blocks(n)
             codes = codes_in[self._code_range(start, end)]
+            if self.levels and self.bits == 4:
+                self._decode_linear_pairs(codes, n, out[start:end], steps[first:first + blocks])
+                continue
             if self.bits == 4:
                 codes = _unpack_nibbles(codes)[:n]
                 if self.levels and int(codes.max()) > 2 * self.levels:
@@ -247,6 +265,24 @@ class BlockCodec(Codec):
             else:
                 out[start:end] = _pad(unit, blocks * self.block).view(blocks, self.block).mul_(piece_steps).reshape(-1)[:n]
         return out
+
+
+    def _decode_linear_pairs(self, packed: torch.Tensor, n: int, out: torch.Tensor, steps: torch.Tensor) -> None:
+        """``n`` values of 4-bit linear codes (``packed``: two a byte, low nibble first) into ``out``: each nibble
+        less ``levels`` in 8-bit arithmetic (exact), converted straight into its place (the low nibbles to the even
+        positions, the high to the odd), then multiplied by its block's step in place. ``PeerFailed`` for a code
+        above ``2 levels`` (the pad nibble of an odd count is not read)."""
+        low = torch.bitwise_and(packed, 0x0F).view(torch.int8).sub_(self.levels)
+        high = torch.bitwise_right_shift(packed, 4).view(torch.int8).sub_(self.levels)[:n // 2]
+        if int(low.max()) > self.levels or (high.numel() and int(high.max()) > self.levels):
+            raise PeerFailed(f"{self.name} payload has a code outside [0, {2 * self.levels}]")
+        out[0::2].copy_(low)
+        out[1::2].copy_(high)
+        whole = n // self.block
+        if whole:
+            out[:whole * self.block].view(whole, self.block).mul_(steps[:whole, None])
+        if whole * self.block < n:
+            out[whole * self.block:].mul_(steps[whole])
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,12 @@ class ComputeConfig:
     """Where the outer parameters z and momentum live: device (the outer step runs there; fastest), host
     (CPU memory; the outer step runs on the CPU), or auto (device when it has memory for them, see
     gossiploco.outer_state)."""
+    companion: str = "auto"
+    """Where a network peer's exchange runs (sockets, encryption, the protocol and the collectives' reductions): on,
+    in a companion process beside the trainer (``gossiploco.companion``: the training thread shares its interpreter
+    with no communication thread, tensors cross in shared memory); off, on threads of the training process; auto,
+    on for CUDA and off on a CPU (where training and communication share the same cores anyway, and a companion
+    costs a second interpreter: about 150 MiB and 2-3 s to start)."""
     slowdown: float = 1.0
     """A stand-in for a slower machine (network peers, benchmarks and tests of unequal peers): after each inner
     step the peer sleeps slowdown - 1 times what the step took, so its steps take slowdown times as long. 1: off."""
@@ -81,6 +87,7 @@ class ComputeConfig:
         if self.micro_batch_size < 0:
             raise ConfigError(f"{p}.micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
         _choice(f"{p}.outer_state", self.outer_state, ("auto", "device", "host"))
+        _choice(f"{p}.companion", self.companion, ("auto", "on", "off"))
 
 
 @dataclass

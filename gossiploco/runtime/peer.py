@@ -1,8 +1,9 @@
 """The network peer: one worker of Algorithm 1 in its own process, mixing over ZeroMQ.
 
 The loop is the virtual swarm's, for one worker: ``FactoredDiLoCo`` (or ``SyncDP``) is the
-same class, only the exchange is a ``ZmqExchange``. Inner steps run on the main thread (GPU
-when available), Mix1 on the algorithm's background thread, Mix2 and the outer step block.
+same class, only the exchange is a ``ZmqExchange`` (on threads of this process, or in a companion process:
+``compute.companion``, ``peer_exchange``). Inner steps run on the main thread (GPU when available), Mix1 on the
+algorithm's background thread, Mix2 and the outer step block.
 
 Finding the others: a static list of every peer's address, or a ``Directory`` (the hivemind
 DHT, ``--join``): then the peer checks that its settings match the run going in the swarm
@@ -77,6 +78,7 @@ from gossiploco.runtime.path_planner import PathPlanner
 from gossiploco.runtime.peer_checkpoint import peer_snapshot, restore_peer
 from gossiploco.runtime.peer_clock import PeerClock
 from gossiploco.runtime.peer_discovery import Discovery
+from gossiploco.runtime.peer_exchange import open_exchange, uses_companion
 from gossiploco.runtime.peer_join import join, maybe_catch_up, provide_state
 from gossiploco.runtime.peer_monitor import PeerMonitor
 from gossiploco.runtime.peer_progress import TrainingProgress
@@ -85,9 +87,8 @@ from gossiploco.runtime.run_match import RunWatch
 from gossiploco.runtime.state_flood import StateFlood
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
-from gossiploco.transport.deadlines import AdaptiveDeadlines
 from gossiploco.transport.fault_injection import SendHook
-from gossiploco.transport.zmq_exchange import MAX_PEER_ID, ZmqExchange
+from gossiploco.transport.zmq_exchange import MAX_PEER_ID
 
 log = logging.getLogger(__name__)
 TensorDict = dict[str, torch.Tensor]
@@ -114,10 +115,6 @@ class PeerResult:
     """The averaged model after the last round (this peer's own z if the final average failed)."""
     summary: dict
     records: list[dict] = field(default_factory=list)
-
-
-MAILBOX_SLACK_BYTES = 64 << 20
-"""Mailbox room beyond four models' worth of early chunks (monitors, small models)."""
 
 
 class NetworkPeer:
@@ -177,23 +174,16 @@ class NetworkPeer:
         val_batches = validation_batches(self.corpus, cfg.data, cfg.seed)
         self.names = self.trainer.names
         self.run_id = run_id or run_id_for(cfg)
-        chunk = int(cfg.transport.chunk_mb * (1 << 20)) // 4 * 4
         t = cfg.timeouts
         self.runs = RunWatch.for_config(cfg, self.run_id, rank, new_run=new_run)
         """The other runs of the swarm (with a directory): ``new_run`` starts beside them on purpose."""
-        deadlines = AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor)
         self.directory = directory
         self.trust = trust
-        # Early chunks: a partner ahead of this peer may send its Mix2 of this round, its Mix1 of the
-        # next and a monitor average before this peer starts any (measured: one model's worth was
-        # not enough), and the partners may differ; the mailbox holds that, plus room for small exchanges.
         model_bytes = sum(p.numel() * 4 for p in self.trainer.model.parameters())
-        self.exchange = ZmqExchange(rank, known, self.run_id, t.exchange_s, grace_s=t.grace_s, deadlines=deadlines,
-                                    max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk,
-                                    bind=bind, join_round=None, heartbeat_s=t.heartbeat_s,  # join round: decided in _join
-                                    trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
-                                    sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault,
-                                    sealed_port=None if sealed_port == -1 else sealed_port)  # else: 0-65535
+        self.companion = uses_companion(cfg, self.device)
+        """Whether the exchange runs in a companion process (``compute.companion``)."""
+        self.exchange = open_exchange(cfg, rank, known, self.run_id, model_bytes=model_bytes, bind=bind, trust=trust,
+                                      fault=fault, sealed_port=sealed_port, companion=self.companion)
         self.exchange.set_grouping(cfg.seed, cfg.groups.size)
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
@@ -489,6 +479,7 @@ class NetworkPeer:
             "bytes_received": self.exchange.bytes_received,
             "malformed_messages": self.exchange.malformed_messages,
             "isolated_mixes": self.exchange.isolated_mixes,
+            "exchange_process": "companion" if self.companion else "trainer",
             "security": {"private": self.trust is not None and not self.trust.open,
                          "encrypted": self.trust is not None, **self.exchange.security_counts(),
                          **self.exchange.sealed_counts(),

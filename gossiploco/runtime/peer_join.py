@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from gossiploco.mixing.packing import pack, unpack
 from gossiploco.protocol import lifecycle
 from gossiploco.runtime.waiting_line import short_start_line
+from gossiploco.transport.zmq_exchange import random_nonce
 
 if TYPE_CHECKING:
     from gossiploco.runtime.peer import NetworkPeer
@@ -35,7 +35,7 @@ def settings(peer: NetworkPeer) -> lifecycle.Settings:
         state_size = 2 * sum(peer.algo.z[n].numel() for n in peer.names) + peer.trainer.inner_opt.moments_size()
     return lifecycle.Settings(
         rounds=cfg.rounds, hello_s=t.hello_s, connect_s=t.startup_s if peer.directory is None else t.hello_s,
-        boundary_s=t.startup_s, state_s=t.exchange_s, nonce=lambda: uuid.uuid4().hex[:16], state_size=state_size,
+        boundary_s=t.startup_s, state_s=t.exchange_s, nonce=random_nonce, state_size=state_size,
         solo=cfg.workers == 1 and peer.directory is None,
         rejoin_error="the sync-dp baseline cannot rejoin a running swarm; restart every peer" if cfg.mode == "sync-dp" else None)
 
@@ -46,7 +46,7 @@ def join(peer: NetworkPeer) -> int:
     deadline = peer.discovery.discover_at_start() if peer.discovery is not None else None
     quorum = peer.cfg.workers if peer.directory is not None else 1  # start together once `workers` peers are in
     life = settings(peer)
-    position = peer.exchange.drive(lambda node: lifecycle.join(node, life, peer.start_round, quorum, deadline))
+    position = peer.exchange.join_swarm(life, peer.start_round, quorum, deadline)
     if position.members and len(position.members) < quorum:
         log.warning("rank %d: %s", peer.rank, short_start_line(position.round, position.members, quorum,
                                                                time.monotonic() - started))
@@ -56,7 +56,7 @@ def join(peer: NetworkPeer) -> int:
 def maybe_catch_up(peer: NetworkPeer, r: int) -> int:
     """At the start of round ``r``: the round to train (``r`` unless the swarm went on without this peer)."""
     life = settings(peer)
-    return install(peer, peer.exchange.drive(lambda node: lifecycle.maybe_catch_up(node, life, r)))
+    return install(peer, peer.exchange.catch_up_if_behind(life, r))
 
 
 def install(peer: NetworkPeer, position: lifecycle.Position) -> int:

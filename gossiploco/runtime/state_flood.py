@@ -38,7 +38,7 @@ class StateFlood:
         seen = -1
         stop = threading.Event()
         try:
-            while not self.exchange.inspect(lambda node: node.closed):
+            while not self.exchange.is_closed():
                 round_index = self.exchange.current_round
                 if round_index > seen and round_index >= 1:
                     seen = round_index

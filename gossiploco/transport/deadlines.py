@@ -43,6 +43,15 @@ class AdaptiveDeadlines:
         self._seen: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:  # its settings and durations travel (to a companion process); a lock does not
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def deadline_s(self, key: str, path: str = "") -> float:
         """Seconds the next exchange ``key`` (over ``path``: "" or "relayed") may take."""
         with self._lock:

@@ -39,7 +39,13 @@ from gossiploco.transport.zmq_service import StateProvider
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZmqExchange", "MAX_PEER_ID", "StateProvider"]
+__all__ = ["ZmqExchange", "MAX_PEER_ID", "StateProvider", "random_nonce"]
+
+
+def random_nonce() -> str:
+    """A new state-request nonce (``lifecycle.Settings.nonce``: a module-level function, so that settings holding
+    it travel to a companion process)."""
+    return uuid.uuid4().hex[:16]
 
 
 
@@ -187,7 +193,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
     def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:
         """Download ``(round, flat state)`` from ``peer``'s provider within ``timeout_s``. Raises ``ExchangeError``."""
         began = time.monotonic()
-        call = FetchState(peer, uuid.uuid4().hex[:16], self._node.chunk_elems, began, began + self.timeout_s)
+        call = FetchState(peer, random_nonce(), self._node.chunk_elems, began, began + self.timeout_s)
         return self._run(call)
 
     def serve_state(self, provider: StateProvider) -> None:
@@ -305,9 +311,29 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         """Block until a connection to every other peer is up (or ``timeout_s``); True if all are."""
         return self._wait_for(lambda: len(self._node.peers.connected) >= len(self._dealers), timeout_s)
 
+    def join_swarm(self, life: lifecycle.Settings, start_round: int, quorum: int,
+                   quorum_until: float | None) -> lifecycle.Position:
+        """``lifecycle.join`` driven on this exchange: where this peer starts (``runtime.peer_join``)."""
+        return self.drive(lambda node: lifecycle.join(node, life, start_round, quorum, quorum_until))
+
+    def catch_up_if_behind(self, life: lifecycle.Settings, r: int) -> lifecycle.Position:
+        """``lifecycle.maybe_catch_up`` driven on this exchange, at the start of round ``r``."""
+        return self.drive(lambda node: lifecycle.maybe_catch_up(node, life, r))
+
+    def is_closed(self) -> bool:
+        with self._cond:
+            return self._node.closed
+
+    def deadlines_state(self) -> dict:
+        """The adaptive deadlines' state (what a checkpoint keeps)."""
+        return self.deadlines.state()
+
+    def load_deadlines(self, state: dict) -> None:
+        self.deadlines.load_state(state)
+
     def ask_rounds(self, wait_s: float) -> dict[int, int]:
         """Ask every peer its round (``protocol.lifecycle.ask_rounds``: the connected ones' answers within
         ``wait_s``, asking again whoever has not answered, less uncorroborated claims)."""
         settings = lifecycle.Settings(rounds=0, hello_s=wait_s, connect_s=wait_s, boundary_s=wait_s,
-                                      state_s=self.timeout_s, nonce=lambda: uuid.uuid4().hex[:16])
+                                      state_s=self.timeout_s, nonce=random_nonce)
         return self.drive(lambda node: lifecycle.ask_rounds(node, settings))

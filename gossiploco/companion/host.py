@@ -1,0 +1,80 @@
+"""The companion process: it runs one peer's ``ZmqExchange`` and answers its trainer's calls (``channel``).
+
+``main`` is the process's body (started by ``CompanionExchange`` with the spawn method: a fresh interpreter, no
+copy of the trainer's model). It builds the exchange from the trainer's arguments, says ``("ready", facts)`` or
+``("failed", exception)`` on the pipe, then serves calls until the trainer's end of the pipe closes: when the
+trainer closes it after ``leave``/``close``, or when the trainer process dies, however it dies (its end is closed
+by the kernel). Either way the companion closes its exchange (its peers see the connection drop, as they would
+see the trainer's) and exits: it never outlives its trainer.
+
+Only the names in ``CALLS`` can be called (the exchange's public interface the runtime uses), ``GETS`` read
+(properties) and ``current_round`` set; ``shut`` leaves or closes the exchange and returns its final counters. ``serve_state`` takes no argument here: the state provider is the
+trainer's, and a state request is answered by calling ``provide_state`` on the trainer's side of the channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from multiprocessing.connection import Connection
+
+from gossiploco.companion.channel import Channel
+from gossiploco.transport.zmq_exchange import ZmqExchange
+
+log = logging.getLogger(__name__)
+
+CALLS = frozenset({
+    "members", "group", "all_reduce_mean", "swap", "all_to_all", "fetch_state", "add_peer", "set_grouping",
+    "set_behind_nat", "path_class", "dial_reverse", "reverse_offers", "announce", "leave", "close", "known",
+    "connected", "pending", "wait_connected", "ask_rounds", "check_reachable", "known_endpoints", "protocol_state",
+    "security_counts", "sealed_counts", "grow_mailbox", "broken", "join_swarm", "catch_up_if_behind", "is_closed",
+    "deadlines_state", "load_deadlines"})
+"""Methods of ``ZmqExchange`` the trainer may call."""
+GETS = frozenset({"current_round", "bytes_sent", "wire_bytes_sent", "dropped_messages", "bytes_received",
+                  "malformed_messages", "isolated_mixes", "bound", "endpoints"})
+"""Properties and attributes the trainer may read (``("get", name)``)."""
+COUNTERS = ("current_round", "bytes_sent", "wire_bytes_sent", "dropped_messages", "bytes_received",
+            "malformed_messages", "isolated_mixes")
+"""What the trainer still reads after the exchange closed (``shut`` returns them)."""
+
+
+def main(conn: Connection, kwargs: dict, log_level: int) -> None:
+    """The companion's body: build the exchange (``ZmqExchange(**kwargs)``), serve its trainer, exit with it."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [companion]: %(message)s")
+    try:
+        exchange = ZmqExchange(**kwargs)
+    except BaseException as exc:  # noqa: BLE001 - the trainer raises it, with its own traceback
+        conn.send(("failed", exc))
+        return
+    conn.send(("ready", {"pid": os.getpid(), "bound": exchange.bound, "endpoints": dict(exchange.endpoints)}))
+    gone = threading.Event()
+    channel: Channel | None = None
+
+    def provide_state():
+        return channel.call("provide_state")
+
+    def handle(name: str, args: tuple, kwargs: dict):
+        if name == "get" and len(args) == 1 and args[0] in GETS:
+            value = getattr(exchange, args[0])
+            return dict(value) if isinstance(value, dict) else value
+        if name == "set_round":
+            exchange.current_round = int(args[0])
+            return None
+        if name == "shut":  # leave or close, then the counters as they end (the trainer's summary reads them later)
+            how, linger_s = args
+            getattr(exchange, how)(linger_s=linger_s)
+            return {**{counter: getattr(exchange, counter) for counter in COUNTERS},
+                    "security_counts": exchange.security_counts(), "sealed_counts": exchange.sealed_counts()}
+        if name == "serve_state":
+            exchange.serve_state(provide_state)
+            return None
+        if name not in CALLS:
+            raise AttributeError(f"the companion's exchange does not serve {name!r}")
+        return getattr(exchange, name)(*args, **kwargs)
+
+    channel = Channel(conn, handle, f"companion-{kwargs.get('rank')}", on_lost=lambda why: gone.set())
+    gone.wait()
+    log.debug("rank %s: %s; closing the exchange", kwargs.get("rank"), channel.why)
+    exchange.close()
+    channel.close()

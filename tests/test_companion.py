@@ -1,0 +1,236 @@
+"""The companion process (``gossiploco.companion``): the call channel, real exchanges in companion processes, and
+their lifetimes tied both ways (a crash of either side is a clear error, never a hang)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.multiprocessing
+
+from gossiploco.companion.channel import Channel, CompanionDied
+from gossiploco.companion.exchange import CompanionExchange
+from gossiploco.errors import ExchangeBroken, PeerFailed
+from gossiploco.runtime.launch import free_ports
+
+
+def pipe_pair(handler_a=None, handler_b=None):
+    a, b = torch.multiprocessing.get_context("spawn").Pipe()
+    return Channel(a, handler_a, "a"), Channel(b, handler_b, "b")
+
+
+def test_the_channel_calls_both_ways_shares_tensors_in_place_and_returns_errors():
+    def serve(name, args, kwargs):
+        if name == "halve":
+            args[0].mul_(0.5)  # in place: the caller's tensor, in shared memory
+            return args[0].sum().item()
+        if name == "fail":
+            raise PeerFailed("it failed there")
+        raise AttributeError(name)
+
+    a, b = pipe_pair(handler_b=serve)
+    x = torch.arange(8, dtype=torch.float32)
+    assert a.call("halve", x, timeout_s=10) == 14.0
+    assert torch.equal(x, torch.arange(8, dtype=torch.float32) / 2)  # changed in place by the other side
+    with pytest.raises(PeerFailed, match="it failed there"):
+        a.call("fail", timeout_s=10)
+    with pytest.raises(AttributeError):
+        a.call("nothing", timeout_s=10)
+    a.close()
+    b.close()
+
+
+def test_a_closed_channel_fails_waiting_and_later_calls_at_once():
+    release = threading.Event()
+    lost = []
+
+    def slow(name, args, kwargs):
+        release.wait(10)
+
+    a, b = pipe_pair(handler_b=slow)
+    a._on_lost = lost.append
+    errors = []
+    waiter = threading.Thread(target=lambda: errors.append(_raised(lambda: a.call("slow", timeout_s=30))))
+    waiter.start()
+    time.sleep(0.2)  # the call is on its way (a race either way: sent or refused, both must fail at once)
+    began = time.monotonic()
+    b.close("the other side went away")
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - began < 5
+    assert isinstance(errors[0], CompanionDied) and isinstance(errors[0], ExchangeBroken)
+    assert lost and "closed the channel" in lost[0]
+    with pytest.raises(CompanionDied):
+        a.call("slow", timeout_s=1)
+    release.set()
+    a.close()
+
+
+def test_a_call_without_an_answer_gives_up_at_its_bound():
+    a, b = pipe_pair(handler_b=lambda name, args, kwargs: time.sleep(3))
+    began = time.monotonic()
+    with pytest.raises(CompanionDied, match="no answer within 0.5 s"):
+        a.call("sleep", timeout_s=0.5)
+    assert time.monotonic() - began < 2
+    a.close()
+    b.close()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return None
+
+
+def start_companions(count: int, **kwargs) -> list[CompanionExchange]:
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(count)]
+    made: list[CompanionExchange | None] = [None] * count
+
+    def make(rank):
+        made[rank] = CompanionExchange(rank=rank, endpoints=endpoints, run_id="companion-test", timeout_s=20.0,
+                                       grace_s=5.0, **kwargs)
+
+    threads = [threading.Thread(target=make, args=(rank,)) for rank in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert all(made), "a companion did not start"
+    return made
+
+
+def run_all(exchanges, fn):
+    out = [None] * len(exchanges)
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, _call(fn, r, exchanges[r])))
+               for r in range(len(exchanges))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return out
+
+
+def _call(fn, r, ex):
+    try:
+        return fn(r, ex)
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_exchanges_in_companion_processes_reduce_in_the_callers_memory_and_swap():
+    exchanges = start_companions(3)
+    try:
+        flats = [torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+        expected = sum(f.clone() for f in flats) / 3
+        out = run_all(exchanges, lambda r, ex: ex.all_reduce_mean("mean/0", flats[r], [0, 1, 2], inplace=True))
+        for r in range(3):
+            assert out[r].data_ptr() == flats[r].data_ptr()  # reduced in the caller's buffer, now in shared memory
+            assert out[r] is not flats[r]  # a view, as ZmqExchange returns: ``flat`` itself means "not exchanged"
+            assert torch.allclose(flats[r], expected, rtol=0, atol=1e-6)
+        copies = [f.clone() for f in flats]
+        out = run_all(exchanges, lambda r, ex: ex.all_reduce_mean("mean/1", copies[r] * 2, [0, 1, 2]))
+        assert all(torch.allclose(o, 2 * expected, rtol=0, atol=2e-6) for o in out)
+        pair = [torch.full((10,), 1.0), torch.full((10,), 2.0)]
+        got = run_all(exchanges[:2], lambda r, ex: ex.swap("swap/0", 1 - r, pair[r]))
+        assert torch.equal(got[0], pair[1]) and torch.equal(got[1], pair[0])
+        assert exchanges[0].members() == [0, 1, 2] and exchanges[1].connected() == [0, 2]
+        exchanges[2].current_round = 4
+        assert exchanges[2].current_round == 4
+        assert exchanges[0].bytes_sent > 50_000 * 4 and exchanges[0].malformed_messages == 0
+        state = exchanges[0].deadlines.state()
+        exchanges[0].deadlines.load_state(state)
+    finally:
+        for ex in exchanges:
+            ex.close()
+    assert all(ex._process.exitcode == 0 for ex in exchanges)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_companion_fails_its_trainers_calls_at_once_never_a_hang():
+    exchanges = start_companions(2)
+    try:
+        result = []
+        call = threading.Thread(target=lambda: result.append(_raised(
+            lambda: exchanges[0].all_reduce_mean("mean/0", torch.ones(10), [0, 1]))))  # peer 1 never joins it
+        call.start()
+        time.sleep(0.5)
+        began = time.monotonic()
+        os.kill(exchanges[0].pid, signal.SIGKILL)
+        call.join(10)
+        assert not call.is_alive() and time.monotonic() - began < 10
+        assert isinstance(result[0], CompanionDied) and isinstance(result[0], ExchangeBroken)
+        with pytest.raises(CompanionDied):
+            exchanges[0].members()
+        assert not exchanges[0].alive
+    finally:
+        for ex in exchanges:
+            ex.close()
+
+
+TRAINER = textwrap.dedent("""
+    import sys, time
+    from gossiploco.companion.exchange import CompanionExchange
+    if __name__ == "__main__":
+        ex = CompanionExchange(rank=0, endpoints=[sys.argv[1]], run_id="orphan", timeout_s=10.0)
+        print(ex.pid, flush=True)
+        time.sleep(300)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead
+        return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_companion_exits_when_its_trainer_is_killed(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}"],
+                               stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        companion = int(trainer.stdout.readline())
+        assert _alive(companion)
+        trainer.kill()
+        trainer.wait(10)
+        deadline = time.monotonic() + 15
+        while _alive(companion) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(companion), "the companion outlived its trainer"
+    finally:
+        trainer.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("preset,overrides", [("globalm1-localm2", {"mix1.compression": "4bit"}), ("diloco", {})])
+def test_peers_with_their_exchange_in_a_companion_train_the_virtual_swarm(preset, overrides, tmp_path):
+    """``compute.companion = on``: every peer's exchange (CurveZMQ and sealed data, agreement, the rings, Mix1 in
+    flight, the monitors, the state served) runs in a companion process, and the run is the virtual swarm's."""
+    from conftest import tiny_peer_args
+    from gossiploco.runtime.launch import LocalPeers
+    from test_peer import ENV, assert_matches_virtual_swarm, summary
+
+    overrides = {**overrides, "compute.companion": "on"}
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
+        peers.start()
+        codes = peers.wait(180)
+    assert_matches_virtual_swarm(peers, codes, preset, **overrides)
+    assert all(summary(peers, rank)["exchange_process"] == "companion" for rank in range(4))

@@ -18,7 +18,9 @@ torch thread and times every inner step, in alternating phases:
 Placements (``roles``): ``pinned`` (peer 0 trains with its exchange on a background thread,
 training thread on CPU 0, everything else on CPU 1), ``process`` (the same placement but the
 exchange in processes of its own: isolates the GIL), ``shared`` (both peers train, nothing
-pinned). Per step the training thread's CPU time and run-queue wait are recorded, so the extra
+pinned), and ``companion`` and ``companion-shared``: ``pinned`` and ``shared`` with each training peer's exchange in
+its companion process (``compute.companion``: the ``CompanionExchange`` a peer runs; the companion inherits the
+communication CPU where pinned). Per step the training thread's CPU time and run-queue wait are recorded, so the extra
 wall time splits into computing, waiting for a core and being blocked (GIL, locks, faults).
 The peak RSS of each training process is read per phase (VmHWM, reset between phases).
 """
@@ -62,7 +64,9 @@ def roles(mode: str) -> list[tuple[bool, bool]]:
     """(trains, communicates) per process of a mode."""
     return {"pinned": [(True, True), (False, True)],
             "shared": [(True, True), (True, True)],
-            "process": [(False, True), (False, True), (True, False)]}[mode]
+            "process": [(False, True), (False, True), (True, False)],
+            "companion": [(True, True), (False, True)],
+            "companion-shared": [(True, True), (True, True)]}[mode]
 
 
 def overlap_peer(rank: int, world: int, cfg: dict, barrier, results, info_q, extra) -> None:
@@ -88,7 +92,7 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
     mode = cfg["mode"]
     trains, communicates = roles(mode)[rank]
     comm_ranks = [r for r, (_, c) in enumerate(roles(mode)) if c]
-    pin = mode in ("pinned", "process")
+    pin = mode in ("pinned", "process", "companion")
     ncpu = os.cpu_count() or 1
     train_cpus, comm_cpus = {0}, set(range(1, ncpu)) or {0}
     if pin:
@@ -97,7 +101,13 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
     t_wait = cfg["timeout_s"]
     ex = None
     if communicates:
-        ex = load_impl(cfg["zmq_impl"])(comm_ranks.index(rank), cfg["endpoints"], cfg["run_id"], t_wait)
+        if trains and mode.startswith("companion"):  # the peer's exchange in its companion process, as a peer runs it
+            from gossiploco.companion.exchange import CompanionExchange
+
+            ex = CompanionExchange(rank=comm_ranks.index(rank), endpoints=cfg["endpoints"], run_id=cfg["run_id"],
+                                   timeout_s=t_wait)
+        else:
+            ex = load_impl(cfg["zmq_impl"])(comm_ranks.index(rank), cfg["endpoints"], cfg["run_id"], t_wait)
         holder.append(ex)
         if not ex.wait_connected(t_wait):
             raise RuntimeError(f"rank {rank}: peers did not connect within {t_wait}s")

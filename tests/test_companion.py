@@ -184,7 +184,9 @@ TRAINER = textwrap.dedent("""
     if __name__ == "__main__":
         ex = CompanionExchange(rank=0, endpoints=[sys.argv[1]], run_id="orphan", timeout_s=10.0)
         print(ex.pid, flush=True)
-        time.sleep(300)
+        if sys.argv[2] == "sleep":
+            time.sleep(300)
+        # else: exit without closing the exchange
 """)
 
 
@@ -202,7 +204,7 @@ def _alive(pid: int) -> bool:
 def test_the_companion_exits_when_its_trainer_is_killed(tmp_path):
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}"],
+    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}", "sleep"],
                                stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
                                env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
@@ -214,6 +216,24 @@ def test_the_companion_exits_when_its_trainer_is_killed(tmp_path):
         while _alive(companion) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _alive(companion), "the companion outlived its trainer"
+    finally:
+        trainer.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_trainer_that_exits_without_closing_its_exchange_neither_hangs_nor_leaves_its_companion(tmp_path):
+    """multiprocessing waits at exit for its children: the companion, which ends when the pipe closes, so the
+    trainer closes the pipe first (an exit handler)."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}", "exit"],
+                               stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        companion = int(trainer.stdout.readline())
+        assert trainer.wait(30) == 0
+        assert not _alive(companion)
     finally:
         trainer.kill()
 
@@ -234,3 +254,42 @@ def test_peers_with_their_exchange_in_a_companion_train_the_virtual_swarm(preset
         codes = peers.wait(180)
     assert_matches_virtual_swarm(peers, codes, preset, **overrides)
     assert all(summary(peers, rank)["exchange_process"] == "companion" for rank in range(4))
+
+
+def companion_of(pid: int) -> int:
+    """The companion process of peer process ``pid`` (its child running ``host.main``; spawn also starts a resource
+    tracker, which is not it)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            cmdline = f.read()
+        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+            return child
+    raise AssertionError(f"no companion among the children {children} of {pid}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_peer_whose_companion_is_killed_stops_with_the_cause_and_the_others_finish(tmp_path):
+    from conftest import tiny_peer_args, wait_until
+    from gossiploco.runtime.launch import LocalPeers
+    from test_peer import ENV, reached_round
+
+    args = tiny_peer_args("globalm1-localm2", rounds=8, **{"compute.companion": "on", "compute.slowdown": 8.0,
+                                                           "timeouts.exchange_s": 30.0})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start()
+        assert wait_until(lambda: reached_round(peers, 1, 1), 120), peers.log(1)[-3000:]
+        os.kill(companion_of(peers.procs[1].pid), signal.SIGKILL)
+        began = time.monotonic()
+        codes = peers.wait(150, ranks=[1])
+        stopped_s = time.monotonic() - began
+        codes.update(peers.wait(150))
+    log = peers.log(1)
+    assert codes[1] not in (0, None) and "the companion process" in log and "is gone" in log, log[-3000:]
+    assert stopped_s < 60, stopped_s  # within a round: its next call to the exchange fails at once
+    for rank in (0, 2, 3):
+        assert codes[rank] == 0, peers.log(rank)[-3000:]

@@ -17,6 +17,7 @@ Start-up failures (a port taken) are raised by the constructor as ``ZmqExchange`
 
 from __future__ import annotations
 
+import atexit
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ import torch.multiprocessing
 
 from gossiploco.companion import host
 from gossiploco.companion.channel import Channel, CompanionDied
+from gossiploco.companion.vectors import SharedVectors
 from gossiploco.mixing.exchange import Exchange
 from gossiploco.protocol import lifecycle
 from gossiploco.reach.paths import PathControl
@@ -63,6 +65,7 @@ class CompanionExchange(Exchange, PathControl):
         self.timeout_s: float = kwargs["timeout_s"]
         self._grace_s: float = kwargs.get("grace_s", 10.0)
         self._provider: StateProvider | None = None
+        self._vectors = SharedVectors()
         self._final: dict | None = None
         """The counters as the exchange closed (``close``/``leave``): what a summary reads afterwards."""
         ctx = torch.multiprocessing.get_context("spawn")
@@ -91,6 +94,9 @@ class CompanionExchange(Exchange, PathControl):
         self._bound: str = value["bound"]
         self._channel = Channel(mine, self._handle, f"trainer-{self.rank}", on_lost=self._lost)
         self.deadlines = RemoteDeadlines(self._channel)
+        # A trainer that exits without closing this exchange closes the pipe first: multiprocessing's own exit
+        # handler (registered before, so run after this one) waits for the companion, which ends at the pipe's end.
+        atexit.register(self._channel.close, "the trainer exited")
 
     # -- calls ---------------------------------------------------------------------------------------
 
@@ -133,12 +139,16 @@ class CompanionExchange(Exchange, PathControl):
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:
-        shared = inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous()
         result = self._call("all_reduce_mean", key, flat.detach(), list(members), inplace=inplace,
                             timeout_s=self._collective_s())
-        # Reduced in ``flat``'s own (now shared) memory: a view of the caller's tensor, as ``ZmqExchange`` returns
-        # (a new tensor object: a mixer takes ``flat`` itself back as "nothing was exchanged")
-        return flat.detach().view(flat.shape) if shared else result
+        # None: reduced in ``flat``'s own (now shared) memory. Then a view of the caller's tensor, as ``ZmqExchange``
+        # returns (a new tensor object: a mixer takes ``flat`` itself back as "nothing was exchanged")
+        return flat.detach().view(flat.shape) if result is None else result
+
+    def vector(self, numel: int) -> torch.Tensor:
+        """An fp32 vector in shared memory, reused once nothing holds it (``vectors``): given to the companion it
+        is not copied."""
+        return self._vectors.take(numel)
 
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         return self._call("swap", key, partner, flat.detach(), timeout_s=self._collective_s())
@@ -171,6 +181,7 @@ class CompanionExchange(Exchange, PathControl):
             except CompanionDied:
                 pass
         self._channel.close("the trainer closed the exchange")
+        atexit.unregister(self._channel.close)
         self._process.join(CLOSE_S)
         if self._process.is_alive():
             log.error("rank %d: the companion process (pid %d) did not exit within %g s; killing it", self.rank,
@@ -215,6 +226,9 @@ class CompanionExchange(Exchange, PathControl):
 
     def set_grouping(self, seed: int, size: int) -> None:
         self._call("set_grouping", seed, size)
+
+    def wait_connected(self, timeout_s: float) -> bool:
+        return self._call("wait_connected", timeout_s, timeout_s=QUICK_S + timeout_s)
 
     def check_reachable(self, timeout_s: float) -> bool:
         return self._call("check_reachable", timeout_s, timeout_s=QUICK_S + timeout_s)

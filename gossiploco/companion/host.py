@@ -5,7 +5,9 @@ copy of the trainer's model). It builds the exchange from the trainer's argument
 ``("failed", exception)`` on the pipe, then serves calls until the trainer's end of the pipe closes: when the
 trainer closes it after ``leave``/``close``, or when the trainer process dies, however it dies (its end is closed
 by the kernel). Either way the companion closes its exchange (its peers see the connection drop, as they would
-see the trainer's) and exits: it never outlives its trainer.
+see the trainer's) and exits: it never outlives its trainer. It ignores SIGINT and SIGTERM: a Ctrl+C or a stop sent
+to the process group is the trainer's to handle (it leaves the swarm gracefully through this exchange, then closes
+it); a trainer that cannot close it kills it (``CompanionExchange.close``).
 
 Only the names in ``CALLS`` can be called (the exchange's public interface the runtime uses), ``GETS`` read
 (properties) and ``current_round`` set; ``shut`` leaves or closes the exchange and returns its final counters. ``serve_state`` takes no argument here: the state provider is the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from multiprocessing.connection import Connection
 
@@ -41,6 +44,10 @@ COUNTERS = ("current_round", "bytes_sent", "wire_bytes_sent", "dropped_messages"
 
 def main(conn: Connection, kwargs: dict, log_level: int) -> None:
     """The companion's body: build the exchange (``ZmqExchange(**kwargs)``), serve its trainer, exit with it."""
+    # Ctrl+C reaches the whole process group, this process too: the trainer handles it (it leaves gracefully and
+    # closes this exchange), so the companion must not die of it first; likewise a SIGTERM to the group.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [companion]: %(message)s")
     try:
         exchange = ZmqExchange(**kwargs)
@@ -71,7 +78,10 @@ def main(conn: Connection, kwargs: dict, log_level: int) -> None:
             return None
         if name not in CALLS:
             raise AttributeError(f"the companion's exchange does not serve {name!r}")
-        return getattr(exchange, name)(*args, **kwargs)
+        result = getattr(exchange, name)(*args, **kwargs)
+        if name == "all_reduce_mean" and result.untyped_storage().data_ptr() == args[1].untyped_storage().data_ptr():
+            return None  # reduced in the trainer's own (shared) vector: nothing to send back
+        return result
 
     channel = Channel(conn, handle, f"companion-{kwargs.get('rank')}", on_lost=lambda why: gone.set())
     gone.wait()

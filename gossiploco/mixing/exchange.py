@@ -86,6 +86,11 @@ class Exchange(ABC):
     def close(self) -> None:
         """Stop taking part; pending and later calls raise ``ExchangeClosed``. Idempotent."""
 
+    def vector(self, numel: int) -> torch.Tensor:
+        """A new fp32 CPU vector for the caller to fill and give to a collective (``inplace=True``). Where the
+        exchange runs in another process (``companion``) it lies in shared memory, so giving it copies nothing."""
+        return torch.empty(numel, dtype=torch.float32)
+
 
 class MemoryHub:
     """Rendezvous point for ``world`` in-process workers (the virtual swarm's "network").

@@ -137,7 +137,7 @@ class Mixer(ABC):
         """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange. With ``weight``
         (> 0; every member must give one): the weighted mean (``gossiploco.mixing.weighted``)."""
         dicts = list(dicts)
-        flat = pack(dicts, self.names)
+        flat = pack(dicts, self.names, exchange.vector)
         nbytes = flat.numel() * 4 if self.codec is None else self.codec.encoded_bytes(flat.numel())
         start = time.perf_counter()
         residual = None

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 TensorDict = dict[str, torch.Tensor]
 
 
-def pack(dicts: Sequence[TensorDict], names: Sequence[str]) -> torch.Tensor:
-    """The selected entries of every dict, flattened into one fp32 CPU vector.
+def pack(dicts: Sequence[TensorDict], names: Sequence[str],
+         new: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """The selected entries of every dict, flattened into one fp32 CPU vector (made by ``new(numel)`` when given and
+    no entry is on a GPU: ``Exchange.vector``, shared memory where the exchange is in another process).
 
     Entries may live on a GPU (the outer state, gossiploco.outer_state): they are copied straight into
     one page-locked vector on the current CUDA stream (DMA, no staging copy), which is waited for once;
@@ -19,7 +21,11 @@ def pack(dicts: Sequence[TensorDict], names: Sequence[str]) -> torch.Tensor:
     if not parts:
         return torch.empty(0)
     gpu = next((p.device for p in parts if p.device.type == "cuda"), None)
-    flat = torch.empty(sum(p.numel() for p in parts), dtype=torch.float32, pin_memory=gpu is not None)
+    numel = sum(p.numel() for p in parts)
+    if new is not None and gpu is None:
+        flat = new(numel)
+    else:
+        flat = torch.empty(numel, dtype=torch.float32, pin_memory=gpu is not None)
     offset = 0
     for part in parts:
         flat[offset:offset + part.numel()].copy_(part, non_blocking=gpu is not None)

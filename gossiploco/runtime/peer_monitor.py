@@ -435,7 +435,7 @@ class PeerMonitor:
         try:
             members = ex.group(key, r)
             if at is None:
-                flat = self._mean(key, pack([params], self.names), members, r)
+                flat = self._mean(key, pack([params], self.names, ex.vector), members, r)
                 if not all_finite(flat):
                     raise ExchangeError("non-finite average")
                 avg = unpack(flat, [params], self.names)[0]

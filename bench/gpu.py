@@ -200,7 +200,7 @@ def peer_overrides(args: argparse.Namespace) -> dict:
             "inner_steps": args.inner_steps, "rounds": args.rounds, "monitor.enabled": False, "seed": 0,
             "compute.micro_batch_size": compute.micro_batch_size,
             "compute.checkpoint_activations": compute.checkpoint_activations, "timeouts.exchange_s": args.exchange_s,
-            "inner.synthetic_step_s": args.synthetic_step_ms / 1000}
+            "inner.synthetic_step_s": args.synthetic_step_ms / 1000, "compute.companion": args.companion}
 
 
 def run_peers(preset: str, args: argparse.Namespace, out: Path) -> dict:
@@ -321,6 +321,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--peer-size", default=None, help="default: 125m on CUDA, tiny on a CPU")
     ap.add_argument("--peer-shape", default=None, help="default: 16x256 on CUDA (the presets' batch), 4x64 on a CPU")
+    ap.add_argument("--companion", default="off", choices=("off", "on"),
+                    help="compute.companion of the peers: on runs each peer's exchange in its companion process "
+                         "(measured on CPUs only so far; run both to compare)")
     ap.add_argument("--inner-steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each peer")

@@ -144,6 +144,7 @@ def test_diloco_preset_equals_reference_diloco(make_config, corpus):
     assert_same_diloco(result.final_params, expected, x0, cfg)
 
 
+@pytest.mark.slow  # seconds: the fast subset keeps its margin under 2 minutes
 def test_diloco_consensus_is_zero_at_the_start_of_every_round_and_globalm1_is_not(make_config, corpus):
     diloco = VirtualSwarm(make_config("diloco"), corpus=corpus).run().records
     starts = [r for r in diloco if r["h"] == 0]

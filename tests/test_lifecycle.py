@@ -295,6 +295,9 @@ def test_the_simulator_holds_no_lifecycle_rule_of_its_own():
     source = (ROOT / "gossiploco" / "simulation" / "swarm.py").read_text()
     assert "lifecycle.join(" in source and "lifecycle.maybe_catch_up(" in source
     runtime = (ROOT / "gossiploco" / "runtime" / "peer_join.py").read_text()
-    assert "lifecycle.join(" in runtime and "lifecycle.maybe_catch_up(" in runtime
+    # the runtime runs the same programs, on its exchange (by name: the exchange may be in a companion process)
+    assert ".join_swarm(" in runtime and ".catch_up_if_behind(" in runtime
+    driver = (ROOT / "gossiploco" / "transport" / "zmq_exchange.py").read_text()
+    assert "lifecycle.join(" in driver and "lifecycle.maybe_catch_up(" in driver
     assert "PROBE" not in runtime and "announce(" not in runtime, "the runtime asks and announces only through the lifecycle"
     assert PROBE == -1

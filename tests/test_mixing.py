@@ -73,6 +73,7 @@ def test_gossip_contraction_matches_theory_for_m8():
     assert abs(np.mean(ratios) - (M - 2) / (2 * (M - 1))) < 0.02
 
 
+@pytest.mark.slow  # seconds: the fast subset keeps its margin under 2 minutes
 def test_gossip_operator_contraction_over_the_exchange():
     """Same measurement through the real operator and exchange, fewer draws."""
     M = 8

@@ -295,6 +295,7 @@ def test_group_agreement_gives_every_member_the_same_list_without_waiting(groups
     assert time.monotonic() - start < 2.0, "all ready: nobody waits for the grace window"
 
 
+@pytest.mark.slow  # seconds: the fast subset keeps its margin under 2 minutes
 def test_a_straggler_is_left_out_after_the_grace_window_and_told_so(groups):
     g = groups(3, grace_s=0.5)
     ex = g.exchanges
@@ -331,6 +332,7 @@ def test_peers_whose_views_name_different_leaders_never_mix_up():
             e.close()
 
 
+@pytest.mark.slow  # seconds: the fast subset keeps its margin under 2 minutes
 def test_a_leader_that_never_comes_costs_a_bounded_wait_and_then_fails_fast(groups):
     g = groups(3, grace_s=0.3)
     ex = g.exchanges

@@ -98,6 +98,7 @@ def test_an_unreachable_sealed_port_costs_nothing_data_goes_over_curvezmq():
         _close(exchanges)
 
 
+@pytest.mark.slow  # seconds: the fast subset keeps its margin under 2 minutes
 def test_a_restarted_peer_offers_a_new_key_on_a_new_port_and_is_sent_sealed_again():
     key = SwarmKey.generate()
     exchanges = _swarm(2, key=key)

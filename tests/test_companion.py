@@ -15,10 +15,12 @@ import pytest
 import torch
 import torch.multiprocessing
 
+from conftest import tiny_peer_args, wait_until
 from gossiploco.companion.channel import Channel, CompanionDied
 from gossiploco.companion.exchange import CompanionExchange
 from gossiploco.errors import ExchangeBroken, PeerFailed
-from gossiploco.runtime.launch import free_ports
+from gossiploco.runtime.launch import LocalPeers, free_ports
+from test_peer import ENV, assert_matches_virtual_swarm, reached_round, summary
 
 
 def pipe_pair(handler_a=None, handler_b=None):
@@ -199,23 +201,30 @@ def _alive(pid: int) -> bool:
         return stat.read().split(")")[-1].split()[0] != "Z"
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_the_companion_exits_when_its_trainer_is_killed(tmp_path):
+def start_trainer(tmp_path, then: str) -> tuple[subprocess.Popen, int]:
+    """A trainer process (``TRAINER``) with its companion; ``then``: sleep, or exit without closing. Returns the
+    trainer and its companion's pid."""
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}", "sleep"],
+    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}", then],
                                stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
                                env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        companion = int(trainer.stdout.readline())
+        return trainer, int(trainer.stdout.readline())
+    except ValueError:
+        trainer.kill()
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_companion_exits_when_its_trainer_is_killed(tmp_path):
+    trainer, companion = start_trainer(tmp_path, "sleep")
+    try:
         assert _alive(companion)
         trainer.kill()
         trainer.wait(10)
-        deadline = time.monotonic() + 15
-        while _alive(companion) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(companion), "the companion outlived its trainer"
+        assert wait_until(lambda: not _alive(companion), 15), "the companion outlived its trainer"
     finally:
         trainer.kill()
 
@@ -225,15 +234,10 @@ def test_the_companion_exits_when_its_trainer_is_killed(tmp_path):
 def test_a_trainer_that_exits_without_closing_its_exchange_neither_hangs_nor_leaves_its_companion(tmp_path):
     """multiprocessing waits at exit for its children: the companion, which ends when the pipe closes, so the
     trainer closes the pipe first (an exit handler)."""
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    trainer = subprocess.Popen([sys.executable, str(script), f"tcp://127.0.0.1:{free_ports(1)[0]}", "exit"],
-                               stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
-                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    trainer, companion = start_trainer(tmp_path, "exit")
     try:
-        companion = int(trainer.stdout.readline())
         assert trainer.wait(30) == 0
-        assert not _alive(companion)
+        assert wait_until(lambda: not _alive(companion), 5)
     finally:
         trainer.kill()
 
@@ -244,10 +248,6 @@ def test_a_trainer_that_exits_without_closing_its_exchange_neither_hangs_nor_lea
 def test_peers_with_their_exchange_in_a_companion_train_the_virtual_swarm(preset, overrides, tmp_path):
     """``compute.companion = on``: every peer's exchange (CurveZMQ and sealed data, agreement, the rings, Mix1 in
     flight, the monitors, the state served) runs in a companion process, and the run is the virtual swarm's."""
-    from conftest import tiny_peer_args
-    from gossiploco.runtime.launch import LocalPeers
-    from test_peer import ENV, assert_matches_virtual_swarm, summary
-
     overrides = {**overrides, "compute.companion": "on"}
     with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
         peers.start()
@@ -274,10 +274,6 @@ def companion_of(pid: int) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_peer_whose_companion_is_killed_stops_with_the_cause_and_the_others_finish(tmp_path):
-    from conftest import tiny_peer_args, wait_until
-    from gossiploco.runtime.launch import LocalPeers
-    from test_peer import ENV, reached_round
-
     args = tiny_peer_args("globalm1-localm2", rounds=8, **{"compute.companion": "on", "compute.slowdown": 8.0,
                                                            "timeouts.exchange_s": 30.0})
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:

@@ -18,6 +18,7 @@ import torch.multiprocessing
 from conftest import tiny_peer_args, wait_until
 from gossiploco.companion.channel import Channel, CompanionDied
 from gossiploco.companion.exchange import CompanionExchange
+from gossiploco.companion.vectors import Ref, Register, Registry, SharedVectors
 from gossiploco.errors import ExchangeBroken, PeerFailed
 from gossiploco.runtime.launch import LocalPeers, free_ports
 from test_peer import ENV, assert_matches_virtual_swarm, reached_round, summary
@@ -84,6 +85,33 @@ def test_a_call_without_an_answer_gives_up_at_its_bound():
     b.close()
 
 
+def test_kept_vectors_are_reused_once_released_and_named_after_their_first_trip():
+    vectors, registry = SharedVectors(keep=2), Registry()
+    a = vectors.take(100)
+    b = vectors.take(100)  # a is held: another
+    assert a.is_shared() and a.data_ptr() != b.data_ptr() and vectors.made == 2
+    held = a[10:20]
+    del a
+    c = vectors.take(100)  # a's storage is still held through a view
+    assert c.data_ptr() not in (held.data_ptr() - 40, b.data_ptr()) and vectors.made == 3  # beyond keep: not kept
+    del held, c
+    again = vectors.take(100)
+    assert vectors.made == 3  # a kept one came back
+    again.copy_(torch.arange(100, dtype=torch.float32))
+    first = vectors.wire(again[5:15])
+    assert isinstance(first, Register)
+    assert torch.equal(registry.resolve(first), torch.arange(5, 15, dtype=torch.float32))
+    second = vectors.wire(again[0:4].view(2, 2))
+    assert isinstance(second, Ref)  # sent before: named, no descriptor
+    assert torch.equal(registry.resolve(second), torch.arange(4, dtype=torch.float32).view(2, 2))
+    heap = torch.ones(7, dtype=torch.uint8)
+    moved = vectors.shared(heap)
+    assert moved.is_shared() and torch.equal(moved, heap) and isinstance(vectors.wire(moved), Register)
+    assert vectors.wire(heap) is heap  # not a kept vector: the pickler moves it
+    with pytest.raises(ValueError, match="was not sent"):
+        Registry().resolve(second)
+
+
 def _raised(fn):
     try:
         fn()
@@ -129,19 +157,25 @@ def _call(fn, r, ex):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_exchanges_in_companion_processes_reduce_in_the_callers_memory_and_swap():
+def test_exchanges_in_companion_processes_reduce_in_shared_vectors_and_swap():
     exchanges = start_companions(3)
     try:
-        flats = [torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(3)]
-        expected = sum(f.clone() for f in flats) / 3
-        out = run_all(exchanges, lambda r, ex: ex.all_reduce_mean("mean/0", flats[r], [0, 1, 2], inplace=True))
-        for r in range(3):
-            assert out[r].data_ptr() == flats[r].data_ptr()  # reduced in the caller's buffer, now in shared memory
-            assert out[r] is not flats[r]  # a view, as ZmqExchange returns: ``flat`` itself means "not exchanged"
-            assert torch.allclose(flats[r], expected, rtol=0, atol=1e-6)
-        copies = [f.clone() for f in flats]
-        out = run_all(exchanges, lambda r, ex: ex.all_reduce_mean("mean/1", copies[r] * 2, [0, 1, 2]))
-        assert all(torch.allclose(o, 2 * expected, rtol=0, atol=2e-6) for o in out)
+        values = [torch.randn(50_001, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+        expected = sum(values) / 3
+        for round_index in range(3):  # the second time on, a kept vector is named, not sent
+            flats = [ex.vector(50_001).copy_(values[r]) for r, ex in enumerate(exchanges)]
+            out = run_all(exchanges, lambda r, ex: ex.all_reduce_mean(f"mean/{round_index}", flats[r], [0, 1, 2],
+                                                                      inplace=True))
+            for r in range(3):
+                assert out[r].data_ptr() == flats[r].data_ptr()  # reduced in the caller's shared vector
+                assert out[r] is not flats[r]  # a view, as ZmqExchange returns: ``flat`` itself means "not exchanged"
+                assert torch.allclose(flats[r], expected, rtol=0, atol=1e-6)
+        heap = [v * 2 for v in values]  # not shared: copied into a kept vector (the caller's is left as it was)
+        for inplace in (True, False):
+            out = run_all(exchanges, lambda r, ex: ex.all_reduce_mean(f"heap/{inplace}", heap[r], [0, 1, 2],
+                                                                      inplace=inplace))
+            assert all(torch.allclose(o, 2 * expected, rtol=0, atol=2e-6) for o in out)
+            assert all(torch.equal(h, v * 2) for h, v in zip(heap, values))
         pair = [torch.full((10,), 1.0), torch.full((10,), 2.0)]
         got = run_all(exchanges[:2], lambda r, ex: ex.swap("swap/0", 1 - r, pair[r]))
         assert torch.equal(got[0], pair[1]) and torch.equal(got[1], pair[0])

@@ -139,24 +139,28 @@ class CompanionExchange(Exchange, PathControl):
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:
-        result = self._call("all_reduce_mean", key, flat.detach(), list(members), inplace=inplace,
+        sent = self._vectors.shared(flat.detach())  # ``flat`` itself when it is a vector from ``vector``
+        result = self._call("all_reduce_mean", key, self._vectors.wire(sent), list(members), inplace=inplace,
                             timeout_s=self._collective_s())
-        # None: reduced in ``flat``'s own (now shared) memory. Then a view of the caller's tensor, as ``ZmqExchange``
-        # returns (a new tensor object: a mixer takes ``flat`` itself back as "nothing was exchanged")
-        return flat.detach().view(flat.shape) if result is None else result
+        # None: reduced in place, in the shared vector sent. Then a view of it, as ``ZmqExchange`` returns (a new
+        # tensor object: a mixer takes ``flat`` itself back as "nothing was exchanged")
+        return sent.view(flat.shape) if result is None else result
 
     def vector(self, numel: int) -> torch.Tensor:
         """An fp32 vector in shared memory, reused once nothing holds it (``vectors``): given to the companion it
-        is not copied."""
+        is neither copied nor sent again (a ``Ref`` names it)."""
         return self._vectors.take(numel)
 
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
-        return self._call("swap", key, partner, flat.detach(), timeout_s=self._collective_s())
+        sent = self._vectors.wire(self._vectors.shared(flat.detach()))
+        return self._call("swap", key, partner, sent, timeout_s=self._collective_s())
 
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
                    sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:
-        return self._call("all_to_all", key, {p: t.detach() for p, t in parts.items()}, list(members), dict(sizes),
-                          tag, timeout_s=self._collective_s())
+        shared: dict[int, torch.Tensor] = {}  # one copy of a tensor given for several members (an all-gather)
+        wire = {p: self._vectors.wire(shared.setdefault(id(t), self._vectors.shared(t.detach())))
+                for p, t in parts.items()}
+        return self._call("all_to_all", key, wire, list(members), dict(sizes), tag, timeout_s=self._collective_s())
 
     def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:
         return self._call("fetch_state", peer, timeout_s=self._collective_s())

@@ -23,6 +23,7 @@ import threading
 from multiprocessing.connection import Connection
 
 from gossiploco.companion.channel import Channel
+from gossiploco.companion.vectors import Registry
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ def main(conn: Connection, kwargs: dict, log_level: int) -> None:
         return
     conn.send(("ready", {"pid": os.getpid(), "bound": exchange.bound, "endpoints": dict(exchange.endpoints)}))
     gone = threading.Event()
+    vectors = Registry()
     channel: Channel | None = None
 
     def provide_state():
@@ -78,6 +80,8 @@ def main(conn: Connection, kwargs: dict, log_level: int) -> None:
             return None
         if name not in CALLS:
             raise AttributeError(f"the companion's exchange does not serve {name!r}")
+        args = tuple({k: vectors.resolve(v) for k, v in a.items()} if isinstance(a, dict) else vectors.resolve(a)
+                     for a in args)  # the trainer's shared vectors, named or sent once (``vectors``)
         result = getattr(exchange, name)(*args, **kwargs)
         if name == "all_reduce_mean" and result.untyped_storage().data_ptr() == args[1].untyped_storage().data_ptr():
             return None  # reduced in the trainer's own (shared) vector: nothing to send back

@@ -13,6 +13,7 @@
         │   └── MalformedMessage    a message failed wire-format validation (gossiploco.protocol.codec)
         └── ExchangeClosed          this side's exchange was closed (local misuse or shutdown)
             └── ExchangeBroken      this side's transport died (a driver thread crashed): the peer must stop
+                └── CompanionDied   the companion process running this peer's exchange is gone (or its trainer)
 
 Remote faults (``ExchangeTimeout``, ``PeerFailed``) are expected in a decentralized run: the
 mixing layer records them and falls back to identity for that exchange, so they never
@@ -96,3 +97,8 @@ class ExchangeClosed(ExchangeError):
 class ExchangeBroken(ExchangeClosed):
     """The local transport died (one of its threads crashed); no exchange can work, so the peer stops
     with this error instead of training on with silent identity mixing."""
+
+
+class CompanionDied(ExchangeBroken):
+    """The other side of a trainer-companion channel is gone, or stopped answering (``gossiploco.companion``):
+    no later exchange can succeed without it, so the peer stops with this error."""

@@ -16,10 +16,10 @@ import torch
 import torch.multiprocessing
 
 from conftest import tiny_peer_args, wait_until
-from gossiploco.companion.channel import Channel, CompanionDied
+from gossiploco.companion.channel import Channel
 from gossiploco.companion.exchange import CompanionExchange
 from gossiploco.companion.vectors import Ref, Register, Registry, SharedVectors
-from gossiploco.errors import ExchangeBroken, PeerFailed
+from gossiploco.errors import CompanionDied, ExchangeBroken, PeerFailed
 from gossiploco.runtime.launch import LocalPeers, free_ports
 from test_peer import ENV, assert_matches_virtual_swarm, reached_round, summary
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.multiprocessing  # noqa: F401 (it registers the shared-memory reductions with the pipe's pickler)
 
-from gossiploco.errors import ExchangeBroken
+from gossiploco.errors import CompanionDied
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,6 @@ Handler = Callable[[str, tuple, dict], Any]
 
 WORKERS = 32
 """Calls from the other side served at once (the exchange's collectives block; a handful run at a time)."""
-
-
-class CompanionDied(ExchangeBroken):
-    """The other side of the channel is gone (or stopped answering). An ``ExchangeBroken``: no later exchange can
-    succeed without it, so the peer stops with this error instead of mixing on as identity."""
 
 
 class Channel:

@@ -26,8 +26,9 @@ import torch
 import torch.multiprocessing
 
 from gossiploco.companion import host
-from gossiploco.companion.channel import Channel, CompanionDied
+from gossiploco.companion.channel import Channel
 from gossiploco.companion.vectors import SharedVectors
+from gossiploco.errors import CompanionDied
 from gossiploco.mixing.exchange import Exchange
 from gossiploco.protocol import lifecycle
 from gossiploco.reach.paths import PathControl

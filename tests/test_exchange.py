@@ -2,9 +2,10 @@
 
 Every implementation is driven through the same cases via the ``group`` fixture, which builds a
 group of exchanges (one per rank) and a way to crash a rank. Transport issues add their
-implementation to ``IMPLEMENTATIONS``: the in-memory hub, ZeroMQ over direct TCP, and ZeroMQ over
+implementation to ``IMPLEMENTATIONS``: the in-memory hub, ZeroMQ over direct TCP, ZeroMQ over
 the libp2p carrier (every connection a libp2p stream through a relay node, ``gossiploco.reach.tunnel``),
-so the protocol is proven over both carriers by the same tests.
+so the protocol is proven over both carriers by the same tests, and ZeroMQ in companion processes
+(``gossiploco.companion``: the tensors cross a pipe and shared memory both ways).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from gossiploco.companion.exchange import CompanionExchange
 from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.mixing import MemoryHub
 from gossiploco.runtime.launch import free_ports
@@ -131,7 +133,29 @@ class Libp2pGroup(ZmqGroup):
         cls.carriers.clear()
 
 
-IMPLEMENTATIONS = {"memory": MemoryGroup, "zmq": ZmqGroup, "libp2p": Libp2pGroup}
+class CompanionGroup:
+    """``world`` peers whose exchanges run in companion processes (``compute.companion``), on loopback; ``crash``
+    closes a rank (its companion leaves; its peers see the disconnect)."""
+
+    def __init__(self, world: int, timeout_s: float):
+        endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(world)]
+        with ThreadPoolExecutor(max_workers=world) as pool:  # each starts an interpreter: in parallel
+            run_id = f"test-{uuid.uuid4().hex[:8]}"
+            futures = [pool.submit(CompanionExchange, rank=r, endpoints=endpoints, run_id=run_id, timeout_s=timeout_s)
+                       for r in range(world)]
+            self.exchanges = [f.result(timeout=120) for f in futures]
+        assert all(ex.wait_connected(10.0) for ex in self.exchanges), "loopback peers did not connect"
+
+    def crash(self, rank: int) -> None:
+        self.exchanges[rank].close()
+
+    def close(self) -> None:
+        for ex in self.exchanges:
+            ex.close()
+        assert not any(ex.alive for ex in self.exchanges), "a companion process outlived close"
+
+
+IMPLEMENTATIONS = {"memory": MemoryGroup, "zmq": ZmqGroup, "libp2p": Libp2pGroup, "companion": CompanionGroup}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -140,7 +164,8 @@ def _carriers():
     Libp2pGroup.close_carriers()
 
 
-@pytest.fixture(params=["memory", "zmq", pytest.param("libp2p", marks=pytest.mark.slow)])
+@pytest.fixture(params=["memory", "zmq", pytest.param("libp2p", marks=pytest.mark.slow),
+                        pytest.param("companion", marks=pytest.mark.slow)])
 def group(request):
     made = []
 

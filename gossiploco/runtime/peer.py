@@ -180,7 +180,7 @@ class NetworkPeer:
         self.directory = directory
         self.trust = trust
         model_bytes = sum(p.numel() * 4 for p in self.trainer.model.parameters())
-        self.companion = uses_companion(cfg, self.device)
+        self.companion = uses_companion(cfg)
         """Whether the exchange runs in a companion process (``compute.companion``)."""
         self.exchange = open_exchange(cfg, rank, known, self.run_id, model_bytes=model_bytes, bind=bind, trust=trust,
                                       fault=fault, sealed_port=sealed_port, companion=self.companion)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from gossiploco.companion.exchange import CompanionExchange
 from gossiploco.config import RunConfig
 from gossiploco.security.trust import Trust
@@ -18,12 +16,10 @@ MAILBOX_SLACK_BYTES = 64 << 20
 """Mailbox room beyond four models' worth of early chunks (monitors, small models)."""
 
 
-def uses_companion(cfg: RunConfig, device: torch.device) -> bool:
-    """``compute.companion``: on, off, or auto: off for now, on every device. The companion has been measured on
-    CPUs only (``bench/results/overlap-fp32.md``); on CUDA the packed vectors are page-locked, so they are copied
-    into shared memory at each call (not yet registered in place), which no GPU run has measured. ``device`` is
-    where the peer trains, for when a measurement makes auto depend on it."""
-    del device
+def uses_companion(cfg: RunConfig) -> bool:
+    """``compute.companion``: on; off; or auto, which is off for now on every device. The companion has been
+    measured on CPUs only (``bench/results/overlap-fp32.md``); on CUDA the packed vectors are page-locked, so they
+    are copied into shared memory at each call (not yet registered in place), which no GPU run has measured."""
     return cfg.compute.companion == "on"
 
 

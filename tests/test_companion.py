@@ -278,10 +278,12 @@ def test_a_trainer_that_exits_without_closing_its_exchange_neither_hangs_nor_lea
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("preset,overrides", [("globalm1-localm2", {"mix1.compression": "4bit"}), ("diloco", {})])
-def test_peers_with_their_exchange_in_a_companion_train_the_virtual_swarm(preset, overrides, tmp_path):
-    """``compute.companion = on``: every peer's exchange (CurveZMQ and sealed data, agreement, the rings, Mix1 in
-    flight, the monitors, the state served) runs in a companion process, and the run is the virtual swarm's."""
+def test_peers_with_their_exchange_in_a_companion_train_the_virtual_swarm(tmp_path):
+    """``compute.companion = on``: every peer's exchange (CurveZMQ and sealed data, agreement, the rings, the
+    monitors) runs in a companion process, and the run is the virtual swarm's. (``diloco``: its Mix2 all-reduces in
+    place, which once came back as "not exchanged"; the swaps and compressed means run in the conformance suite,
+    ``tests/test_exchange.py``, over the companion carrier.)"""
+    preset, overrides = "diloco", {}
     overrides = {**overrides, "compute.companion": "on"}
     with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
         peers.start()
@@ -308,7 +310,7 @@ def companion_of(pid: int) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_peer_whose_companion_is_killed_stops_with_the_cause_and_the_others_finish(tmp_path):
-    args = tiny_peer_args("globalm1-localm2", rounds=8, **{"compute.companion": "on", "compute.slowdown": 8.0,
+    args = tiny_peer_args("globalm1-localm2", rounds=6, **{"compute.companion": "on", "compute.slowdown": 8.0,
                                                            "timeouts.exchange_s": 30.0})
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:
         peers.start()

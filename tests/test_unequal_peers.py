@@ -59,7 +59,13 @@ def test_a_slow_peer_under_a_real_clock_runs_fewer_steps_and_the_fast_ones_do_no
     slow = steps[2]
     assert fast[0] >= 4 and max(slow) < fast[0], steps  # the slow one ran fewer steps in every round
     ratio = sum(slow) / (sum(fast) / 2)
-    assert 0.15 < ratio < 0.6, (ratio, steps)  # about a third (the CPU is shared, so loosely)
+    # At most about a third; no lower bound: the slow peer sleeps twice its own step, and its step is longer when
+    # the three peers share two cores (measured 0.147 once), so its share depends on the machine. What holds
+    # everywhere: every peer computes for its whole round, whatever its number of steps.
+    assert ratio < 0.6, (ratio, steps)
+    for rank in range(3):
+        computing = [r["compute_s"] for r in records(peers, rank) if "steps" in r]
+        assert all(0.9 * length_s < c < length_s + 1.0 for c in computing), (rank, computing)
     for rank in range(3):
         s = summary(peers, rank)
         assert s["mix1_failures"] == s["mix2_failures"] == 0

@@ -62,7 +62,7 @@ def test_a_closed_channel_fails_waiting_and_later_calls_at_once():
     errors = []
     waiter = threading.Thread(target=lambda: errors.append(_raised(lambda: a.call("slow", timeout_s=30))))
     waiter.start()
-    time.sleep(0.2)  # the call is on its way (a race either way: sent or refused, both must fail at once)
+    assert wait_until(lambda: bool(a._pending), 5)  # the call is on its way
     began = time.monotonic()
     b.close("the other side went away")
     waiter.join(5)
@@ -76,7 +76,7 @@ def test_a_closed_channel_fails_waiting_and_later_calls_at_once():
 
 
 def test_a_call_without_an_answer_gives_up_at_its_bound():
-    a, b = pipe_pair(handler_b=lambda name, args, kwargs: time.sleep(3))
+    a, b = pipe_pair(handler_b=lambda name, args, kwargs: threading.Event().wait(3))  # a side that does not answer
     began = time.monotonic()
     with pytest.raises(CompanionDied, match="no answer within 0.5 s"):
         a.call("sleep", timeout_s=0.5)
@@ -200,7 +200,7 @@ def test_a_killed_companion_fails_its_trainers_calls_at_once_never_a_hang():
         call = threading.Thread(target=lambda: result.append(_raised(
             lambda: exchanges[0].all_reduce_mean("mean/0", torch.ones(10), [0, 1]))))  # peer 1 never joins it
         call.start()
-        time.sleep(0.5)
+        assert wait_until(lambda: bool(exchanges[0]._channel._pending), 5)  # the call is in flight
         began = time.monotonic()
         os.kill(exchanges[0].pid, signal.SIGKILL)
         call.join(10)

@@ -101,10 +101,6 @@ class Channel:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def join(self, timeout_s: float) -> None:
-        """Wait up to ``timeout_s`` for the reading thread to end (after ``close`` or the other side's)."""
-        self._reader.join(timeout_s)
-
     # -- internals ---------------------------------------------------------------------------------------
 
     def _send(self, message: tuple) -> None:
@@ -157,7 +153,10 @@ class Channel:
         except CompanionDied:
             return
         except Exception as exc:  # noqa: BLE001 - e.g. an exception that does not pickle: its text goes instead
-            self._send(("result", ident, False, RuntimeError(f"{name}: {type(exc).__name__}: {exc}")))
+            try:
+                self._send(("result", ident, False, RuntimeError(f"{name}: {type(exc).__name__}: {exc}")))
+            except CompanionDied:
+                return
 
     def _lost(self, why: str, tell: bool = True) -> None:
         with self._state:

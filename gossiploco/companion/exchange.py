@@ -44,6 +44,11 @@ CLOSE_S = 10.0
 """How long ``close`` waits for the companion to exit before killing it."""
 
 
+def _counter(name: str) -> property:
+    """A read-only property: the companion's exchange's counter ``name`` (as it ended, once closed)."""
+    return property(lambda self: self._get(name), doc=f"The companion's exchange's ``{name}``.")
+
+
 class RemoteDeadlines:
     """The companion's ``AdaptiveDeadlines`` as the checkpoint sees them: ``state()`` and ``load_state``."""
 
@@ -159,8 +164,10 @@ class CompanionExchange(Exchange, PathControl):
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
                    sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:
         shared: dict[int, torch.Tensor] = {}  # one copy of a tensor given for several members (an all-gather)
-        wire = {p: self._vectors.wire(shared.setdefault(id(t), self._vectors.shared(t.detach())))
-                for p, t in parts.items()}
+        for t in parts.values():
+            if id(t) not in shared:
+                shared[id(t)] = self._vectors.shared(t.detach())
+        wire = {p: self._vectors.wire(shared[id(t)]) for p, t in parts.items()}
         return self._call("all_to_all", key, wire, list(members), dict(sizes), tag, timeout_s=self._collective_s())
 
     def fetch_state(self, peer: int) -> tuple[int, torch.Tensor]:
@@ -252,29 +259,12 @@ class CompanionExchange(Exchange, PathControl):
     def current_round(self, value: int) -> None:
         self._call("set_round", int(value))
 
-    @property
-    def bytes_sent(self) -> int:
-        return self._get("bytes_sent")
-
-    @property
-    def wire_bytes_sent(self) -> int:
-        return self._get("wire_bytes_sent")
-
-    @property
-    def bytes_received(self) -> int:
-        return self._get("bytes_received")
-
-    @property
-    def dropped_messages(self) -> int:
-        return self._get("dropped_messages")
-
-    @property
-    def malformed_messages(self) -> int:
-        return self._get("malformed_messages")
-
-    @property
-    def isolated_mixes(self) -> int:
-        return self._get("isolated_mixes")
+    bytes_sent = _counter("bytes_sent")
+    wire_bytes_sent = _counter("wire_bytes_sent")
+    bytes_received = _counter("bytes_received")
+    dropped_messages = _counter("dropped_messages")
+    malformed_messages = _counter("malformed_messages")
+    isolated_mixes = _counter("isolated_mixes")
 
     def security_counts(self) -> dict[str, dict[str, int]]:
         return self._final["security_counts"] if self._final is not None else self._call("security_counts")

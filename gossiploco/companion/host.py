@@ -9,7 +9,7 @@ see the trainer's) and exits: it never outlives its trainer. It ignores SIGINT a
 to the process group is the trainer's to handle (it leaves the swarm gracefully through this exchange, then closes
 it); a trainer that cannot close it kills it (``CompanionExchange.close``).
 
-Only the names in ``CALLS`` can be called (the exchange's public interface the runtime uses), ``GETS`` read
+Only the names in ``CALLS`` can be called (the exchange's public interface the runtime uses), ``COUNTERS`` read
 (properties) and ``current_round`` set; ``shut`` leaves or closes the exchange and returns its final counters. ``serve_state`` takes no argument here: the state provider is the
 trainer's, and a state request is answered by calling ``provide_state`` on the trainer's side of the channel.
 """
@@ -30,17 +30,14 @@ log = logging.getLogger(__name__)
 
 CALLS = frozenset({
     "members", "group", "all_reduce_mean", "swap", "all_to_all", "fetch_state", "add_peer", "set_grouping",
-    "set_behind_nat", "path_class", "dial_reverse", "reverse_offers", "announce", "leave", "close", "known",
-    "connected", "pending", "wait_connected", "ask_rounds", "check_reachable", "known_endpoints", "protocol_state",
-    "security_counts", "sealed_counts", "grow_mailbox", "broken", "join_swarm", "catch_up_if_behind", "is_closed",
+    "set_behind_nat", "dial_reverse", "reverse_offers", "connected", "wait_connected", "check_reachable",
+    "protocol_state", "security_counts", "sealed_counts", "join_swarm", "catch_up_if_behind", "is_closed",
     "deadlines_state", "load_deadlines"})
-"""Methods of ``ZmqExchange`` the trainer may call."""
-GETS = frozenset({"current_round", "bytes_sent", "wire_bytes_sent", "dropped_messages", "bytes_received",
-                  "malformed_messages", "isolated_mixes", "bound", "endpoints"})
-"""Properties and attributes the trainer may read (``("get", name)``)."""
+"""Methods of ``ZmqExchange`` the trainer calls (``CompanionExchange``)."""
 COUNTERS = ("current_round", "bytes_sent", "wire_bytes_sent", "dropped_messages", "bytes_received",
             "malformed_messages", "isolated_mixes")
-"""What the trainer still reads after the exchange closed (``shut`` returns them)."""
+"""The properties the trainer reads (``("get", name)``), and still reads after the exchange closed (``shut``
+returns them)."""
 
 
 def main(conn: Connection, kwargs: dict, log_level: int) -> None:
@@ -64,14 +61,15 @@ def main(conn: Connection, kwargs: dict, log_level: int) -> None:
         return channel.call("provide_state")
 
     def handle(name: str, args: tuple, kwargs: dict):
-        if name == "get" and len(args) == 1 and args[0] in GETS:
-            value = getattr(exchange, args[0])
-            return dict(value) if isinstance(value, dict) else value
+        if name == "get" and len(args) == 1 and args[0] in COUNTERS:
+            return getattr(exchange, args[0])
         if name == "set_round":
             exchange.current_round = int(args[0])
             return None
         if name == "shut":  # leave or close, then the counters as they end (the trainer's summary reads them later)
             how, linger_s = args
+            if how not in ("leave", "close"):
+                raise AttributeError(f"the companion's exchange does not shut by {how!r}")
             getattr(exchange, how)(linger_s=linger_s)
             return {**{counter: getattr(exchange, counter) for counter in COUNTERS},
                     "security_counts": exchange.security_counts(), "sealed_counts": exchange.sealed_counts()}

@@ -125,6 +125,53 @@ def test_ask_rounds_does_not_wait_for_a_peer_that_dropped_meanwhile():
     assert script.now < 1.0, "the dropped peer is not waited for"
 
 
+def test_ask_rounds_asks_a_sample_of_a_large_swarm_drawn_afresh_for_each_question():
+    """Asking every peer made each peer answer every joiner: control messages per peer grew with the swarm."""
+    others = range(1, 41)
+    node = node_of(0, [0, *others], connected=others, join_round=0)
+    samples = []
+    for _ in range(2):
+        script = Script(node, answers=dict.fromkeys(others, 3))
+        rounds = script.run(lifecycle.ask_rounds(node, settings()))
+        asked = {s.peer for s in script.sent}
+        assert len(asked) == lifecycle.ROUND_SAMPLE and set(rounds) == asked and set(rounds.values()) == {3}
+        samples.append(asked)
+    assert samples[0] != samples[1], "each question draws its own sample"
+
+    small = node_of(0, [0, 1, 2, 3], connected=[1, 2, 3], join_round=0)
+    script = Script(small, answers={1: 2, 2: 2, 3: 2})
+    assert script.run(lifecycle.ask_rounds(small, settings())) == {1: 2, 2: 2, 3: 2}, "a small swarm: everyone"
+
+
+def test_news_of_a_join_round_asks_only_the_peers_outside_the_view():
+    node = node_of(0, [0, 1, 2, 3], connected=[1, 2, 3], join_round=0)
+    node.disconnected(3, 1.0)
+    node.connected(3, 1.1)  # it dropped and came back: pending until it says where it stands
+    sends = node.announce(5)
+    assert sorted(s.peer for s in sends) == [1, 2, 3] and all(s.message.join_round == 5 for s in sends)
+    assert [s.peer for s in sends if s.message.ask_reply] == [3], "the members in the view owe no answer"
+    assert all(s.message.ask_reply for s in node.announce(PROBE, to=[1, 2])), "a probe asks everyone it goes to"
+    assert not any(s.message.ask_reply for s in node.announce(6, ask_reply=False))
+
+
+def test_a_peer_waiting_for_a_boundary_asks_the_next_two_peers_of_the_newest_round_each_poll():
+    """Asking the same 8 peers every poll made those 8 answer 80 polls a round each."""
+    node = node_of(0, range(7), connected=range(1, 7), join_round=0)
+    ahead = dict.fromkeys(range(1, 7), 4)
+    script = Script(node, answers=ahead)
+
+    def boundary(script):
+        if script.now >= 0.6:
+            script.answers = dict.fromkeys(range(1, 7), 5)
+
+    script.at_wait = boundary
+    newest = script.run(lifecycle.next_round_begins(node, settings(boundary_poll_s=0.25), ahead))
+    assert set(newest.values()) == {5}
+    polls = [script.sent[i:i + lifecycle.BOUNDARY_SAMPLE] for i in range(0, len(script.sent), lifecycle.BOUNDARY_SAMPLE)]
+    assert len(polls) >= 4 and all(len({s.peer for s in poll}) == 2 for poll in polls), polls
+    assert {s.peer for poll in polls[:3] for s in poll} == set(range(1, 7)), "three polls cover all six"
+
+
 def test_join_starts_a_new_swarm_at_round_0_and_leaves_out_peers_that_never_connected():
     node = node_of(0, [0, 1, 2], connected=[1])
     script = Script(node, answers={1: 0})

@@ -27,7 +27,7 @@ The rules, in the order a peer meets them:
   others are connected or were lost just now (all at once: it was frozen, they dropped it), when a group
   leader is already ``CATCH_UP_LAG`` rounds further, or when a leader left it out as a straggler (it runs
   behind the swarm's clock within the same round number).
-* ``ask_rounds``: a probe to every known peer; the answers of the connected ones within ``hello_s`` (asking
+* ``ask_rounds``: a probe to a sample of the connected peers (``ROUND_SAMPLE``); their answers within ``hello_s`` (asking
   again every ``PROBE_REPEAT_S`` whoever has not answered: a question or its answer can be lost with a
   connection that dropped and came back). Only ``corroborated`` claims count.
 * ``catch_up``: step out of the others' views (they would wait a grace window for this peer at every
@@ -40,6 +40,7 @@ The rules, in the order a peer meets them:
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,9 +64,16 @@ BOUNDARY_POLL_S = 0.25
 """How often a catching-up peer asks the others' rounds while it waits for the next round to begin (by default;
 ``Settings.boundary_poll_s``): a fortieth of the default grace window (``[timeouts] grace_s`` = 10 s), so a peer
 that caught up at a boundary lags the others by far less than the window its next exchange waits for it."""
-BOUNDARY_SAMPLE = 8
-"""While it waits for a round boundary a catching-up peer asks at most this many peers of the newest round (not the
-whole swarm every ``BOUNDARY_POLL_S``: at 128 peers that was 45 hellos per peer per restart)."""
+BOUNDARY_SAMPLE = 2
+"""While it waits for a round boundary a catching-up peer asks this many peers of the newest round each poll, the
+next ones each time (not the whole swarm every ``BOUNDARY_POLL_S``: at 128 peers that was 45 hellos per peer per
+restart). Two, not one: a lone answer's claim is taken as it is (``corroborated``), two check each other. With 8
+asked every poll, the 8 peers a newcomer asked answered 80 polls a round each: most control messages those peers
+sent."""
+ROUND_SAMPLE = 16
+"""``ask_rounds`` with no peers named asks at most this many connected peers (a random sample; all of them in a
+smaller swarm): where the swarm is needs a few answers, not one from every peer. Asking every peer made each
+peer answer every joiner and every peer that looked for its place, control messages growing with the swarm."""
 PROBE_REPEAT_S = 1.0
 """``ask_rounds`` asks a connected peer that has not answered again after this long."""
 FRESH_ATTEMPTS = 2
@@ -178,12 +186,23 @@ def wait_connected(node: PeerNode, until: float) -> Program:
     return len(node.peers.connected) >= len(node.peers.known) - 1
 
 
+def round_sample(node: PeerNode, size: int = ROUND_SAMPLE) -> list[int]:
+    """Up to ``size`` of the connected peers, drawn afresh for each question (keyed by the run's seed, this peer
+    and its question's id, so a simulated run replays)."""
+    connected = sorted(node.peers.connected - {node.rank})
+    if len(connected) <= size:
+        return connected
+    return sorted(random.Random(f"{node.group_seed}/{node.rank}/{node.probe_id}").sample(connected, size))
+
+
 def ask_rounds(node: PeerNode, s: Settings, peers: list[int] | None = None) -> Program:
-    """The rounds the connected peers (of ``peers``, when given) report within ``hello_s``, less uncorroborated
-    claims."""
+    """The rounds that ``peers`` (default: a ``round_sample`` of the connected peers) report within ``hello_s``,
+    less uncorroborated claims."""
+    if peers is None:
+        peers = round_sample(node)
     now = yield Act(node.announce(PROBE, to=peers))  # a probe: changes no membership, asks for the peers' rounds
     deadline, asked = now + s.hello_s, now
-    want = set(node.peers.connected) if peers is None else set(peers) & node.peers.connected
+    want = set(peers) & node.peers.connected
     while now < deadline:
         missing = sorted((want & node.peers.connected) - node.peers.reported.keys())  # one that dropped: not waited for
         if not missing:
@@ -292,13 +311,17 @@ def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Pro
     newest_peers = sorted(p for p, k in ahead.items() if k == latest)
     shift = node.rank % len(newest_peers)
     rotated = newest_peers[shift:] + newest_peers[:shift]  # their next round is the boundary
+    polls = 0
     while now < deadline:
         if all(p in node.peers.failed or p in node.peers.left for p in newest_peers):
             # Each lost its connection or said it leaves (a swarm's last other peer finishing its run, say): nobody
             # is left to begin a round, and waiting out ``boundary_s`` for one would only stall this peer
             node.note(f"every peer in round {latest} is gone ({newest_peers}); not waiting for a round boundary")
             return ahead
-        sample = [p for p in rotated if p in node.peers.connected][:BOUNDARY_SAMPLE]  # the live ones, asked each time
+        live = [p for p in rotated if p in node.peers.connected]
+        start = polls * BOUNDARY_SAMPLE % max(len(live), 1)
+        sample = (live[start:] + live[:start])[:BOUNDARY_SAMPLE]  # the live ones, the next few each poll
+        polls += 1
         rounds = yield from ask_rounds(node, s, sample)
         newest = max(rounds.values(), default=-1)
         if newest > latest:

@@ -266,7 +266,10 @@ class PeerNode:
     def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False,
                  to: list[int] | None = None) -> list[Action]:
         """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer (or ``to``);
-        with ``ask_reply``, ``peers.reported`` then collects their answers (their current rounds).
+        with ``ask_reply``, ``peers.reported`` then collects the answers (their current rounds) of the peers asked:
+        a probe asks every peer it goes to, news of a join round only the peers outside this peer's view (their
+        answers re-admit them). The members already in the view owe no answer: asking them made every peer of
+        the swarm answer every joiner, control messages per peer growing with the swarm's size.
         ``caught_up``: this peer just downloaded round ``join_round``'s state (see ``straggling``)."""
         if join_round >= 0:
             self.peers.on_join(self.rank, join_round)
@@ -275,8 +278,10 @@ class PeerNode:
                 self.caught_up_into = join_round
         self.peers.reported.clear()
         self.probe_id += 1
-        hello = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
-        return [Send(p, hello) for p in sorted(self.peers.known if to is None else to) if p != self.rank]
+        question = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
+        news = question if join_round == PROBE else Hello(join_round, self.current_round)
+        return [Send(p, news if p in self.peers.joined else question)
+                for p in sorted(self.peers.known if to is None else to) if p != self.rank]
 
     def ask_again(self, peers) -> list[Action]:
         """Repeat this peer's latest question (``announce``) to ``peers`` that have not answered it: a question

@@ -332,8 +332,9 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         self.deadlines.load_state(state)
 
     def ask_rounds(self, wait_s: float) -> dict[int, int]:
-        """Ask every peer its round (``protocol.lifecycle.ask_rounds``: the connected ones' answers within
-        ``wait_s``, asking again whoever has not answered, less uncorroborated claims)."""
+        """Ask the peers their rounds (``protocol.lifecycle.ask_rounds``: every connected peer, or a sample of
+        ``ROUND_SAMPLE`` in a larger swarm; their answers within ``wait_s``, asking again whoever has not answered,
+        less uncorroborated claims)."""
         settings = lifecycle.Settings(rounds=0, hello_s=wait_s, connect_s=wait_s, boundary_s=wait_s,
                                       state_s=self.timeout_s, nonce=random_nonce)
         return self.drive(lambda node: lifecycle.ask_rounds(node, settings))

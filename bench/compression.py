@@ -58,6 +58,13 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "topk-sparseloco-3pct-lr1.3": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
                                    "outer.momentum=0", "outer.lr=1.3"),
     "none-no-momentum-lr0.5": ("outer.momentum=0", "outer.lr=0.5"),
+    # Short runs (the quality bench's 8 rounds): a larger outer step for what error feedback has not sent yet
+    "topk-sparseloco-3pct-lr2": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
+                                 "outer.momentum=0", "outer.lr=2.0"),
+    "topk-sparseloco-3pct-lr3": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=0.95",
+                                 "outer.momentum=0", "outer.lr=3.0"),
+    "topk-sparseloco-3pct-b1-lr2": ("mix2.compression=topk", "mix2.topk_density=0.03", "mix2.feedback_decay=1.0",
+                                    "outer.momentum=0", "outer.lr=2.0"),
 }
 """``--set`` values of each row: the dense codecs compress both mixes, top-k only Mix2 (Mix1 stays fp32)."""
 TARGET_LOSS = {"int8": 0.5, "4bit": 1.0, "topk": 1.0}

@@ -11,7 +11,7 @@ everyone (``--one-group-up-to``: the design before buckets, a global barrier and
 
 Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
 compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
-sent, control messages sent (everything but data chunks), and connections (up at the end; opened over the run).
+sent, control messages sent (everything but data chunks) and received, and connections (up at the end; opened over the run).
 Writes ``OUT.json`` and ``OUT.md`` (with this command line).
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from gossiploco.simulation.swarm import simulate_scale
 
 COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_per_round", "messages_per_round",
-           "control_per_round", "connections_live", "connections_opened"]
+           "control_per_round", "control_received_per_round", "connections_live", "connections_opened"]
 
 
 def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int) -> dict:
@@ -50,11 +50,12 @@ def summarize(rows: list[dict]) -> dict:
 
 def table(title: str, entries: list[tuple[int, dict]]) -> list[str]:
     lines = [f"### {title}", "", "| M | round s | blocking s (p90) | Mix1 done | bytes/round | msgs/round | control/round | "
-             "conns up | conns opened | finished | violations | sim wall s |", "|" + "---|" * 12]
+             "control received/round | conns up | conns opened | finished | violations | sim wall s |", "|" + "---|" * 13]
     for m, s in entries:
         lines.append(f"| {m} | {s['round_s']:.2f} | {s['blocking_s']:.2f} ({s['blocking_p90_s']:.2f}) | "
                      f"{s['mix1_completion']:.3f} | {s['bytes_per_round']:.0f} | {s['messages_per_round']:.1f} | "
-                     f"{s['control_per_round']:.1f} | {s['connections_live']} | {s['connections_opened']} | "
+                     f"{s['control_per_round']:.1f} | {s['control_received_per_round']:.1f} | "
+                     f"{s['connections_live']} | {s['connections_opened']} | "
                      f"{s['finished']}/{m} | {s['violations']} | {s['wall_s']} |")
     return lines + [""]
 

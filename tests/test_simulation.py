@@ -361,7 +361,7 @@ def test_what_one_peer_sends_per_round_stays_flat_from_16_to_128_peers():
         assert result.violations == [] and all(k >= 4 for k in result.finished.values())
         assert result.stats["per_peer"]["mix1_completion"] >= 0.95, result.stats["per_peer"]
     a, b = small.stats["per_peer"], large.stats["per_peer"]
-    for column in ("bytes_per_round", "messages_per_round", "control_per_round"):
+    for column in ("bytes_per_round", "messages_per_round", "control_per_round", "control_received_per_round"):
         assert b[column] <= 2 * a[column], (column, a[column], b[column])
     assert b["blocking_s"] <= 1.5 * a["blocking_s"], (a["blocking_s"], b["blocking_s"])  # the bound
 

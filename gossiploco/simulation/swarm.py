@@ -127,6 +127,8 @@ class SimSwarm:
         """(peer, round, round seconds, blocking seconds, Mix1 ok) of every round a peer finished."""
         self.control_sent: dict[int, int] = {}
         """Control messages (every message but data chunks) each peer sent."""
+        self.control_received: dict[int, int] = {}
+        """Control messages each peer received (delivered to a running process)."""
         self.bytes_sent: dict[int, int] = {}
         self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
@@ -160,6 +162,8 @@ class SimSwarm:
         def deliver() -> None:
             peer = self.peers.get(send.peer)
             if peer is not None and self.peers.get(src) is not None and self.peers[src].incarnation == incarnation:
+                if not hasattr(msg, "data"):
+                    self.control_received[send.peer] = self.control_received.get(send.peer, 0) + 1
                 peer.event(lambda node: node.receive(src, msg, self.net.now))
         self.net.send(src, send.peer, size, deliver)
 
@@ -426,6 +430,7 @@ class SimSwarm:
             "bytes_per_round": round(median(self.bytes_sent.get(p, 0) / rounds[p] for p in self.ids), 1),
             "messages_per_round": round(median(self.net.sent_by.get(p, 0) / rounds[p] for p in self.ids), 2),
             "control_per_round": round(median(self.control_sent.get(p, 0) / rounds[p] for p in self.ids), 2),
+            "control_received_per_round": round(median(self.control_received.get(p, 0) / rounds[p] for p in self.ids), 2),
             "connections_live": median(live.get(p, 0) for p in self.ids),
             "connections_opened": median(self.net.connections_of.get(p, 0) for p in self.ids)}
 

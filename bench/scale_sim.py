@@ -11,7 +11,8 @@ everyone (``--one-group-up-to``: the design before buckets, a global barrier and
 
 Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
 compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
-sent, control messages sent (everything but data chunks) and received, and connections (up at the end; opened over the run).
+sent, control messages sent (everything but data chunks) and received, and connections (up at the end; opened over
+the run).
 Writes ``OUT.json`` and ``OUT.md`` (with this command line).
 """
 

@@ -167,7 +167,8 @@ def test_a_peer_waiting_for_a_boundary_asks_the_next_two_peers_of_the_newest_rou
     script.at_wait = boundary
     newest = script.run(lifecycle.next_round_begins(node, settings(boundary_poll_s=0.25), ahead))
     assert set(newest.values()) == {5}
-    polls = [script.sent[i:i + lifecycle.BOUNDARY_SAMPLE] for i in range(0, len(script.sent), lifecycle.BOUNDARY_SAMPLE)]
+    size = lifecycle.BOUNDARY_SAMPLE
+    polls = [script.sent[i:i + size] for i in range(0, len(script.sent), size)]
     assert len(polls) >= 4 and all(len({s.peer for s in poll}) == 2 for poll in polls), polls
     assert {s.peer for poll in polls[:3] for s in poll} == set(range(1, 7)), "three polls cover all six"
 

@@ -27,8 +27,8 @@ The rules, in the order a peer meets them:
   others are connected or were lost just now (all at once: it was frozen, they dropped it), when a group
   leader is already ``CATCH_UP_LAG`` rounds further, or when a leader left it out as a straggler (it runs
   behind the swarm's clock within the same round number).
-* ``ask_rounds``: a probe to a sample of the connected peers (``ROUND_SAMPLE``); their answers within ``hello_s`` (asking
-  again every ``PROBE_REPEAT_S`` whoever has not answered: a question or its answer can be lost with a
+* ``ask_rounds``: a probe to a sample of the connected peers (``ROUND_SAMPLE``); their answers within ``hello_s``
+  (asking again every ``PROBE_REPEAT_S`` whoever has not answered: a question or its answer can be lost with a
   connection that dropped and came back). Only ``corroborated`` claims count.
 * ``catch_up``: step out of the others' views (they would wait a grace window for this peer at every
   exchange), wait for the next round boundary (``next_round_begins``), then download that round's state from

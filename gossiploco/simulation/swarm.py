@@ -128,7 +128,7 @@ class SimSwarm:
         self.control_sent: dict[int, int] = {}
         """Control messages (every message but data chunks) each peer sent."""
         self.control_received: dict[int, int] = {}
-        """Control messages each peer received (delivered to a running process)."""
+        """Control messages delivered to each peer (from the incarnation that sent them)."""
         self.bytes_sent: dict[int, int] = {}
         self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
@@ -430,7 +430,8 @@ class SimSwarm:
             "bytes_per_round": round(median(self.bytes_sent.get(p, 0) / rounds[p] for p in self.ids), 1),
             "messages_per_round": round(median(self.net.sent_by.get(p, 0) / rounds[p] for p in self.ids), 2),
             "control_per_round": round(median(self.control_sent.get(p, 0) / rounds[p] for p in self.ids), 2),
-            "control_received_per_round": round(median(self.control_received.get(p, 0) / rounds[p] for p in self.ids), 2),
+            "control_received_per_round": round(median(self.control_received.get(p, 0) / rounds[p]
+                                                       for p in self.ids), 2),
             "connections_live": median(live.get(p, 0) for p in self.ids),
             "connections_opened": median(self.net.connections_of.get(p, 0) for p in self.ids)}
 

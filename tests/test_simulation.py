@@ -14,7 +14,7 @@ import torch
 from gossiploco.protocol import collectives
 from gossiploco.simulation import simulate
 from gossiploco.simulation.faults import RELAY_KINDS, Fault
-from gossiploco.simulation.swarm import Settings, SimSwarm
+from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -280,6 +280,24 @@ def test_the_checks_catch_a_leader_waiting_for_a_peer_of_another_bucket():
 
 
 @pytest.mark.slow
+def run_consumer_swarm(seed: int, peers: int, rounds: int, faults=(), before=None) -> SimSwarm:
+    """``peers`` peers on consumer links in buckets of 16 with gossip Mix2, on a real run's clock ratios
+    (``SCALE_TIMES``); ``before(swarm)`` runs ahead of the run. Fails on any violated property; returns the swarm
+    (its timings and counters)."""
+    settings = Settings(peers=peers, rounds=rounds, group_size=16, links="consumer", mix2="gossip", **SCALE_TIMES)
+    swarm = SimSwarm(seed, settings)
+    if before is not None:
+        before(swarm)
+    result = swarm.run(list(faults))
+    assert result.violations == [], result.violations[:3]
+    return swarm
+
+
+def blocking_of(swarm: SimSwarm) -> dict[tuple[int, int], float]:
+    """(peer, round) -> seconds that peer blocked in that round."""
+    return {(p, r): blocking for p, r, _, blocking, _ in swarm.timings}
+
+
 def test_a_late_peer_costs_others_at_most_one_grace_window_and_those_outside_its_groups_nothing():
     """64 peers in buckets of 16 on consumer links; peer 5 computes 10 grace windows longer every round. No other
     peer blocks more than one grace window longer than in the same run without the late peer (a leader goes on
@@ -289,20 +307,14 @@ def test_a_late_peer_costs_others_at_most_one_grace_window_and_those_outside_its
     shares no bucket with it blocks no longer at all."""
     from gossiploco.protocol import groups
     from gossiploco.protocol.agreement import CONTROL_SEND_S
-    from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
 
-    def run(late: bool):
-        settings = Settings(peers=64, rounds=4, group_size=16, links="consumer", mix2="gossip", **SCALE_TIMES)
-        swarm = SimSwarm(7, settings)
-        if late:
-            swarm.inner_s[5] += 10 * settings.grace_s
-        result = swarm.run([])
-        assert result.violations == [], result.violations[:3]
-        return {(p, r): blocking for p, r, _, blocking, _ in swarm.timings}, settings
+    grace, slack = SCALE_TIMES["grace_s"], 0.05 * SCALE_TIMES["grace_s"]  # rings of other buckets end a few ms apart
 
-    calm, settings = run(False)
-    slow, _ = run(True)
-    grace, slack = settings.grace_s, 0.05 * settings.grace_s  # rings of other buckets end a few ms apart
+    def late(swarm: SimSwarm) -> None:
+        swarm.inner_s[5] += 10 * grace
+
+    calm = blocking_of(run_consumer_swarm(7, 64, 4))
+    slow = blocking_of(run_consumer_swarm(7, 64, 4, before=late))
 
     def led_by_5(p: int, r: int) -> bool:
         bucket = groups.group_of(7, f"mix2/{r}", list(range(64)), p, 16)
@@ -325,26 +337,17 @@ def test_a_frozen_leader_costs_its_followers_one_grace_window_and_a_control_send
     windows more than in the calm run, ``bench/results/late-peer-sim.md``)."""
     from gossiploco.protocol import groups
     from gossiploco.protocol.agreement import CONTROL_SEND_S
-    from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
 
     seed, view = 1, list(range(64))
     bucket = groups.group_of(seed, "mix2/1", view, 0, 16)
     leader = groups.leader_of(seed, "mix2/1", bucket)
+    grace, start = SCALE_TIMES["grace_s"], 2 * SCALE_TIMES["inner_s"]
 
-    def run(frozen: bool):
-        settings = Settings(peers=64, rounds=3, group_size=16, links="consumer", mix2="gossip", **SCALE_TIMES)
-        start = 2 * settings.inner_s
-        faults = [Fault("pause", start, start + 3 * settings.grace_s, peer=leader)] if frozen else []
-        swarm = SimSwarm(seed, settings)
-        result = swarm.run(faults)
-        assert result.violations == [], result.violations[:3]
-        return {(p, r): blocking for p, r, _, blocking, _ in swarm.timings}, settings
-
-    calm, settings = run(False)
-    slow, _ = run(True)
+    calm = blocking_of(run_consumer_swarm(seed, 64, 3))
+    slow = blocking_of(run_consumer_swarm(seed, 64, 3, [Fault("pause", start, start + 3 * grace, peer=leader)]))
     extra = [slow[(p, 1)] - calm[(p, 1)] for p in bucket if p != leader]
-    assert max(extra) <= settings.grace_s + CONTROL_SEND_S + 0.05 * settings.grace_s, extra
-    assert min(extra) > settings.grace_s  # they did wait for it: the scenario hits the rule it is about
+    assert max(extra) <= grace + CONTROL_SEND_S + 0.05 * grace, extra
+    assert min(extra) > grace  # they did wait for it: the scenario hits the rule it is about
 
 
 @pytest.mark.slow
@@ -376,18 +379,14 @@ def test_a_restart_costs_the_other_members_one_control_message_each_whatever_the
     and 8 of them its boundary polls every 0.25 s: a median of 3 more, a mean of 4.3-5.4, up to 21-23 (seed 2)."""
     import statistics
 
-    from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
-
-    def run(restart: bool) -> dict[int, int]:
-        settings = Settings(peers=peers, rounds=4, group_size=16, links="consumer", mix2="gossip", **SCALE_TIMES)
-        start = 1.3 * settings.inner_s
-        faults = [Fault("restart", start, start + settings.churn_down_s, peer=3)] if restart else []
-        swarm = SimSwarm(2, settings)
-        result = swarm.run(faults)
-        assert result.violations == [] and all(k >= 4 for k in result.finished.values()), result.violations[:3]
-        return swarm.control_sent
-
-    calm, churn = run(False), run(True)
+    start = 1.3 * SCALE_TIMES["inner_s"]
+    restart = Fault("restart", start, start + SCALE_TIMES["churn_down_s"], peer=3)
+    sent = {}
+    for label, faults in (("calm", []), ("churn", [restart])):
+        swarm = run_consumer_swarm(2, peers, 4, faults)
+        assert all(k >= 4 for k in swarm.finished.values()), swarm.finished
+        sent[label] = swarm.control_sent
+    calm, churn = sent["calm"], sent["churn"]
     extra = [churn.get(p, 0) - calm.get(p, 0) for p in range(peers) if p != 3]
     assert statistics.median(extra) <= 1 and statistics.mean(extra) <= 2.5 and max(extra) <= 15, sorted(extra)
 

@@ -141,9 +141,11 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
             assert s["mix1_failures"] + s["mix2_failures"] <= 3 + s["catchups"] and s["catchups"] <= 1, \
                 (counts, peers.log(rank)[-4000:])
             tunnels = s["reach"]["tunnels"]
-            assert tunnels["opened"] >= 4 and tunnels["failed"] == 0, tunnels
+            # No session found both relays failing: the bootstrap carried every one after the kill. Sessions to a
+            # peer that already left (the others end first) count as unreachable, not failed (``reach.tunnel``).
+            assert tunnels["opened"] >= 4 and tunnels["failed"] == 0, json.dumps(tunnels)  # a str: shown whole
             used = tunnels["relays_used"]
-            assert len(used) == 2 and all(count >= 2 for count in used.values()), used  # failed over to the bootstrap
+            assert len(used) == 2 and all(count >= 2 for count in used.values()), json.dumps(tunnels)
 
 
 @pytest.mark.timeout(420)

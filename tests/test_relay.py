@@ -166,3 +166,25 @@ def test_a_terabyte_length_prefix_is_refused_before_anything_is_read(private_run
                                            send_bytes=64 << 20, send_s=5.0))
     assert flood["cut_off"] or flood["sent"] < (64 << 20), flood
     assert memory_kib(relay.pid, "VmRSS") - rss < 16 << 10, (rss, memory_kib(relay.pid, "VmRSS"), flood)
+
+
+@pytest.mark.slow
+def test_a_tunnel_counts_a_target_the_relay_cannot_reach_apart_from_relays_that_fail(private_run):
+    """A relay that answers "unknown target" (a peer that left the run: no valid record names it) works: that
+    session counts as unreachable, not as a relay failure. A relay nobody can connect to is a failure."""
+    from gossiploco.reach.tunnel import open_tunnel
+
+    r = private_run
+    b, address, outsider = r["b"], r["address"], r["outsider"]
+    gone = outsider.peer_id.to_base58()  # a libp2p id no record of the run names
+    dead_relay = f"/ip4/127.0.0.1/tcp/1/p2p/{gone}"  # nothing listens on port 1
+    before = b.dht.run_coroutine(tunnel_stats)
+    for relays, counter in (([address], "unreachable"), ([dead_relay], "failed"), ([dead_relay, address], "unreachable")):
+        port = b.dht.run_coroutine(partial(open_tunnel, peer_id=gone, relays=relays))
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.settimeout(30)
+            assert conn.recv(1) == b""  # the tunnel closes the connection: nobody to carry it to
+        after = b.dht.run_coroutine(tunnel_stats)
+        assert after[counter] == before[counter] + 1 and sum(after[k] - before[k] for k in ("failed", "unreachable")) == 1, \
+            (relays, before, after)
+        before = after

@@ -142,7 +142,8 @@ async def through(p2p: Any, relay: str, target: str, creds: Credentials | None =
                   ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Limits]:
     """A stream to ``target``'s tunnel handler, spliced by ``relay``, and the relay's limits. ``creds``
     (default: this process's ``credentials()``) go with the request. Raises ``ConnectionError`` (or the
-    daemon's error, or ``MalformedMessage`` for an oversized answer) when the relay cannot or will not."""
+    daemon's error, or ``MalformedMessage`` for an oversized answer) when the relay cannot or will not;
+    ``TargetUnreachable`` (a ``ConnectionError``) when it answered that it cannot reach ``target``."""
     creds = credentials() if creds is None else creds
     address, relay_id = split_relay(relay)
     await p2p._client.connect(relay_id, [address])  # a no-op when connected; needed for a --relay node
@@ -155,13 +156,25 @@ async def through(p2p: Any, relay: str, target: str, creds: Credentials | None =
         raise
     if not isinstance(answer, dict) or answer.get("status") != RELAY_OK:
         close(writer)
-        raise ConnectionError(f"the relay refused: {str(answer.get('status') if isinstance(answer, dict) else answer)[:200]}")
+        status = str(answer.get("status") if isinstance(answer, dict) else answer)[:200]
+        unreachable = status.split(":", 1)[0] in TARGET_REFUSALS
+        raise (TargetUnreachable if unreachable else ConnectionError)(f"the relay refused: {status}")
     data, age = answer.get("data_bytes"), answer.get("time_s")
     if not all(_positive(v) for v in (data, age)):
         close(writer)
         raise ConnectionError(f"the relay sent malformed limits: {answer!r:.200}")
     idle = answer.get("idle_s")
     return reader, writer, Limits(float(data), float(age), float(idle) if _positive(idle) else IDLE_S)
+
+
+class TargetUnreachable(ConnectionError):
+    """The relay answered but cannot reach the target (``target unreachable``: no connection to it, or
+    ``unknown target``: no valid record of the run names it): the relay works; the target is gone (it left the
+    run, or its own connection to this relay is down)."""
+
+
+TARGET_REFUSALS = ("target unreachable", "unknown target")
+"""The refusal reasons that are about the target, not the relay (``TargetUnreachable``)."""
 
 
 class Refused(Exception):

@@ -41,6 +41,10 @@ class TunnelStats:
     opened: int = 0
     served: int = 0
     failed: int = 0
+    """Sessions no relay could carry: every relay was down, refused, or did not answer in time."""
+    unreachable: int = 0
+    """Sessions a relay answered but could not carry because the target was unreachable or unknown to it (a peer
+    that left: ZeroMQ redials it, with the tunnel's backoff, for as long as this peer runs). Not a relay failure."""
     refused: int = 0
     renewed: int = 0
     resumed: int = 0

@@ -14,7 +14,10 @@ a new stream between exchanges without losing a byte (``reach.streams.carry``), 
 never cut an exchange; the receiving side keeps the ROUTER connection open for ``RESUME_S`` for
 the session to come back. A stream that breaks (its relay died) ends the session: the connection
 closes and ZeroMQ reconnects at once; the next session goes through the next relay that answers
-(a failed attempt holds its connection for a backoff first, so reconnects do not hammer).
+(a failed attempt holds its connection for a backoff first, so reconnects do not hammer). A session no relay can
+carry is counted as failed (``STATS.failed``, logged as a warning), unless a relay that answered said it cannot reach
+the target (``relay.TargetUnreachable``): the peer is gone, the relays work (``STATS.unreachable``, logged as info;
+a peer that left is redialed by ZeroMQ, with this backoff, for as long as this peer runs).
 
 The receiving side serves only streams opened by its own relays (the nodes it keeps connected to,
 ``reach.relay.keep_relays``); a relay splices only for members of the run (``reach.relay``).
@@ -26,11 +29,14 @@ training process's interpreter lock.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from typing import Any
 
-from gossiploco.reach.relay import CONNECT_S, TUNNEL_PROTOCOL, kept_relays, through
+from gossiploco.reach.relay import CONNECT_S, TUNNEL_PROTOCOL, TargetUnreachable, kept_relays, through
 from gossiploco.reach.streams import STATS, close, carry
+
+log = logging.getLogger(__name__)
 
 HELLO = b"GLT1"
 SESSION_BYTES = 8
@@ -112,19 +118,27 @@ async def open_tunnel(_dht: Any, node: Any, *, peer_id: str, relays: list[str]) 
     async def stream() -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any] | None:
         """A stream through the first relay that answers (reordering the relays), or None."""
         relays_now = _TUNNELS[peer_id][1]
-        errors = []
+        errors, target_gone = [], False
         for at, relay in enumerate(relays_now):
             try:
                 opened = await asyncio.wait_for(through(node.p2p, relay, peer_id), CONNECT_S)
             except Exception as exc:  # noqa: BLE001 - try the next relay
+                target_gone |= isinstance(exc, TargetUnreachable)
                 errors.append(f"{relay.rsplit('/p2p/', 1)[0]}: {type(exc).__name__}: {exc}"[:300])
                 continue
             STATS.relays_used[relay] = STATS.relays_used.get(relay, 0) + 1
             if at:  # the failed ones go last next time
                 _TUNNELS[peer_id] = (_TUNNELS[peer_id][0], relays_now[at:] + relays_now[:at])
             return opened
-        STATS.failed += 1
         STATS.last_error = "; ".join(errors) or "no relay known"
+        if target_gone:  # a relay works but cannot reach the peer: it is gone, not the relays
+            STATS.unreachable += 1
+            count, level, what = STATS.unreachable, logging.INFO, "is unreachable through every relay that answered"
+        else:
+            STATS.failed += 1
+            count, level, what = STATS.failed, logging.WARNING, "could not be carried by any relay"
+        if count & (count - 1) == 0:  # the first, then at powers of two: a peer that left is redialed for a while
+            log.log(level, "tunnel to %s %s (%d so far): %s", peer_id, what, count, STATS.last_error)
         return None
 
     async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -157,7 +171,8 @@ async def open_tunnel(_dht: Any, node: Any, *, peer_id: str, relays: list[str]) 
 async def tunnel_stats(_dht: Any, _node: Any) -> dict:
     """Run in the DHT process: the counters of this node's tunnels and relaying."""
     s = STATS
-    return {"opened": s.opened, "served": s.served, "resumed": s.resumed, "failed": s.failed, "refused": s.refused,
+    return {"opened": s.opened, "served": s.served, "resumed": s.resumed, "failed": s.failed,
+            "unreachable": s.unreachable, "refused": s.refused,
             "renewed": s.renewed, "relayed": s.relayed, "limit_cuts": s.limit_cuts, "bytes": int(s.bytes),
             "idle_cuts": s.idle_cuts, "refusals": dict(s.refusals), "last_error": s.last_error,
             "relays_used": dict(s.relays_used)}

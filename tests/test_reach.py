@@ -407,6 +407,37 @@ def test_the_planner_connects_each_pair_by_its_path_and_publishes_offers_only_wh
     assert behind.order_rings is False and nat_planner.summary()["paths"] == {"direct": 2}
 
 
+def test_the_planner_forgets_a_peer_whose_record_is_gone_unless_it_is_still_connected():
+    """A peer that left (tombstone) or died (record expired) is forgotten with its tunnel, so what a peer keeps
+    is bounded by the run's members now; a connected one is kept (a read that missed its record)."""
+    from gossiploco.membership.record import PeerRecord
+
+    relay = "/ip4/10.88.0.10/tcp/4100/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
+    p2p = relay.rsplit("/", 1)[1]
+    records = {1: PeerRecord(1, "tcp://192.168.1.2:7000", 0, 0, reachable=False, p2p=p2p, relays=(relay,)),
+               2: PeerRecord(2, "tcp://10.0.0.2:7000", 0, 0),
+               3: PeerRecord(3, "tcp://192.168.3.2:7000", 0, 0, reachable=False, p2p=p2p, relays=(relay,)),
+               4: PeerRecord(4, "tcp://10.0.0.4:7000", 0, 0)}
+    calls = []
+
+    def run_in_node(fn):
+        calls.append((fn.func.__name__, fn.keywords))
+        return 40000 + len(calls) if fn.func.__name__ == "open_tunnel" else True
+
+    here = MemoryPaths(1)
+    planner = PathPlanner(1, Reach(reachable=False), here, run_in_node=run_in_node)
+    planner.sync(records)
+    assert sorted(here.added) == [2, 3, 4] and here.added[3][2] is True  # 3 through a relay
+    here.up = {4}
+    planner.sync({1: records[1]})  # 2, 3 and 4 gone from the directory; 4 still connected
+    assert sorted(here.added) == [4] and sorted(planner.paths) == [4] and planner.summary()["forgotten"] == 2
+    assert ("close_tunnel", {"peer_id": p2p}) in calls
+    here.up = set()
+    planner.sync({1: records[1], 3: records[3]})  # 3 is back (a new process), 4 is now gone for good
+    assert sorted(here.added) == [3] and sorted(planner.paths) == [3] and planner.summary()["forgotten"] == 3
+    assert [name for name, _ in calls].count("open_tunnel") == 2  # a fresh tunnel for the new 3
+
+
 @pytest.mark.parametrize("carrier", ["memory", "zmq"])
 def test_path_control_conformance(carrier):
     """``MemoryPaths`` answers as ``ZmqExchange`` does (the twin stays true to the real one)."""
@@ -425,6 +456,8 @@ def test_path_control_conformance(carrier):
         assert ex.dial_reverse(3, ["tcp://127.0.0.1:9"]) and not ex.dial_reverse(3, ["tcp://127.0.0.1:9"])
         assert ex.dial_reverse(3, []) and ex.connected() == []
         ex.set_behind_nat({2, 3})
+        assert ex.forget_peer(2) and not ex.forget_peer(2) and not ex.forget_peer(0) and not ex.forget_peer(5)
+        assert ex.add_peer(2, "tcp://127.0.0.1:9")  # forgotten: connected anew when it comes back
     finally:
         if carrier == "zmq":
             ex.close()

@@ -224,6 +224,9 @@ class CompanionExchange(Exchange, PathControl):
                  relayed: bool = False) -> bool:
         return self._call("add_peer", peer, endpoint, key, listen=listen, relayed=relayed)
 
+    def forget_peer(self, peer: int) -> bool:
+        return self._call("forget_peer", peer)
+
     def connected(self) -> list[int]:
         return self._call("connected")
 

@@ -263,6 +263,13 @@ class PeerNode:
     def add_peer(self, peer: int) -> bool:
         return peer != self.rank and self.peers.add(peer)
 
+    def forget_peer(self, peer: int) -> bool:
+        """The owner's discovery found ``peer`` gone for good (``PeerTable.forget``); False if it is connected."""
+        if not self.peers.forget(peer):
+            return False
+        self._left.discard(peer)
+        return True
+
     def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False,
                  to: list[int] | None = None) -> list[Action]:
         """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer (or ``to``);

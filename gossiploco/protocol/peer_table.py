@@ -57,6 +57,18 @@ class PeerTable:
         self.known.add(peer)
         return True
 
+    def forget(self, peer: int) -> bool:
+        """A peer that is gone for good (its record left the directory) and not connected: drop everything kept of
+        it, so that this table does not grow with every peer that ever came and went. ``add`` makes it pending again
+        should it come back. True if it was known. Never this peer itself, nor a connected peer."""
+        if peer == self.rank or peer not in self.known or peer in self.connected:
+            return False
+        self.known.discard(peer)
+        self.left.discard(peer)
+        for table in (self.joined, self.failed, self.lost_at, self.reported, self.leader_rounds):
+            table.pop(peer, None)
+        return True
+
     def on_connected(self, peer: int) -> bool:
         """Its connection is up. True when it is pending (the caller probes it for its join round)."""
         self.connected.add(peer)

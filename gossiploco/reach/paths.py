@@ -85,6 +85,11 @@ class PathControl(ABC):
         if anything changed."""
 
     @abstractmethod
+    def forget_peer(self, peer: int) -> bool:
+        """``peer`` is gone for good (its record left the directory): unless its connection is up, close it and
+        drop what is kept of it (``add_peer`` connects it anew should it come back). True if it was forgotten."""
+
+    @abstractmethod
     def connected(self) -> list[int]:
         """Other peers with a live connection right now."""
 
@@ -132,6 +137,15 @@ class MemoryPaths(PathControl):
                 self._next_port += 2
             else:
                 self._offers.pop(peer, None)
+            return True
+
+    def forget_peer(self, peer: int) -> bool:
+        with self._lock:
+            if peer not in self.added or peer in self.up:
+                return False
+            del self.added[peer]
+            self._offers.pop(peer, None)
+            self.dialed.pop(peer, None)
             return True
 
     def connected(self) -> list[int]:

@@ -48,6 +48,8 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.5, 8.0
 
 _TUNNELS: dict[str, tuple[int, list[str]]] = {}
 """Per remote libp2p peer id: (local port, the relays to try), in this DHT process."""
+_SERVERS: dict[str, asyncio.AbstractServer] = {}
+"""Per remote libp2p peer id: the server listening on its local port."""
 
 
 async def serve_tunnel(_dht: Any, node: Any, *, router_host: str, router_port: int) -> None:
@@ -165,7 +167,19 @@ async def open_tunnel(_dht: Any, node: Any, *, peer_id: str, relays: list[str]) 
     server = await asyncio.start_server(accepted, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     _TUNNELS[peer_id] = (port, list(relays))
+    _SERVERS[peer_id] = server
     return port
+
+
+async def close_tunnel(_dht: Any, _node: Any, *, peer_id: str) -> bool:
+    """Run in the DHT process: stop listening for connections to ``peer_id`` (it left the run; sessions still open
+    end on their own). True if there was such a tunnel."""
+    server = _SERVERS.pop(peer_id, None)
+    _TUNNELS.pop(peer_id, None)
+    if server is None:
+        return False
+    server.close()
+    return True
 
 
 async def tunnel_stats(_dht: Any, _node: Any) -> dict:

@@ -48,6 +48,8 @@ class PathPlanner:
         self.unconnectable: set[int] = set()
         self._tunnels: dict[int, tuple[str, tuple[str, ...], int]] = {}  # peer -> (its p2p id, its relays, local port)
         self.published: tuple[tuple[int, int, int], ...] = ()
+        self.forgotten = 0
+        """Peers forgotten so far (``_forget_gone``)."""
 
     def sync(self, records: dict[int, PeerRecord]) -> tuple[tuple[int, int, int], ...] | None:
         """Connect to every other peer of ``records`` by its path. Returns this peer's reverse offers
@@ -66,6 +68,7 @@ class PathPlanner:
                 self.paths[peer] = path
             if path == DIRECT and not self.reach.reachable:
                 self._dial_offer(peer, record)
+        self._forget_gone(records)
         self.exchange.set_behind_nat({peer for peer, record in records.items() if not record.reachable},
                                      order_rings=self.topology_ring)
         offers = self.exchange.reverse_offers()
@@ -73,6 +76,27 @@ class PathPlanner:
             self.published = offers
             return offers
         return None
+
+    def _forget_gone(self, records: dict[int, PeerRecord]) -> None:
+        """Forget the peers this planner connected whose record is gone (a tombstone: it left; or it expired: it
+        died) and whose connection is down, tunnel included: what a peer keeps stays bounded by the peers of the run
+        now, not by every peer that ever came and went. One that is still connected is kept (a record a read
+        missed); it is forgotten at a later read if it is gone by then. One that comes back is connected anew."""
+        self.unconnectable &= set(records)
+        for peer in sorted(set(self.paths) - set(records)):
+            if not self.exchange.forget_peer(peer):
+                continue
+            path = self.paths.pop(peer)
+            self._reverse_since.pop(peer, None)
+            self.fell_back.discard(peer)
+            tunnel = self._tunnels.pop(peer, None)
+            if tunnel is not None and self.run_in_node is not None:
+                from gossiploco.reach.tunnel import close_tunnel
+
+                self.run_in_node(partial(close_tunnel, peer_id=tunnel[0]))
+            self.forgotten += 1
+            log.info("rank %d: peer %d is gone (no record, no connection): forgot it and its %s path", self.rank,
+                     peer, path)
 
     def _fallback(self, peer: int, path: str) -> str:
         """``path``, or relayed for a reverse connection that has not come up in ``reverse_wait_s``."""
@@ -125,7 +149,8 @@ class PathPlanner:
         in_use = Counter(self.paths.values())
         return {"reachable": self.reach.reachable, "paths": dict(in_use), "path_changes": dict(self.counts),
                 "reverse_fell_back": sorted(self.fell_back),
-                "unconnectable": sorted(self.unconnectable), "per_peer": {str(p): k for p, k in sorted(self.paths.items())}}
+                "unconnectable": sorted(self.unconnectable), "forgotten": self.forgotten,
+                "per_peer": {str(p): k for p, k in sorted(self.paths.items())}}
 
 
 def _why(path: str, record: PeerRecord) -> str:

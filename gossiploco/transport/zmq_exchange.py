@@ -235,6 +235,20 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
                      " (listening for it)" if listen else "")
         return True
 
+    def forget_peer(self, peer: int) -> bool:
+        """``peer`` is gone for good (discovery no longer finds its record): unless it is connected, close its
+        sockets and drop what is kept of it (``PathControl.forget_peer``). True if it was forgotten."""
+        with self._cond:
+            if self._closed or peer == self.rank or peer not in self.endpoints or not self._node.forget_peer(peer):
+                return False
+            del self.endpoints[peer]
+            reverse = self._dialed.pop(peer, ())
+        self._sockets.forget(peer)
+        if reverse:
+            self._receiver_work.dial(reverse, ())  # the receiver thread owns the ROUTER
+        log.info("rank %d: forgot peer %d (its record is gone and it is not connected)", self.rank, peer)
+        return True
+
     @property
     def bound(self) -> str:
         """The address this peer's ROUTER listens on (``tcp://HOST:PORT``, the port the OS picked)."""

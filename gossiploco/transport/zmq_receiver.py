@@ -87,6 +87,10 @@ class Receiver:
         while not self.closed():
             while not self.sockets.new_monitors.empty():  # peers added since the last poll
                 poller.register(self.sockets.new_monitors.get(), zmq.POLLIN)
+            while not self.sockets.retired_monitors.empty():  # their sockets were closed (forgotten, made afresh)
+                retired = self.sockets.retired_monitors.get()
+                poller.unregister(retired)
+                retired.close(linger=0)
             auth = self.sockets.auth
             if auth is not None and not auth.is_alive():
                 raise ExchangeError("the ZAP (authentication) thread died: no peer could connect any more")
@@ -199,7 +203,9 @@ class Receiver:
         self.feed(event)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
-        peer = self.sockets.monitors[monitor]
+        peer = self.sockets.monitors.get(monitor)
+        if peer is None:  # its socket was closed (``ZmqSockets.forget``, ``reattach``): retired at the next pass
+            return
         while True:
             try:
                 event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)

@@ -128,7 +128,8 @@ class SealedLinks:
     """
 
     def __init__(self, ctx: zmq.Context, rank: int, routing: bytes, bind: str | None, *, max_frame_bytes: int,
-                 heartbeat_ms: int, sndhwm: int, monitors_out: queue.SimpleQueue):
+                 heartbeat_ms: int, sndhwm: int, monitors_out: queue.SimpleQueue,
+                 monitors_retired: queue.SimpleQueue | None = None):
         self.ctx = ctx
         self.rank = rank
         self.routing = routing
@@ -136,6 +137,8 @@ class SealedLinks:
         self.heartbeat_ms = heartbeat_ms
         self.sndhwm = sndhwm
         self.monitors_out = monitors_out
+        self.monitors_retired = monitors_retired if monitors_retired is not None else queue.SimpleQueue()
+        """Monitors of DEALERs closed (``forget``), for the receiving thread to stop polling and close."""
         self.opener = Opener()
         self.sealer = Sealer()
         self.router: zmq.Socket | None = None
@@ -147,6 +150,7 @@ class SealedLinks:
         self._connected: dict[int, str] = {}  # peer -> the sealed endpoint whose handshake succeeded, until it drops
         self._pending: dict[int, str | None] = {}  # peer -> an endpoint to dial (None: hang up) not applied yet
         self._again: set[int] = set()  # pending peers to dial again at the same endpoint (after a refusal)
+        self._forgotten: set[int] = set()  # peers whose DEALER the receiving thread is to close (``forget``)
         self._state = threading.Lock()  # guards the four above (senders read them)
         self.refusals = HandshakeBackoff()
         """Sealed ports that refused our handshake, and when to dial each again (libzmq does not; receiving thread)."""
@@ -197,7 +201,9 @@ class SealedLinks:
 
     def event(self, monitor: zmq.Socket, kind: int, endpoint: str) -> None:
         """A monitor event of a sealed DEALER: the handshake with ``endpoint`` succeeded, or that connection dropped."""
-        peer = self.monitors[monitor]
+        peer = self.monitors.get(monitor)
+        if peer is None:  # its DEALER was closed (``forget``): the monitor is on its way out
+            return
         if kind & HANDSHAKE_FAILURES:  # refused (this peer's CurveZMQ connection not admitted there yet): retry
             self.refusals.refused(peer, time.monotonic())
             return
@@ -222,9 +228,48 @@ class SealedLinks:
         with self._state:
             self._pending[peer] = endpoint
 
+    def forget(self, peer: int) -> None:
+        """``peer`` left: drop its keys and close its DEALER (on the receiving thread's next ``dial_pending``). Any thread."""
+        self.sealer.forget(peer)
+        self.opener.forget(peer)
+        with self._state:
+            self._pending.pop(peer, None)
+            self._forgotten.add(peer)
+
+    def _close_forgotten(self) -> None:
+        """Close the DEALERs of forgotten peers whose lock is free now (a busy one waits for the next pass)."""
+        with self._state:
+            forgotten, self._forgotten = self._forgotten, set()
+        for peer in forgotten:
+            entry = self.dealers.get(peer)
+            if entry is not None:
+                sock, lock = entry
+                if not lock.acquire(blocking=False):
+                    with self._state:
+                        self._forgotten.add(peer)
+                    continue
+                try:
+                    monitor = next(m for m, p in self.monitors.items() if p == peer)
+                    del self.monitors[monitor]
+                    del self.dealers[peer]
+                    try:
+                        sock.disable_monitor()  # while its reader is open (see ``zmq_send.close_monitored``)
+                    except zmq.ZMQError:
+                        pass
+                    sock.close(linger=0)
+                    self.monitors_retired.put(monitor)
+                finally:
+                    lock.release()
+            with self._state:
+                self._dialed.pop(peer, None)
+                self._connected.pop(peer, None)
+            self.refusals.succeeded(peer)
+
     def dial_pending(self) -> None:
         """Apply the dials asked for, and dial again the sealed ports that refused a handshake (by the receiving
         thread, after every poll)."""
+        if self._forgotten:
+            self._close_forgotten()
         with self._state:
             for peer in self.refusals.due(time.monotonic()) if self.refusals.pending else ():
                 if peer in self._dialed and peer not in self._pending:

@@ -198,6 +198,10 @@ class ZmqSockets:
         """Reverse connections: peer -> the (data, control) endpoints its DEALERs listen on for it to dial."""
         self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
+        self.retired_monitors: queue.SimpleQueue = queue.SimpleQueue()
+        """Monitors of sockets closed since the receiving thread last looked (it stops polling and closes them)."""
+        self._keys: dict[int, bytes | None] = {}  # peer -> the server key its DEALERs were made with
+        self._changing = threading.RLock()  # one change of a peer's sockets at a time (``connect``, ``reattach``, ``forget``)
         self.sealed: SealedLinks | None = None
         """With ``trust``: data chunks sealed with AES-GCM on directly dialed paths (``zmq_sealed``); this peer's
         own sealed port is bound at ``sealed_bind`` (None: none, and this peer offers no key)."""
@@ -206,7 +210,7 @@ class ZmqSockets:
                 self.sealed = SealedLinks(self.ctx, rank, routing_id(rank, self.incarnation, False), sealed_bind,
                                           max_frame_bytes=max_message_bytes + codec.MAX_HEADER_BYTES,
                                           heartbeat_ms=self.heartbeat_ms, sndhwm=self.sndhwm,
-                                          monitors_out=self.new_monitors)
+                                          monitors_out=self.new_monitors, monitors_retired=self.retired_monitors)
             except zmq.ZMQError as exc:
                 self.router.close(linger=0)
                 self.router_monitor.close(linger=0)
@@ -236,8 +240,13 @@ class ZmqSockets:
         ``relayed``: the connection goes through a relay, where it gets half the relay's link at
         best, so a chunk takes longer than on a direct link: its heartbeat timeout is
         ``RELAYED_HEARTBEAT_FACTOR`` times longer (see ``HEARTBEAT_TIMEOUT_MS``)."""
+        with self._changing:
+            self._connect(peer, endpoint, server_key, listen, relayed)
+
+    def _connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None, relayed: bool) -> None:
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
+        self._keys[peer] = server_key
         data = []
         for stripe in range(self.stripes):
             dealer = self._client(server_key, control=False, stripe=stripe)
@@ -284,39 +293,54 @@ class ZmqSockets:
             bound.append(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
         self.listening[peer] = (bound[0], bound[1])
 
-    def _detach(self, peer: int, endpoint: str) -> None:
-        """Undo ``_attach``: stop dialing ``endpoint`` or stop listening on the offered ports."""
-        bound = self.listening.pop(peer, None)
-        for index, sockets in enumerate((self.dealers, self.controls)):
-            sock, _ = sockets[peer]
+    def _retire(self, peer: int) -> None:
+        """Close ``peer``'s DEALERs, each under its lock (a sender racing this gets ``PeerFailed``), and hand their
+        monitor to the receiving thread, which polls it, to close (``retired_monitors``). Holding ``_changing``."""
+        (dealer, lock), (control, control_lock) = self.dealers.pop(peer), self.controls.pop(peer)
+        monitor = next(m for m, p in self.monitors.items() if p == peer)
+        del self.monitors[monitor]
+        with lock:
             try:
-                if bound is not None:
-                    sock.unbind(bound[index])
-                else:
-                    sock.disconnect(endpoint)
+                dealer.disable_monitor()  # while its reader is open (see ``zmq_send.close_monitored``)
             except zmq.ZMQError:
                 pass
-        if peer in self._striped:
-            self._striped.discard(peer)
-            for extra, _ in self.extra_stripes[peer]:
-                try:
-                    extra.disconnect(endpoint)
-                except zmq.ZMQError:
-                    pass
+            dealer.close(linger=0)
+        self.retired_monitors.put(monitor)
+        for extra, extra_lock in self.extra_stripes.pop(peer, []):
+            with extra_lock:
+                extra.close(linger=0)
+        with control_lock:
+            control.close(linger=0)
+        for table in (self._relayed, self._direct, self._turn, self.listening):
+            table.pop(peer, None)
+        self._striped.discard(peer)
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
-        """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial; ``relayed``: None keeps the last)."""
-        locks = [self.dealers[peer][1], self.controls[peer][1], *(lock for _, lock in self.extra_stripes[peer])]
-        for lock in locks:
-            lock.acquire()
-        try:
-            self._detach(peer, old)
-            if relayed is not None:
-                self._relayed[peer] = relayed
-            self._attach(peer, new, listen)
-        finally:
-            for lock in locks:
-                lock.release()
+        """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial; ``relayed``: None keeps the last), or
+        is dialed again after a refused handshake. Its DEALERs are made afresh: libzmq 4.3.5 goes on redialing an
+        endpoint after ``disconnect`` (measured: a DEALER disconnected from a dead peer's address connected to a
+        new listener there within 2 s, whether the connection was up or not), so the old ones are closed instead.
+        Messages still queued toward ``old`` are dropped, as a disconnect drops them."""
+        with self._changing:
+            if peer not in self.dealers:
+                return
+            relayed = self._relayed[peer] if relayed is None else relayed
+            key = self._keys[peer]
+            self._retire(peer)
+            self._connect(peer, new, key, listen, relayed)
+
+    def forget(self, peer: int) -> bool:
+        """Close every socket to ``peer`` and drop what is kept of it (its sealed-data keys included): it left the
+        run, and nothing this peer does may keep growing with every peer that ever came and went. True if it
+        was known. ``connect`` makes it anew should it come back. Any thread."""
+        with self._changing:
+            if peer not in self.dealers:
+                return False
+            self._retire(peer)
+            self._keys.pop(peer, None)
+        if self.sealed is not None:
+            self.sealed.forget(peer)
+        return True
 
     def dialed_endpoint(self, peer: int) -> str | None:
         """``peer``'s endpoint while this peer dials it directly, not through a relay; else None. Any thread."""
@@ -347,11 +371,14 @@ class ZmqSockets:
         if not control and self.sealed is not None and self.sealed.send(peer, frames, deadline=deadline, what=what,
                                                                         closed=closed):
             return None  # sealed into new buffers: the caller's memory is free again at once
-        dealer, lock = sockets[peer]
+        entry, extras, turn = sockets.get(peer), self.extra_stripes.get(peer, []), self._turn.get(peer)
+        if entry is None or turn is None:  # forgotten or made afresh meanwhile (``forget``, ``reattach``)
+            raise PeerFailed(f"{what}: the connection to {peer} was closed")
+        dealer, lock = entry
         striped = not control and peer in self._striped
-        stripe = next(self._turn[peer]) % (1 + len(self.extra_stripes[peer])) if striped else 0
+        stripe = next(turn) % (1 + len(extras)) if striped and extras else 0
         if stripe:  # data messages take the stripes in turn (their order does not matter: module docstring)
-            dealer, lock = self.extra_stripes[peer][stripe - 1]
+            dealer, lock = extras[stripe - 1]
         if not control:
             self.stripe_sends[stripe] += 1
         return send_until(dealer, lock, frames, deadline=deadline, what=what, peer=peer, rank=self.rank, closed=closed,
@@ -427,6 +454,8 @@ class ZmqSockets:
         for control, lock in self.controls.values():
             with lock:
                 control.close(linger=int(1000 * linger_s))
+        while not self.retired_monitors.empty():  # the receiving thread has ended: nobody polls these any more
+            self.retired_monitors.get().close(linger=0)
         if self.sealed is not None:
             self.sealed.close(linger_s)
         if self.auth is not None:

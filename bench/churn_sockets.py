@@ -10,13 +10,13 @@ discovery calls it) and, one after another, ``--peers`` peers B_i: B_i starts on
 (``sync`` with A's and B_i's records: A connects to it) and B_i connects to A; once A sees it connected, B_i leaves
 gracefully (``leave``: it tells A and closes) and its record goes (``sync`` with A's record alone, as after its
 tombstone). Every ``--every`` peers: A's open file descriptors (``/proc/self/fd``, the whole process: B_i's are
-closed by then), the peers A holds sockets for (a data and a control DEALER each, and a monitor) and ``known()``; also the TCP connections A's
-sockets attempted to the departed peers' ports in a 1 s window (a listener on each of the last ``--every`` ports
-counts them: libzmq redials a peer it was not told to forget).
+closed by then), the peers A holds sockets for (a data and a control DEALER each, and a monitor) and ``known()``;
+also the TCP connections A's sockets attempted to the departed peers' ports in a 1 s window (a listener on each of
+the last ``--every`` ports counts them: libzmq redials a peer it was not told to forget).
 
 ``--against REV`` runs this same script on the code of a ``git worktree`` of REV (created under /tmp, removed after;
-``PYTHONPATH`` points there), with this repository's ``.venv``; the revision must have ``PathPlanner``. Prints a Markdown table; ``--out`` writes it with
-the command and the machine.
+``PYTHONPATH`` points there), with this repository's ``.venv``; the revision must have ``PathPlanner``. Prints a
+Markdown table; ``--out`` writes it with the command and the machine.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -140,7 +139,8 @@ def main() -> None:
             former = _run(tree)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, capture_output=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
     lines = ["| peers that came and went | open fds: current | former | peers it holds sockets for: current | former "
              "| peers known: current | former | connection attempts to the last departed ports in 1 s: current "
              "| former |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -179,12 +179,13 @@ def test_a_tunnel_counts_a_target_the_relay_cannot_reach_apart_from_relays_that_
     gone = outsider.peer_id.to_base58()  # a libp2p id no record of the run names
     dead_relay = f"/ip4/127.0.0.1/tcp/1/p2p/{gone}"  # nothing listens on port 1
     before = b.dht.run_coroutine(tunnel_stats)
-    for relays, counter in (([address], "unreachable"), ([dead_relay], "failed"), ([dead_relay, address], "unreachable")):
+    cases = (([address], "unreachable"), ([dead_relay], "failed"), ([dead_relay, address], "unreachable"))
+    for relays, counter in cases:
         port = b.dht.run_coroutine(partial(open_tunnel, peer_id=gone, relays=relays))
         with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
             conn.settimeout(30)
             assert conn.recv(1) == b""  # the tunnel closes the connection: nobody to carry it to
         after = b.dht.run_coroutine(tunnel_stats)
-        assert after[counter] == before[counter] + 1 and sum(after[k] - before[k] for k in ("failed", "unreachable")) == 1, \
-            (relays, before, after)
+        moved = sum(after[k] - before[k] for k in ("failed", "unreachable"))
+        assert after[counter] == before[counter] + 1 and moved == 1, (relays, before, after)
         before = after

@@ -4,7 +4,10 @@ by the run's members now, not by every peer that ever came and went."""
 
 from __future__ import annotations
 
+import math
 import threading
+
+import pytest
 
 from conftest import wait_until
 from gossiploco.transport.zmq_exchange import ZmqExchange
@@ -106,3 +109,42 @@ def test_peers_that_come_and_go_leave_no_sockets_behind_once_forgotten():
         assert a.known() == [3] and a.sockets.dealers == {} and a.sockets.monitors == {}
     finally:
         a.close()
+
+
+
+@pytest.mark.slow
+def test_a_reverse_connection_to_a_peer_that_is_gone_is_redialed_with_backoff():
+    """A peer behind NAT dials the reverse ports a reachable peer offers it with its ROUTER, which cannot be made
+    afresh (every inbound connection is on it), and libzmq goes on redialing after ``disconnect``: a departed
+    peer's ports are dialed for as long as the run lasts. The ROUTER's reconnect interval backs off to
+    ``zmq_sockets.REVERSE_RECONNECT_MAX_MS`` instead of staying at libzmq's 100 ms (10 attempts a second a port):
+    shown by libzmq's own retry events on a ROUTER with the exchange's settings, dialing a closed port."""
+    import zmq
+    import zmq.utils.monitor
+
+    from gossiploco.transport.zmq_sockets import REVERSE_RECONNECT_MAX_MS
+
+    a = ZmqExchange(3, {3: f"tcp://127.0.0.1:{free_ports(1)[0]}"}, "test-reverse", 10.0, grace_s=2.0)
+    try:
+        ivl, ivl_max = (a.sockets.router.getsockopt(opt) for opt in (zmq.RECONNECT_IVL, zmq.RECONNECT_IVL_MAX))
+    finally:
+        a.close()
+    assert ivl_max == REVERSE_RECONNECT_MAX_MS and 0 < ivl < ivl_max
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RECONNECT_IVL, ivl)
+    router.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
+    monitor = router.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+    try:
+        router.connect(f"tcp://127.0.0.1:{free_ports(1)[0]}")  # nobody listens: every attempt is refused
+        intervals, wanted = [], 1 + math.ceil(math.log2(ivl_max / ivl))  # doubling from ivl, then capped
+        while len(intervals) < wanted and monitor.poll(3 * ivl_max):
+            intervals.append(int(zmq.utils.monitor.recv_monitor_message(monitor)["value"]))
+        assert len(intervals) == wanted, intervals
+        assert intervals[-1] == ivl_max and all(b >= a for a, b in zip(intervals, intervals[1:])), intervals
+    finally:
+        router.disable_monitor()
+        monitor.close(linger=0)
+        router.close(linger=0)
+        ctx.term()

@@ -59,6 +59,11 @@ HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
 queued on the connection, so it must exceed the time one chunk takes on the slowest link: a
 4 MiB chunk needs 0.7 s at 50 Mbit/s but over 5 s below about 7 Mbit/s."""
+REVERSE_RECONNECT_MAX_MS = 2000
+"""The ROUTER's reconnect interval grows (doubling from libzmq's 100 ms) to at most this. Only reverse connections are
+dialed by the ROUTER; libzmq redials an endpoint after ``disconnect`` (see ``reattach``), and the ROUTER cannot be
+made afresh, so a departed reachable peer's reverse ports are dialed for the rest of the run: once every 2 s each
+instead of 10 times a second. A reverse connection that dropped for a moment comes back within this much later."""
 RELAYED_HEARTBEAT_FACTOR = 4
 """Measured (bench/results/reach.md): a 4 MiB chunk through a relay whose link is 12.5 Mbit/s took
 longer than the default 5 s, and every relayed Mix2 then lost its connection."""
@@ -159,6 +164,7 @@ class ZmqSockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
         # A client that connects and never completes the handshake is dropped after HANDSHAKE_S.
         self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        self.router.setsockopt(zmq.RECONNECT_IVL_MAX, REVERSE_RECONNECT_MAX_MS)  # its reverse dials back off
         if trust is not None:
             secure_server(self.router, trust)
         try:

@@ -51,10 +51,11 @@ def test_the_channel_calls_both_ways_shares_tensors_in_place_and_returns_errors(
 
 
 def test_a_closed_channel_fails_waiting_and_later_calls_at_once():
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     lost = []
 
     def slow(name, args, kwargs):
+        started.set()
         release.wait(10)
 
     a, b = pipe_pair(handler_b=slow)
@@ -62,7 +63,9 @@ def test_a_closed_channel_fails_waiting_and_later_calls_at_once():
     errors = []
     waiter = threading.Thread(target=lambda: errors.append(_raised(lambda: a.call("slow", timeout_s=30))))
     waiter.start()
-    assert wait_until(lambda: bool(a._pending), 5)  # the call is on its way
+    # The call reached the other side (its handler runs): a send still under way when that side closes would fail
+    # with a broken pipe instead, and the reason would be the send's, not the close's.
+    assert wait_until(started.is_set, 5)
     began = time.monotonic()
     b.close("the other side went away")
     waiter.join(5)

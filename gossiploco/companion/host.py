@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 CALLS = frozenset({
     "members", "group", "all_reduce_mean", "swap", "all_to_all", "fetch_state", "add_peer", "forget_peer",
-    "set_grouping", "set_behind_nat", "dial_reverse", "reverse_offers", "connected", "wait_connected", "check_reachable",
-    "protocol_state", "security_counts", "sealed_counts", "join_swarm", "catch_up_if_behind", "is_closed",
-    "deadlines_state", "load_deadlines"})
+    "set_grouping", "set_behind_nat", "dial_reverse", "reverse_offers", "connected", "wait_connected",
+    "check_reachable", "protocol_state", "security_counts", "sealed_counts", "join_swarm", "catch_up_if_behind",
+    "is_closed", "deadlines_state", "load_deadlines"})
 """Methods of ``ZmqExchange`` the trainer calls (``CompanionExchange``)."""
 COUNTERS = ("current_round", "bytes_sent", "wire_bytes_sent", "dropped_messages", "bytes_received",
             "malformed_messages", "isolated_mixes")

@@ -40,7 +40,8 @@ from gossiploco.errors import ExchangeTimeout
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 from gossiploco.transport.zmq_auth import SEALED_DOMAIN
-from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, GaveUp, close_monitored, send_until
+from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, GaveUp, close_leaving_monitor, close_monitored,
+                                            send_until)
 
 RECONNECT_MAX_MS = 10_000
 """A sealed port that does not answer (a firewall) is dialed again at most this often once backoff grew."""
@@ -229,7 +230,8 @@ class SealedLinks:
             self._pending[peer] = endpoint
 
     def forget(self, peer: int) -> None:
-        """``peer`` left: drop its keys and close its DEALER (on the receiving thread's next ``dial_pending``). Any thread."""
+        """``peer`` left: drop its keys and close its DEALER (on the receiving thread's next ``dial_pending``). Any
+        thread."""
         self.sealer.forget(peer)
         self.opener.forget(peer)
         with self._state:
@@ -252,11 +254,7 @@ class SealedLinks:
                     monitor = next(m for m, p in self.monitors.items() if p == peer)
                     del self.monitors[monitor]
                     del self.dealers[peer]
-                    try:
-                        sock.disable_monitor()  # while its reader is open (see ``zmq_send.close_monitored``)
-                    except zmq.ZMQError:
-                        pass
-                    sock.close(linger=0)
+                    close_leaving_monitor(sock)
                     self.monitors_retired.put(monitor)
                 finally:
                     lock.release()

@@ -53,6 +53,16 @@ def send_until(sock: zmq.Socket, lock: threading.Lock, frames: list, *, deadline
         lock.release()
 
 
+def close_leaving_monitor(sock: zmq.Socket) -> None:
+    """Close ``sock`` at once (the caller holds its lock) after stopping its monitor, whose reader stays open: the
+    thread that polls that reader closes it (see ``close_monitored`` for why the order matters)."""
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    sock.close(linger=0)
+
+
 def close_monitored(sock: zmq.Socket, lock: threading.Lock, monitor: zmq.Socket, linger_s: float) -> None:
     """Close ``sock`` (messages already queued get ``linger_s``) and its ``monitor``, holding ``lock``: senders notice
     the close within ``retry.SEND_RETRY_S`` and release it. The monitor is stopped while its reader is still open:

@@ -52,7 +52,7 @@ from gossiploco.protocol import codec
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.zmq_sealed import SealedLinks
-from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, close_monitored, send_until
+from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, close_leaving_monitor, close_monitored, send_until
 
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -207,7 +207,7 @@ class ZmqSockets:
         self.retired_monitors: queue.SimpleQueue = queue.SimpleQueue()
         """Monitors of sockets closed since the receiving thread last looked (it stops polling and closes them)."""
         self._keys: dict[int, bytes | None] = {}  # peer -> the server key its DEALERs were made with
-        self._changing = threading.RLock()  # one change of a peer's sockets at a time (``connect``, ``reattach``, ``forget``)
+        self._changing = threading.RLock()  # one change of a peer's sockets at a time: connect, reattach, forget
         self.sealed: SealedLinks | None = None
         """With ``trust``: data chunks sealed with AES-GCM on directly dialed paths (``zmq_sealed``); this peer's
         own sealed port is bound at ``sealed_bind`` (None: none, and this peer offers no key)."""
@@ -306,11 +306,7 @@ class ZmqSockets:
         monitor = next(m for m, p in self.monitors.items() if p == peer)
         del self.monitors[monitor]
         with lock:
-            try:
-                dealer.disable_monitor()  # while its reader is open (see ``zmq_send.close_monitored``)
-            except zmq.ZMQError:
-                pass
-            dealer.close(linger=0)
+            close_leaving_monitor(dealer)
         self.retired_monitors.put(monitor)
         for extra, extra_lock in self.extra_stripes.pop(peer, []):
             with extra_lock:

@@ -424,16 +424,23 @@ def test_the_planner_forgets_a_peer_whose_record_is_gone_unless_it_is_still_conn
         calls.append((fn.func.__name__, fn.keywords))
         return 40000 + len(calls) if fn.func.__name__ == "open_tunnel" else True
 
-    here = MemoryPaths(1)
-    planner = PathPlanner(1, Reach(reachable=False), here, run_in_node=run_in_node)
+    here, now = MemoryPaths(1), [0.0]
+    planner = PathPlanner(1, Reach(reachable=False), here, run_in_node=run_in_node, clock=lambda: now[0],
+                          forget_after_s=30.0)
     planner.sync(records)
     assert sorted(here.added) == [2, 3, 4] and here.added[3][2] is True  # 3 through a relay
     here.up = {4}
-    planner.sync({1: records[1]})  # 2, 3 and 4 gone from the directory; 4 still connected
-    assert sorted(here.added) == [4] and sorted(planner.paths) == [4] and planner.summary()["forgotten"] == 2
+    planner.sync({1: records[1]})  # 2, 3 and 4 gone from the directory (a read may miss records for a moment)
+    now[0] = 29.0
+    planner.sync({1: records[1], 2: records[2]})  # 2 was only missed by one read: seen again, it starts over
+    assert sorted(here.added) == [2, 3, 4] and planner.summary()["forgotten"] == 0
+    now[0] = 30.0
+    planner.sync({1: records[1]})  # 3 and 4 missing for 30 s; 4 still connected; 2 missing for 0 s
+    assert sorted(here.added) == [2, 4] and sorted(planner.paths) == [2, 4] and planner.summary()["forgotten"] == 1
     assert ("close_tunnel", {"peer_id": p2p}) in calls
     here.up = set()
-    planner.sync({1: records[1], 3: records[3]})  # 3 is back (a new process), 4 is now gone for good
+    now[0] = 60.0
+    planner.sync({1: records[1], 3: records[3]})  # 3 is back (a new process); 2 and 4 are now gone for good
     assert sorted(here.added) == [3] and sorted(planner.paths) == [3] and planner.summary()["forgotten"] == 3
     assert [name for name, _ in calls].count("open_tunnel") == 2  # a fresh tunnel for the new 3
 

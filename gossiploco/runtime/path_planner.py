@@ -23,6 +23,11 @@ from gossiploco.reach.paths import DIRECT, RELAYED, REVERSE, REVERSE_WAIT_S, Pat
 
 log = logging.getLogger(__name__)
 
+FORGET_AFTER_S = 30.0
+"""A peer is forgotten once its record has been missing from every read for this long (longer than a record's time
+to live, ``timeouts.announce_ttl_s``): a read that missed a record for a moment (records still spreading at the
+start, a DHT node that did not answer) forgets nobody."""
+
 
 class PathPlanner:
     """Connects this peer to each member by the member's path; see the module docstring.
@@ -34,7 +39,7 @@ class PathPlanner:
 
     def __init__(self, rank: int, reach: Reach, exchange: PathControl, run_in_node: Callable[[Any], Any] | None,
                  topology_ring: bool = True, reverse_wait_s: float = REVERSE_WAIT_S,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, forget_after_s: float = FORGET_AFTER_S):
         self.rank, self.reach, self.exchange, self.run_in_node = rank, reach, exchange, run_in_node
         self.reverse_wait_s, self.clock = reverse_wait_s, clock
         self._reverse_since: dict[int, float] = {}  # peer -> when its reverse connection was offered; -1: it came up
@@ -48,6 +53,8 @@ class PathPlanner:
         self.unconnectable: set[int] = set()
         self._tunnels: dict[int, tuple[str, tuple[str, ...], int]] = {}  # peer -> (its p2p id, its relays, local port)
         self.published: tuple[tuple[int, int, int], ...] = ()
+        self.forget_after_s = forget_after_s
+        self._missing_since: dict[int, float] = {}  # peer -> when a read first missed its record (cleared when seen)
         self.forgotten = 0
         """Peers forgotten so far (``_forget_gone``)."""
 
@@ -78,14 +85,20 @@ class PathPlanner:
         return None
 
     def _forget_gone(self, records: dict[int, PeerRecord]) -> None:
-        """Forget the peers this planner connected whose record is gone (a tombstone: it left; or it expired: it
-        died) and whose connection is down, tunnel included: what a peer keeps stays bounded by the peers of the run
+        """Forget the peers this planner connected whose record has been gone for ``forget_after_s`` (a tombstone: it
+        left; or it expired: it died) and whose connection is down, tunnel included: what a peer keeps stays bounded by the peers of the run
         now, not by every peer that ever came and went. One that is still connected is kept (a record a read
         missed); it is forgotten at a later read if it is gone by then. One that comes back is connected anew."""
         self.unconnectable &= set(records)
+        now = self.clock()
+        for peer in [p for p in self._missing_since if p in records]:
+            del self._missing_since[peer]
         for peer in sorted(set(self.paths) - set(records)):
+            if now - self._missing_since.setdefault(peer, now) < self.forget_after_s:
+                continue
             if not self.exchange.forget_peer(peer):
                 continue
+            del self._missing_since[peer]
             path = self.paths.pop(peer)
             self._reverse_since.pop(peer, None)
             self.fell_back.discard(peer)

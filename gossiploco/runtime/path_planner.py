@@ -86,9 +86,9 @@ class PathPlanner:
 
     def _forget_gone(self, records: dict[int, PeerRecord]) -> None:
         """Forget the peers this planner connected whose record has been gone for ``forget_after_s`` (a tombstone: it
-        left; or it expired: it died) and whose connection is down, tunnel included: what a peer keeps stays bounded by the peers of the run
-        now, not by every peer that ever came and went. One that is still connected is kept (a record a read
-        missed); it is forgotten at a later read if it is gone by then. One that comes back is connected anew."""
+        left; or it expired: it died) and whose connection is down, tunnel included: what a peer keeps stays bounded
+        by the peers of the run now, not by every peer that ever came and went. One that is still connected is kept;
+        it is forgotten at a later read if it is gone by then. One that comes back is connected anew."""
         self.unconnectable &= set(records)
         now = self.clock()
         for peer in [p for p in self._missing_since if p in records]:

@@ -139,7 +139,8 @@ class SealedLinks:
         self.sndhwm = sndhwm
         self.monitors_out = monitors_out
         self.monitors_retired = monitors_retired if monitors_retired is not None else queue.SimpleQueue()
-        """Monitors of DEALERs closed (``forget``), for the receiving thread to stop polling and close."""
+        """Monitors of DEALERs closed (``forget``), for the receiving thread to stop polling and close (default: a
+        queue of its own, for an owner that never forgets a peer)."""
         self.opener = Opener()
         self.sealer = Sealer()
         self.router: zmq.Socket | None = None
@@ -152,7 +153,7 @@ class SealedLinks:
         self._pending: dict[int, str | None] = {}  # peer -> an endpoint to dial (None: hang up) not applied yet
         self._again: set[int] = set()  # pending peers to dial again at the same endpoint (after a refusal)
         self._forgotten: set[int] = set()  # peers whose DEALER the receiving thread is to close (``forget``)
-        self._state = threading.Lock()  # guards the four above (senders read them)
+        self._state = threading.Lock()  # guards the five above (senders read them)
         self.refusals = HandshakeBackoff()
         """Sealed ports that refused our handshake, and when to dial each again (libzmq does not; receiving thread)."""
         self.sent = 0

@@ -14,6 +14,16 @@ closed by then), the peers A holds sockets for (a data and a control DEALER each
 also the TCP connections A's sockets attempted to the departed peers' ports in a 1 s window (a listener on each of
 the last ``--every`` ports counts them: libzmq redials a peer it was not told to forget).
 
+Then the same with reverse connections (A behind NAT, every B_i reachable): B_i's DEALERs listen for A
+(``add_peer(..., listen=True)``) and A's ROUTER dials them (``dial_reverse``, as the path planner does from B_i's
+record's offers), A dials B_i directly too; once connected, B_i leaves and A forgets it (``forget_peer``, as the
+planner does once its record is gone). Counted: connection attempts to the last ``--every`` departed peers' listening
+ports in 1 s (the ROUTER's reverse dials of departed peers).
+
+Last, a reverse endpoint that takes TCP connections but never completes a ZMTP handshake (a listener that accepts
+and closes: a port some other program took over, a key refused there): A's ROUTER dials it, and the attempts it
+makes from 2 s to 6 s after are counted.
+
 ``--against REV`` runs this same script on the code of a ``git worktree`` of REV (created under /tmp, removed after;
 ``PYTHONPATH`` points there), with this repository's ``.venv``; the revision must have ``PathPlanner``. Prints a
 Markdown table; ``--out`` writes it with the command and the machine.
@@ -116,6 +126,68 @@ def one(peers: int, every: int) -> list[dict]:
     return rows
 
 
+def one_reverse(peers: int, every: int) -> list[dict]:
+    """The reverse-connection scenario (module docstring): attempts to departed peers' listening ports, per ``every``."""
+    from gossiploco.transport.zmq_exchange import ZmqExchange
+
+    run = "churn-reverse"
+    a_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    a = ZmqExchange(1, {1: a_endpoint}, run, 10.0, grace_s=2.0)
+    rows, recent = [], []
+    try:
+        for i in range(peers):
+            rank = 100 + i
+            endpoint = f"tcp://127.0.0.1:{_free_port()}"
+            b = ZmqExchange(rank, {rank: endpoint}, run, 10.0, grace_s=2.0)
+            try:
+                b.add_peer(1, a_endpoint, listen=True)
+                offers = [ports for peer, *ports in b.reverse_offers() if peer == 1][0]
+                a.add_peer(rank, endpoint)
+                a.dial_reverse(rank, [f"tcp://127.0.0.1:{port}" for port in offers])
+                if not _wait(lambda: rank in a.connected() and 1 in b.connected(), 10.0):
+                    raise RuntimeError(f"peer {rank} never connected both ways")
+            finally:
+                b.leave(linger_s=0.1)
+            _wait(lambda: rank not in a.connected(), 10.0)
+            a.forget_peer(rank)
+            recent += offers
+            if (i + 1) % every == 0:
+                time.sleep(0.3)
+                rows.append({"reverse_attempts_1s": _attempts(recent, 1.0)})
+                recent = []
+    finally:
+        a.close()
+    return rows
+
+
+def handshakeless(start_s: float = 2.0, window_s: float = 4.0) -> int:
+    """Attempts A's ROUTER makes to a reverse endpoint that accepts and closes, from ``start_s`` for ``window_s``."""
+    from gossiploco.transport.zmq_exchange import ZmqExchange
+
+    port = _free_port()
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen(64)
+    server.setblocking(False)
+    a = ZmqExchange(1, {1: f"tcp://127.0.0.1:{_free_port()}"}, "churn-handshakeless", 10.0, grace_s=2.0)
+    count, began = 0, time.monotonic()
+    try:
+        a.dial_reverse(7, [f"tcp://127.0.0.1:{port}"])
+        while time.monotonic() < began + start_s + window_s:
+            try:
+                conn, _ = server.accept()
+            except BlockingIOError:
+                time.sleep(0.005)
+                continue
+            count += time.monotonic() >= began + start_s
+            conn.close()
+    finally:
+        a.close()
+        server.close()
+    return count
+
+
 def _run(cwd: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(cwd)}
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "one", "--peers", str(ARGS.peers),
@@ -144,12 +216,17 @@ def main() -> None:
                           text=True).stdout.strip()
     lines = ["| peers that came and went | open fds: current | former | peers it holds sockets for: current | former "
              "| peers known: current | former | connection attempts to the last departed ports in 1 s: current "
-             "| former |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| former | attempts to their reverse ports in 1 s: current | former |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for index, row in enumerate(current):
         old = former[index] if former else {}
         lines.append(f"| {row['peers_seen']} | {row['fds']} | {old.get('fds', '-')} | {row['dealers']} | "
                      f"{old.get('dealers', '-')} | {row['known']} | {old.get('known', '-')} | {row['attempts_1s']} | "
-                     f"{old.get('attempts_1s', '-')} |")
+                     f"{old.get('attempts_1s', '-')} | {row['reverse_attempts_1s']} | "
+                     f"{old.get('reverse_attempts_1s', '-')} |")
+    lines += ["", f"Attempts to a reverse endpoint that accepts TCP and never completes a handshake, from 2 s to 6 s "
+              f"after it was dialed: current {current[-1]['handshakeless_attempts']}, former "
+              f"{former[-1].get('handshakeless_attempts', '-') if former else '-'}."]
     table = "\n".join(lines)
     print(table)
     if ARGS.out:
@@ -170,6 +247,10 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     ARGS = parser.parse_args()
     if ARGS.mode == "one":
-        print(json.dumps(one(ARGS.peers, ARGS.every)))
+        rows = one(ARGS.peers, ARGS.every)
+        for row, reverse in zip(rows, one_reverse(ARGS.peers, ARGS.every)):
+            row.update(reverse)
+        rows[-1]["handshakeless_attempts"] = handshakeless()
+        print(json.dumps(rows))
     else:
         main()

@@ -4,10 +4,7 @@ by the run's members now, not by every peer that ever came and went."""
 
 from __future__ import annotations
 
-import math
 import threading
-
-import pytest
 
 from conftest import wait_until
 from gossiploco.transport.zmq_exchange import ZmqExchange
@@ -112,39 +109,120 @@ def test_peers_that_come_and_go_leave_no_sockets_behind_once_forgotten():
 
 
 
-@pytest.mark.slow
-def test_a_reverse_connection_to_a_peer_that_is_gone_is_redialed_with_backoff():
-    """A peer behind NAT dials the reverse ports a reachable peer offers it with its ROUTER, which cannot be made
-    afresh (every inbound connection is on it), and libzmq goes on redialing after ``disconnect``: a departed
-    peer's ports are dialed for as long as the run lasts. The ROUTER's reconnect interval backs off to
-    ``zmq_sockets.REVERSE_RECONNECT_MAX_MS`` instead of staying at libzmq's 100 ms (10 attempts a second a port):
-    shown by libzmq's own retry events on a ROUTER with the exchange's settings, dialing a closed port."""
-    import zmq
-    import zmq.utils.monitor
-
-    from gossiploco.transport.zmq_sockets import REVERSE_RECONNECT_MAX_MS
-
-    a = ZmqExchange(3, {3: f"tcp://127.0.0.1:{free_ports(1)[0]}"}, "test-reverse", 10.0, grace_s=2.0)
+def test_a_reverse_endpoint_is_redialed_while_wanted_and_never_once_its_peer_moved_on():
+    """A reachable peer's DEALERs listen for a peer behind NAT, whose ROUTER dials them (a reverse connection).
+    libzmq's redialing is off on the ROUTER (it restarted at 100 ms after every TCP connection, handshake or not:
+    an endpoint that accepts and closes was dialed 10 times a second) and its receiving thread redials what it still
+    wants (``retry.Redials``): here every attempt is taken and closed, so the endpoint still wanted is dialed again
+    and again with backoff (the positive control of the window), while the one dropped (its peer moved) and the one
+    of a forgotten peer are not dialed once more."""
+    ports = free_ports(4)
+    a = ZmqExchange(3, {3: f"tcp://127.0.0.1:{ports[0]}"}, "test-reverse", 10.0, grace_s=2.0)
+    stop = threading.Event()
     try:
-        ivl, ivl_max = (a.sockets.router.getsockopt(opt) for opt in (zmq.RECONNECT_IVL, zmq.RECONNECT_IVL_MAX))
+        kept, dropped, forgotten = (f"tcp://127.0.0.1:{port}" for port in ports[1:])
+        listeners = [_count_connections(int(e.rsplit(":", 1)[1]), stop) for e in (kept, dropped, forgotten)]
+        counts = [count for count, _ in listeners]  # each attempt is taken and closed: no handshake, a loss
+        assert a.add_peer(8, forgotten)
+        assert a.dial_reverse(6, [kept]) and a.dial_reverse(7, [dropped]) and a.dial_reverse(8, [forgotten])
+        redials = a._receiver_work.redials
+        assert wait_until(lambda: all(c[0] >= 3 for c in counts), 10.0), counts  # redialed after every loss
+        assert a.dial_reverse(7, []) and a.forget_peer(8)  # 7 moved to another path; 8 left for good
+        assert wait_until(lambda: not redials.wanted(dropped) and not redials.wanted(forgotten), 5.0)
+        before = [c[0] for c in counts]
+        # the kept endpoint is dialed twice more (its backoff is at most REDIAL_MAX_S): a window that long
+        assert wait_until(lambda: counts[0][0] >= before[0] + 2, 10.0), counts
+        assert [c[0] for c in counts[1:]] == before[1:], (before, counts)
+        assert redials.losses(kept) >= 4 and a._receiver_work.redialed >= 4
     finally:
+        stop.set()
         a.close()
-    assert ivl_max == REVERSE_RECONNECT_MAX_MS and 0 < ivl < ivl_max
+
+
+def test_a_reverse_connection_that_dropped_is_made_again():
+    """With libzmq's redialing off, a reverse connection that dropped (the listening peer restarted its sockets) is
+    made again by the receiving thread, within its first redial delay and a poll, and carries messages again."""
+    import zmq
+
+    ports = free_ports(2)
+    a = ZmqExchange(3, {3: f"tcp://127.0.0.1:{ports[0]}"}, "test-reverse", 10.0, grace_s=2.0)
+    listen = f"tcp://127.0.0.1:{ports[1]}"
     ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    router.setsockopt(zmq.RECONNECT_IVL, ivl)
-    router.setsockopt(zmq.RECONNECT_IVL_MAX, ivl_max)
-    monitor = router.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+
+    def listener():
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+
+        def bound() -> bool:
+            try:
+                sock.bind(listen)
+            except zmq.ZMQError:  # the closed one's port is freed by libzmq's I/O thread, a moment later
+                return False
+            return True
+
+        if not wait_until(bound, 5.0):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            raise AssertionError(f"cannot bind {listen} again")
+        return sock, monitor
+
+    def handshake(monitor) -> bool:
+        return bool(monitor.poll(5000))
+
+    sock, monitor = listener()
     try:
-        router.connect(f"tcp://127.0.0.1:{free_ports(1)[0]}")  # nobody listens: every attempt is refused
-        intervals, wanted = [], 1 + math.ceil(math.log2(ivl_max / ivl))  # doubling from ivl, then capped
-        while len(intervals) < wanted and monitor.poll(3 * ivl_max):
-            intervals.append(int(zmq.utils.monitor.recv_monitor_message(monitor)["value"]))
-        assert len(intervals) == wanted, intervals
-        assert intervals[-1] == ivl_max and all(b >= a for a, b in zip(intervals, intervals[1:])), intervals
-    finally:
-        router.disable_monitor()
+        assert a.dial_reverse(9, [listen])
+        assert handshake(monitor)
+        sock.disable_monitor()
         monitor.close(linger=0)
-        router.close(linger=0)
+        sock.close(linger=0)  # the connection drops; nobody listens for a moment
+        sock, monitor = listener()  # back at the same port
+        assert handshake(monitor), "the reverse connection was not made again"
+        assert a._receiver_work.redialed >= 1
+    finally:
+        if not sock.closed:
+            sock.disable_monitor()  # first: the monitor's last event would wait for a reader closed before it
+            sock.close(linger=0)
+        monitor.close(linger=0)
+        a.close()
         ctx.term()
+
+
+def test_a_forgotten_peer_is_refused_at_the_handshake_until_it_is_known_again():
+    """Forgetting a peer also takes its key off the ZAP handler's list: a forgotten peer that comes back and dials
+    this one before discovery found its record again is refused at the handshake, as a stranger is (it retries with
+    backoff), then admitted once it is known again."""
+    from gossiploco.security.swarm_key import SwarmKey
+    from gossiploco.security.trust import Trust
+
+    key, run_id = SwarmKey.generate(), "test-revoke"
+    ports = free_ports(3)
+    ep = [f"tcp://127.0.0.1:{port}" for port in ports]
+    a = ZmqExchange(0, {0: ep[0]}, run_id, 10.0, grace_s=2.0, trust=Trust.static(key, 0, 2))
+    b = ZmqExchange(1, {1: ep[1]}, run_id, 10.0, grace_s=2.0, trust=Trust.static(key, 1, 2))
+    back = None
+    try:
+        assert a.add_peer(1, ep[1]) and b.add_peer(0, ep[0])
+        assert wait_until(lambda: a.members(0) == [0, 1] and b.members(0) == [0, 1], 10.0)
+        b.leave(linger_s=0.2)
+        assert wait_until(lambda: 1 not in a.connected(), 10.0)
+        assert a.sockets.auth.admitted(1) and a.forget_peer(1) and not a.sockets.auth.admitted(1)
+        assert a.sockets.auth.admitted(0)  # its own key stays
+        refused = a.sockets.refused_connections().get("key of no member", 0)
+        back = ZmqExchange(1, {1: ep[2]}, run_id, 10.0, grace_s=2.0, trust=Trust.static(key, 1, 2))
+        assert back.add_peer(0, ep[0])  # it dials first; this peer has not found it again
+        assert wait_until(lambda: a.sockets.refused_connections().get("key of no member", 0) > refused, 10.0)
+        assert 1 not in a.connected()
+        assert a.add_peer(1, ep[2])  # discovery finds its record again
+        # as the runtime's join program does once its connections are up (``lifecycle.join``): what it said while
+        # refused was lost with that connection
+        assert wait_until(lambda: 0 in back.connected(), 15.0)
+        back.announce(0)
+        assert wait_until(lambda: a.members(0) == [0, 1] and back.members(0) == [0, 1], 15.0), (a.members(0),
+                                                                                           back.members(0))
+    finally:
+        for ex in (a, b, back):
+            if ex is not None:
+                ex.close()

@@ -1,11 +1,12 @@
-"""The ZeroMQ driver's retry policy (``transport.retry``): a full send queue, a refused handshake. Pure, no sockets."""
+"""The ZeroMQ driver's retry policy (``transport.retry``): a full send queue, a refused handshake, a reverse
+connection that failed or dropped. Pure, no sockets."""
 
 from __future__ import annotations
 
 import pytest
 
-from gossiploco.transport.retry import (RETRY_FIRST_S, RETRY_MAX_S, SEND_RETRY_S, HandshakeBackoff, refused_delay_s,
-                                        send_wait_s)
+from gossiploco.transport.retry import (REDIAL_FIRST_S, REDIAL_MAX_S, RETRY_FIRST_S, RETRY_MAX_S, SEND_RETRY_S,
+                                        HandshakeBackoff, Redials, refused_delay_s, send_wait_s)
 
 
 def test_a_full_send_queue_is_polled_in_short_steps_and_given_up_at_the_deadline():
@@ -50,3 +51,31 @@ def test_due_peers_come_in_the_order_they_were_scheduled():
     for peer in (5, 2, 9):
         backoff.refused(peer, now=0.0)
     assert backoff.due(1.0) == [5, 2, 9]
+
+
+def test_a_wanted_reverse_endpoint_is_redialed_backing_off_and_a_dropped_one_never_again():
+    redials = Redials()
+    a, b = "tcp://10.0.0.2:4000", "tcp://10.0.0.3:4000"
+    assert redials.lost(a, now=0.0) is None and not redials.pending  # never wanted: its events are not ours
+    redials.want(a)
+    redials.want(b)
+    # a keeps failing: REDIAL_FIRST_S, doubling, at most REDIAL_MAX_S (the delays the policy gives, written out)
+    now, delays = 0.0, []
+    for _ in range(7):
+        delay = redials.lost(a, now)
+        delays.append(delay)
+        assert redials.due(now + delay - 1e-6) == [] and redials.due(now + delay) == [a]
+        now += delay
+    expected = [min(REDIAL_MAX_S, REDIAL_FIRST_S * 2 ** n) for n in range(7)]
+    assert delays == pytest.approx(expected) and max(delays) == REDIAL_MAX_S and redials.losses(a) == 7
+    redials.up(a)  # a handshake: its next loss is redialed soon again
+    assert redials.losses(a) == 0 and redials.lost(a, now) == REDIAL_FIRST_S
+    # dropped while a redial was scheduled: never due, and its later events change nothing
+    redials.lost(b, now)
+    redials.drop(a)
+    redials.drop(b)
+    assert redials.due(now + 100.0) == [] and not redials.pending
+    assert redials.lost(a, now) is None and redials.lost(b, now) is None and not redials.wanted(a)
+    # wanted again (its peer came back there): counted from none
+    redials.want(a)
+    assert redials.wanted(a) and redials.losses(a) == 0 and redials.lost(a, now) == REDIAL_FIRST_S

@@ -298,3 +298,31 @@ def test_the_sealed_port_admits_connections_only_from_members_addresses_and_a_re
         auth.stop()
         ctx.destroy(linger=0)
         other.destroy(linger=0)
+
+
+def test_a_peer_whose_path_changed_is_no_longer_dialed_at_its_old_sealed_port(monkeypatch):
+    """A sealed DEALER whose path changes is made afresh, not disconnected: libzmq 4.3.5 goes on redialing an endpoint
+    after ``disconnect``, so a peer that moved (here: to a reverse path, which is not sealed) was dialed at its old
+    sealed port for good. Peer 2's link, gone but unchanged, is still redialed in the same window: the control."""
+    from gossiploco.transport import zmq_sealed
+    from tests.test_peer_churn import _count_connections
+
+    monkeypatch.setattr(zmq_sealed, "RECONNECT_MAX_MS", 200)  # libzmq's redials of a lost sealed link: quick here
+    exchanges = _swarm(3)
+    a = exchanges[0]
+    stop = threading.Event()
+    try:
+        assert _sealed_up(exchanges, [(0, 1), (0, 2)])
+        ports = {r: a.sockets.sealed.sealer.port_of(r) for r in (1, 2)}
+        endpoint_1 = a.endpoints[1]
+        for r in (1, 2):
+            exchanges[r].close()
+        counts = {r: _count_connections(ports[r], stop)[0] for r in (1, 2)}
+        assert a.add_peer(1, endpoint_1, listen=True)  # its path changed: no longer dialed directly
+        assert wait_until(lambda: 1 not in a.sockets.sealed.dealers, 5.0)
+        before = {r: c[0] for r, c in counts.items()}
+        assert wait_until(lambda: counts[2][0] >= before[2] + 3, 10.0), counts  # still dialed, again and again
+        assert counts[1][0] == before[1], (before, counts)
+    finally:
+        stop.set()
+        a.close()

@@ -63,6 +63,12 @@ class Admission:
         self._pinned[sender] = (incarnation, now)
         return None if pinned is None else f"peer {sender} speaks from a new process now"
 
+    def forget(self, peer: int) -> None:
+        """``peer`` left the run and was forgotten (``ZmqExchange.forget_peer``): whichever process of it speaks
+        next is pinned anew. Without this, the node having forgotten when its connection dropped, the process it
+        comes back as would be refused for good as "another process ... while its connection is up"."""
+        self._pinned.pop(peer, None)
+
     def is_pinned(self, peer: int) -> bool:
         """A process of ``peer`` was admitted (for tests and diagnostics)."""
         return peer in self._pinned

@@ -10,14 +10,24 @@ Two things are retried (times are ``time.monotonic`` seconds, passed in by the c
   refusal is expected while a peer joins), then backing off: ``RETRY_FIRST_S`` doubled per refusal in a
   row, at most ``RETRY_MAX_S``. A handshake that succeeds starts the count again. It never gives up: a
   refusing peer is tried every ``RETRY_MAX_S`` for as long as it is a member.
+* A reverse connection (the ROUTER dials a peer behind NAT's listening port) that failed or dropped: libzmq would
+  redial an endpoint for as long as the socket lives, even after ``disconnect``, and the ROUTER lives as long as
+  the peer, so the driver turns libzmq's redialing off and redials the endpoints it still wants itself
+  (``Redials``): ``REDIAL_FIRST_S`` after a loss, doubling while attempts fail, at most ``REDIAL_MAX_S``; an
+  endpoint no longer wanted (its peer moved or was forgotten) is never dialed again.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 SEND_RETRY_S = 0.05
 """Longest wait between two tries of a send whose queue is full."""
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 8.0
 """After a refused handshake: the first new try, and the longest wait between tries."""
+REDIAL_FIRST_S, REDIAL_MAX_S = 0.1, 2.0
+"""After a reverse connection failed or dropped: the first redial (libzmq's own reconnect interval), and the longest
+wait between redials (a connection that dropped for a moment is back within this much)."""
 
 
 def send_wait_s(deadline: float, now: float, step_s: float = SEND_RETRY_S) -> float | None:
@@ -38,7 +48,8 @@ def refused_delay_s(refusals: int, first_s: float = RETRY_FIRST_S, max_s: float 
 
 
 class HandshakeBackoff:
-    """The peers whose handshake was refused: how many times in a row, and when to connect to each again.
+    """The peers whose handshake was refused: how many times in a row, and when to connect to each again. A peer is
+    any hashable key (``Redials`` keys endpoints).
 
     Not thread-safe: one thread (the ZeroMQ driver's receiving thread, which sees the handshakes) owns it.
     Nothing blocks.
@@ -46,10 +57,10 @@ class HandshakeBackoff:
 
     def __init__(self, first_s: float = RETRY_FIRST_S, max_s: float = RETRY_MAX_S):
         self.first_s, self.max_s = first_s, max_s
-        self._refusals: dict[int, int] = {}  # refusals in a row, per peer (until a handshake succeeds)
-        self._retry_at: dict[int, float] = {}  # when to connect again, per peer waiting to
+        self._refusals: dict[Hashable, int] = {}  # refusals in a row, per peer (until a handshake succeeds)
+        self._retry_at: dict[Hashable, float] = {}  # when to connect again, per peer waiting to
 
-    def refused(self, peer: int, now: float) -> float:
+    def refused(self, peer: Hashable, now: float) -> float:
         """``peer`` refused a handshake at ``now``: schedule the next connection; the delay until it."""
         count = self._refusals.get(peer, 0) + 1
         self._refusals[peer] = count
@@ -57,11 +68,11 @@ class HandshakeBackoff:
         self._retry_at[peer] = now + delay
         return delay
 
-    def succeeded(self, peer: int) -> None:
+    def succeeded(self, peer: Hashable) -> None:
         """A handshake with ``peer`` succeeded: its next refusal counts as the first again."""
         self._refusals.pop(peer, None)
 
-    def refusals(self, peer: int) -> int:
+    def refusals(self, peer: Hashable) -> int:
         """Handshakes ``peer`` refused in a row (0 after one succeeded)."""
         return self._refusals.get(peer, 0)
 
@@ -70,10 +81,63 @@ class HandshakeBackoff:
         """Whether a connection is scheduled."""
         return bool(self._retry_at)
 
-    def due(self, now: float) -> list[int]:
+    def cancel(self, peer: Hashable) -> None:
+        """Forget ``peer``: no connection scheduled, no refusal counted."""
+        self._refusals.pop(peer, None)
+        self._retry_at.pop(peer, None)
+
+    def due(self, now: float) -> list[Hashable]:
         """The peers whose time to connect again has come by ``now``, in the order they were scheduled; each
         is returned once (until it refuses again)."""
         peers = [peer for peer, at in self._retry_at.items() if at <= now]
         for peer in peers:
             del self._retry_at[peer]
         return peers
+
+
+class Redials:
+    """The endpoints a socket dials itself, with libzmq's redialing off (its ``RECONNECT_IVL`` is -1): which are still
+    wanted, and when to dial each again after its connection failed or dropped (module docstring).
+
+    Not thread-safe: the thread that owns the socket (the receiving thread, for the ROUTER) owns it. Nothing blocks.
+    """
+
+    def __init__(self, first_s: float = REDIAL_FIRST_S, max_s: float = REDIAL_MAX_S):
+        self._wanted: set[str] = set()
+        self._backoff = HandshakeBackoff(first_s, max_s)
+
+    def want(self, endpoint: str) -> None:
+        """``endpoint`` is dialed now (by the caller) and wanted until ``drop``: its failures count from none."""
+        self._wanted.add(endpoint)
+        self._backoff.cancel(endpoint)
+
+    def drop(self, endpoint: str) -> None:
+        """``endpoint`` is no longer wanted (the caller disconnects it): never dialed again, whatever it reports."""
+        self._wanted.discard(endpoint)
+        self._backoff.cancel(endpoint)
+
+    def wanted(self, endpoint: str) -> bool:
+        return endpoint in self._wanted
+
+    def lost(self, endpoint: str, now: float) -> float | None:
+        """A connection attempt to ``endpoint`` failed, or its connection dropped, at ``now``: the delay until it is
+        due again (doubling per loss since its last handshake); None when it is not wanted (nothing to do)."""
+        if endpoint not in self._wanted:
+            return None
+        return self._backoff.refused(endpoint, now)
+
+    def up(self, endpoint: str) -> None:
+        """A handshake with ``endpoint`` succeeded: its next loss is redialed after ``first_s`` again."""
+        self._backoff.succeeded(endpoint)
+
+    def losses(self, endpoint: str) -> int:
+        """Losses of ``endpoint`` in a row since its last handshake."""
+        return self._backoff.refusals(endpoint)
+
+    @property
+    def pending(self) -> bool:
+        return self._backoff.pending
+
+    def due(self, now: float) -> list[str]:
+        """The wanted endpoints to dial again by ``now``, each once (until it is lost again)."""
+        return [e for e in self._backoff.due(now) if e in self._wanted]

@@ -49,6 +49,7 @@ class SwarmAuthenticator(ThreadAuthenticator):
         self.refused: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._members: dict[bytes, int] = {trust.identity.curve_public: trust.peer_id}
+        self._own = trust.peer_id
         self._addresses: dict[str, None] = {}  # where members' CurveZMQ connections came from, oldest first
         self._last_log = -LOG_EVERY_S
         self.configure_curve_callback(domain=DOMAIN, credentials_provider=self)
@@ -64,6 +65,18 @@ class SwarmAuthenticator(ThreadAuthenticator):
             for old in [k for k, p in self._members.items() if p == peer and k != key]:
                 del self._members[old]
             self._members[key] = peer
+
+    def revoke(self, peer: int) -> None:
+        """Let ``peer``'s key in no more (it left the run and was forgotten; ``allow`` admits it again should it
+        come back). Never this peer's own key."""
+        with self._lock:
+            for key in [k for k, p in self._members.items() if p == peer and p != self._own]:
+                del self._members[key]
+
+    def admitted(self, peer: int) -> bool:
+        """Whether a key of ``peer``'s is let in now."""
+        with self._lock:
+            return peer in self._members.values()
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         """The sealed port's NULL connections: admitted from members' addresses only. CurveZMQ ones: as pyzmq

@@ -242,6 +242,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             if self._closed or peer == self.rank or peer not in self.endpoints or not self._node.forget_peer(peer):
                 return False
             del self.endpoints[peer]
+            self.admission.forget(peer)
             reverse = self._dialed.pop(peer, ())
         self._sockets.forget(peer)
         if reverse:

@@ -7,7 +7,9 @@ first few of each reason, then at powers of two) and counted by reason. Monitor 
 handshake, disconnect: a dead process at once, a frozen one after the heartbeat timeout) become
 ``connected``/``disconnected`` events; a refused handshake is retried with backoff
 (``ZmqSockets.refused_by``, the policy in ``transport.retry``), as libzmq gives up on such a connection. It also dials the reverse
-connections the driver asks for (``dial``), since only the ROUTER's thread may touch it.
+connections the driver asks for (``dial``), since only the ROUTER's thread may touch it, and redials those that
+failed or dropped while they are wanted (``retry.Redials``: libzmq's own redialing is off on the ROUTER, as it would go
+on dialing a departed peer's ports for as long as this peer runs).
 
 The driver is reached through ``feed(event)`` only: ``event(node, now)`` runs under the driver's
 lock with its ``PeerNode`` and returns the node's actions, which the driver then performs.
@@ -30,6 +32,7 @@ from gossiploco.protocol.messages import from_wire
 from gossiploco.protocol.node import PeerNode
 from gossiploco.security.trust import parse_routing_id
 from gossiploco.transport.admission import Admission
+from gossiploco.transport.retry import Redials
 from gossiploco.transport.sealed import OFFER
 from gossiploco.transport.zmq_service import TransportMessage
 from gossiploco.transport.zmq_sockets import ZmqSockets
@@ -70,6 +73,10 @@ class Receiver:
         self.transport_send = transport_send
         self.sealed = sockets.sealed
         self._dials: queue.SimpleQueue = queue.SimpleQueue()  # (old, new) endpoints for the ROUTER to dial
+        self.redials = Redials()
+        """The reverse endpoints the ROUTER dials, and when to dial each again (this thread's)."""
+        self.redialed = 0
+        """Reverse connections dialed again after they failed or dropped (for tests and diagnostics)."""
 
     def dial(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Stop dialing ``old``, dial ``new`` (a reverse connection); done by the receiver thread soon. Any thread."""
@@ -96,6 +103,8 @@ class Receiver:
                 raise ExchangeError("the ZAP (authentication) thread died: no peer could connect any more")
             while not self._dials.empty():
                 self._dial_with_router(*self._dials.get())
+            if self.redials.pending:
+                self._redial_due(time.monotonic())
             if self.sockets.handshakes.pending:
                 self.sockets.retry_refused(time.monotonic(), self.endpoints())
             if sealed is not None:
@@ -108,22 +117,48 @@ class Receiver:
                 elif sealed is not None and sock in sealed.monitors:
                     self._drain_sealed_monitor(sock)
                 elif sock is self.sockets.router_monitor:
-                    self.sockets.count_handshake_failures()
+                    self._drain_router_monitor()
                 else:
                     self._drain_monitor(sock)
 
     def _dial_with_router(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         router = self.sockets.router
         for endpoint in old:
+            self.redials.drop(endpoint)
             try:
                 router.disconnect(endpoint)
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # its connection had failed or dropped already: libzmq holds nothing of it
                 pass
         for endpoint in new:
+            self.redials.want(endpoint)
+            self._connect_router(endpoint)
+
+    def _connect_router(self, endpoint: str) -> None:
+        try:
+            self.sockets.router.connect(endpoint)
+        except zmq.ZMQError as exc:  # an endpoint zmq refuses: that peer stays unreachable, the rest goes on
+            self.redials.drop(endpoint)
+            log.warning("rank %d: cannot dial a reverse connection at %s: %s", self.rank, endpoint, exc)
+
+    def _redial_due(self, now: float) -> None:
+        """Dial again the wanted reverse endpoints whose connection failed or dropped, once their backoff is over."""
+        for endpoint in self.redials.due(now):
             try:
-                router.connect(endpoint)
-            except zmq.ZMQError as exc:  # an endpoint zmq refuses: that peer stays unreachable, the rest goes on
-                log.warning("rank %d: cannot dial a reverse connection at %s: %s", self.rank, endpoint, exc)
+                self.sockets.router.disconnect(endpoint)  # normally gone with its connection; never two at once
+            except zmq.ZMQError:
+                pass
+            self.redialed += 1
+            self._connect_router(endpoint)
+
+    def _drain_router_monitor(self) -> None:
+        """Count the ROUTER's failed handshakes, and schedule a redial of a wanted reverse endpoint whose connection
+        attempt closed or whose connection dropped (``retry.Redials``)."""
+        now = time.monotonic()
+        for kind, endpoint in self.sockets.read_router_monitor():
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.redials.up(endpoint)
+            else:
+                self.redials.lost(endpoint, now)
 
     def _drain_router(self) -> None:
         self._drain(self.sockets.router, self._file)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from gossiploco.errors import ExchangeTimeout
+from gossiploco.errors import ExchangeTimeout, PeerFailed
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 from gossiploco.transport.zmq_auth import SEALED_DOMAIN
@@ -252,17 +252,23 @@ class SealedLinks:
                         self._forgotten.add(peer)
                     continue
                 try:
-                    monitor = next(m for m, p in self.monitors.items() if p == peer)
-                    del self.monitors[monitor]
-                    del self.dealers[peer]
-                    close_leaving_monitor(sock)
-                    self.monitors_retired.put(monitor)
+                    self._retire(peer, sock)
                 finally:
                     lock.release()
             with self._state:
                 self._dialed.pop(peer, None)
-                self._connected.pop(peer, None)
             self.refusals.succeeded(peer)
+
+    def _retire(self, peer: int, sock: zmq.Socket) -> None:
+        """Close ``peer``'s DEALER ``sock`` (the caller holds its lock: a sender racing this finds it closed and sends
+        over CurveZMQ) and hand its monitor to the receiving thread to close (``monitors_retired``)."""
+        monitor = next(m for m, p in self.monitors.items() if p == peer)
+        del self.monitors[monitor]
+        del self.dealers[peer]
+        close_leaving_monitor(sock)
+        self.monitors_retired.put(monitor)
+        with self._state:
+            self._connected.pop(peer, None)
 
     def dial_pending(self) -> None:
         """Apply the dials asked for, and dial again the sealed ports that refused a handshake (by the receiving
@@ -296,10 +302,12 @@ class SealedLinks:
                     changed = old != endpoint or peer in self._again
                     self._again.discard(peer)
                 if old is not None and changed:
-                    try:
-                        sock.disconnect(old)
-                    except zmq.ZMQError:
-                        pass
+                    # made afresh, not disconnected: libzmq 4.3.5 goes on redialing an endpoint after ``disconnect``
+                    # (``ZmqSockets.reattach``), which left a peer that moved dialed at its old sealed port for good
+                    self._retire(peer, sock)
+                    if endpoint is not None:
+                        self._make_dealer(peer)
+                        sock = self.dealers[peer][0]  # nobody else has it yet: no lock needed to connect it
                 if endpoint is not None and changed:
                     sock.connect(endpoint)
             finally:
@@ -345,6 +353,10 @@ class SealedLinks:
                                  give_up=lambda: not self.is_up(peer))  # dropped meanwhile: CurveZMQ takes it
         except GaveUp:
             return False
+        except PeerFailed:
+            if sock.closed:  # made afresh or closed meanwhile (a path change, ``forget``): CurveZMQ takes it
+                return False
+            raise
         finally:
             self.pool.retire(peer, tracker, taken)  # not sent (tracker None): free at once
         self.sent += 1

@@ -59,17 +59,15 @@ HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
 queued on the connection, so it must exceed the time one chunk takes on the slowest link: a
 4 MiB chunk needs 0.7 s at 50 Mbit/s but over 5 s below about 7 Mbit/s."""
-REVERSE_RECONNECT_MAX_MS = 2000
-"""The ROUTER's reconnect interval grows (doubling from libzmq's 100 ms) to at most this. Only reverse connections are
-dialed by the ROUTER; libzmq redials an endpoint after ``disconnect`` (see ``reattach``), and the ROUTER cannot be
-made afresh, so a departed reachable peer's reverse ports are dialed for the rest of the run: once every 2 s each
-instead of 10 times a second. A reverse connection that dropped for a moment comes back within this much later."""
 RELAYED_HEARTBEAT_FACTOR = 4
 """Measured (bench/results/reach.md): a 4 MiB chunk through a relay whose link is 12.5 Mbit/s took
 longer than the default 5 s, and every relayed Mix2 then lost its connection."""
 OPEN_FILES_WANTED = 65536
 HANDSHAKE_MS = 5000
 """A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""
+ROUTER_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+"""ROUTER monitor events the receiving thread acts on: a connection made, dropped, or (an attempt to dial) closed.
+Those of inbound connections name the ROUTER's own bound address, never a reverse endpoint it dials."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
 """TCP keepalive of inbound connections: a dead machine's connection is dropped after about 16 s."""
 
@@ -164,7 +162,11 @@ class ZmqSockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
         # A client that connects and never completes the handshake is dropped after HANDSHAKE_S.
         self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        self.router.setsockopt(zmq.RECONNECT_IVL_MAX, REVERSE_RECONNECT_MAX_MS)  # its reverse dials back off
+        # The ROUTER dials only reverse connections (``Receiver.dial``). libzmq redials an endpoint for as long as the
+        # socket lives, ``disconnect`` or not (see ``reattach``), and the ROUTER lives as long as this peer: a departed
+        # peer's reverse ports would be dialed for the rest of the run. So libzmq never redials here; the receiving
+        # thread redials the endpoints it still wants (``retry.Redials``), from the events below.
+        self.router.setsockopt(zmq.RECONNECT_IVL, -1)
         if trust is not None:
             secure_server(self.router, trust)
         try:
@@ -175,8 +177,9 @@ class ZmqSockets:
                 self.auth.stop()
             self.ctx.term()
             raise ExchangeError(f"rank {rank}: cannot bind {bind}: {exc}") from exc
-        # Handshakes that fail (wrong server key, a key of no member, garbage) are counted by reason.
-        self.router_monitor = self.router.get_monitor_socket(HANDSHAKE_FAILURES)
+        # Handshakes that fail (wrong server key, a key of no member, garbage) are counted by reason; the rest tells
+        # the receiving thread when a reverse connection is made, fails or drops (``read_router_monitor``).
+        self.router_monitor = self.router.get_monitor_socket(HANDSHAKE_FAILURES | ROUTER_CONNECTION_EVENTS)
         self.router_monitor.setsockopt(zmq.LINGER, 0)
         self.handshake_failures: dict[str, int] = {}
         self._failures_lock = threading.Lock()  # the receiving thread counts, any thread reads
@@ -332,14 +335,16 @@ class ZmqSockets:
             self._connect(peer, new, key, listen, relayed)
 
     def forget(self, peer: int) -> bool:
-        """Close every socket to ``peer`` and drop what is kept of it (its sealed-data keys included): it left the
-        run, and nothing this peer does may keep growing with every peer that ever came and went. True if it
-        was known. ``connect`` makes it anew should it come back. Any thread."""
+        """Close every socket to ``peer`` and drop what is kept of it (its sealed-data keys and its admission by the
+        ZAP handler included): it left the run, and nothing this peer does may keep growing with every peer that
+        ever came and went. True if it was known. ``connect`` makes it anew should it come back. Any thread."""
         with self._changing:
             if peer not in self.dealers:
                 return False
             self._retire(peer)
             self._keys.pop(peer, None)
+            if self.auth is not None:  # its connections are refused from now on, as a stranger's
+                self.auth.revoke(peer)
         if self.sealed is not None:
             self.sealed.forget(peer)
         return True
@@ -411,13 +416,18 @@ class ZmqSockets:
             monitor.close(linger=0)
             probe.close(linger=0)
 
-    def count_handshake_failures(self) -> None:
-        """Read the ROUTER's monitor (the receiving thread does, as it owns the ROUTER)."""
+    def read_router_monitor(self) -> list[tuple[int, str]]:
+        """Read the ROUTER's monitor (the receiving thread does, as it owns the ROUTER): count the failed handshakes by
+        reason, and return the connection events, (kind, endpoint), in order (``ROUTER_CONNECTION_EVENTS``)."""
+        connections: list[tuple[int, str]] = []
         while True:
             try:
                 event = recv_monitor_message(self.router_monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return connections
+            if event["event"] & ROUTER_CONNECTION_EVENTS:
+                connections.append((event["event"], event["endpoint"].decode(errors="replace")))
+                continue
             name = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication refused",
                     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake protocol error"}.get(event["event"],
                                                                                         "handshake failed")

@@ -382,9 +382,26 @@ class GroupConfig:
     exchange: nobody waits for a peer outside its group, gossip pairs inside groups, and a global Mix1 becomes the
     group's mean (its rho about 1/size instead of 0: README, "Large swarms")."""
 
+    pairing: str = "bucket"
+    """How gossip exchanges (``kind = "gossip"``) find partners. bucket: the group's leader waits for every member
+    (up to ``timeouts.grace_s``) and draws a uniform matching over those ready. ready: each member is paired with
+    the next of its group to become ready, so nobody waits for the group's slowest member (``protocol.pairing``:
+    uniform when the order of arrival is random, biased toward similar speeds when speeds differ for good). Not the
+    default: without bucket pairing's barrier, members start their next round apart, and unless rounds keep to a
+    shared clock (which the runtime's rounds do not yet: ``round_budget``) the next Mix1 leaves the late ones out
+    (measured in the simulator: README, "Large swarms")."""
+
     def check(self, p: str) -> None:
         if self.size < 2:
             raise ConfigError(f"{p}.size", f"must be at least 2, got {self.size}")
+        if self.pairing not in ("ready", "bucket"):
+            raise ConfigError(f"{p}.pairing", f"must be ready or bucket, got {self.pairing!r}")
+
+    def paired(self, kinds: dict[str, str]) -> frozenset[str]:
+        """The labels (of ``kinds``: label -> mixer kind) whose exchanges pair as members become ready."""
+        if self.pairing != "ready":
+            return frozenset()
+        return frozenset(label for label, kind in kinds.items() if kind == "gossip")
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from conftest import wait_until
 from gossiploco.transport.zmq_exchange import ZmqExchange
 from tests.test_exchange import free_ports
@@ -109,6 +111,7 @@ def test_peers_that_come_and_go_leave_no_sockets_behind_once_forgotten():
 
 
 
+@pytest.mark.slow  # a second or two of real sockets: kept out of the fast subset
 def test_a_reverse_endpoint_is_redialed_while_wanted_and_never_once_its_peer_moved_on():
     """A reachable peer's DEALERs listen for a peer behind NAT, whose ROUTER dials them (a reverse connection).
     libzmq's redialing is off on the ROUTER (it restarted at 100 ms after every TCP connection, handshake or not:
@@ -190,6 +193,7 @@ def test_a_reverse_connection_that_dropped_is_made_again():
         ctx.term()
 
 
+@pytest.mark.slow  # a second or two of real sockets: kept out of the fast subset
 def test_a_forgotten_peer_is_refused_at_the_handshake_until_it_is_known_again():
     """Forgetting a peer also takes its key off the ZAP handler's list: a forgotten peer that comes back and dials
     this one before discovery found its record again is refused at the handshake, as a stranger is (it retries with

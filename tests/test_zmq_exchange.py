@@ -627,3 +627,42 @@ def test_stripes_only_on_direct_paths():
     finally:
         ex.close()
 
+
+
+def test_gossip_pairs_members_as_they_come_over_real_sockets(groups):
+    """``[groups] pairing = "ready"`` on the real transport: the leader of a gossip exchange pairs each member with
+    the next one ready. Members that come together are paired at once while the slowest one is still computing
+    (nobody waits for it: no grace window), the slow one is then paired with the last one left, or does identity,
+    and every pair swaps exactly."""
+    g = groups(5, grace_s=5.0)
+    for ex in g.exchanges:
+        ex.set_grouping(11, 16, {"mix2"})
+    key = "mix2/4"
+    from gossiploco.protocol.groups import leader_of
+    slow = next(p for p in range(5) if p != leader_of(11, key, range(5)))  # a follower that comes late
+    release = threading.Event()
+
+    def member(r: int) -> tuple[list[int], float]:
+        if r == slow:
+            release.wait(10.0)
+        began = time.monotonic()
+        return g.exchanges[r].group(key, 4), time.monotonic() - began
+
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        early = {r: pool.submit(member, r) for r in range(5) if r != slow}
+        paired = [r for r, f in early.items() if len(f.result(timeout=10.0)[0]) == 2]
+        assert len(paired) >= 2, {r: f.result() for r, f in early.items()}  # paired while the slow one computes
+        assert all(early[r].result()[1] < 2.0 for r in paired), "a paired member waited for the slow one"
+        release.set()
+        late = pool.submit(member, slow).result(timeout=15.0)
+    groups_by_member = {r: f.result()[0] for r, f in early.items()} | {slow: late[0]}
+    for r, group in groups_by_member.items():
+        assert r in group and all(groups_by_member[m] == group for m in group), groups_by_member  # mutual
+    values = [torch.full((7,), float(r)) for r in range(5)]
+    out = run_all([lambda r=r: g.exchanges[r].swap(key, next(m for m in groups_by_member[r] if m != r),
+                                                  values[r].clone())
+                   if len(groups_by_member[r]) == 2 else values[r] for r in range(5)])
+    for r in range(5):
+        group = groups_by_member[r]
+        if len(group) == 2:
+            assert torch.equal(out[r], values[next(m for m in group if m != r)])  # the partner's vector

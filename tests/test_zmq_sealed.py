@@ -300,6 +300,7 @@ def test_the_sealed_port_admits_connections_only_from_members_addresses_and_a_re
         other.destroy(linger=0)
 
 
+@pytest.mark.slow  # a second or two of real sockets: kept out of the fast subset
 def test_a_peer_whose_path_changed_is_no_longer_dialed_at_its_old_sealed_port(monkeypatch):
     """A sealed DEALER whose path changes is made afresh, not disconnected: libzmq 4.3.5 goes on redialing an endpoint
     after ``disconnect``, so a peer that moved (here: to a reverse path, which is not sealed) was dialed at its old

@@ -20,7 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import torch.multiprocessing
@@ -239,8 +239,8 @@ class CompanionExchange(Exchange, PathControl):
     def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> bool:
         return self._call("dial_reverse", peer, list(endpoints))
 
-    def set_grouping(self, seed: int, size: int) -> None:
-        self._call("set_grouping", seed, size)
+    def set_grouping(self, seed: int, size: int, paired: Collection[str] = ()) -> None:
+        self._call("set_grouping", seed, size, sorted(paired))
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self._call("wait_connected", timeout_s, timeout_s=QUICK_S + timeout_s)

@@ -6,7 +6,9 @@ Modules, by concept:
     messages      the five message kinds, the actions (``Send``, ``ServeState``), and their wire mapping
     peer_table    membership views: who is known, connected, and taking part in round r
     mailbox       bounded storage of chunks that arrive before anyone waits for them
-    agreement     group agreement per exchange (lowest-id leader, grace window, stragglers, aborts)
+    groups        who exchanges with whom: buckets of bounded size and their leaders, drawn per exchange; their rho
+    agreement     group agreement per exchange (the bucket's leader, grace window, stragglers, aborts)
+    pairing       gossip partners matched as members become ready (``[groups] pairing = "ready"``)
     ring          the ring all-reduce schedule (pure functions)
     collectives   the data calls: swap, ring all-reduce, state download (and the upload's chunks)
     call          a call's steps (``Step``) and ``run_call``, the loop a blocking driver runs them with

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from typing import Generic, TypeVar
 
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
-from gossiploco.protocol import agreement, groups
+from gossiploco.protocol import agreement, groups, pairing
 from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Leading,
                                           Message, Ready, Send, ServeState, StateRequest, op_and_round)
@@ -115,6 +115,10 @@ class PeerNode:
         """key -> the peer that said it leads it and is waiting for the group (``Leading``)."""
         self.leading_now: Records[str, bool] = Records()
         """Keys this peer is leading right now (``agreement.Lead`` between its start and its decision)."""
+        self.paired: frozenset[str] = frozenset()
+        """Labels of the exchanges whose members pair as they become ready (``protocol.pairing``; gossip Mix2)."""
+        self.pairings: Records[str, pairing.Pairing] = Records(limit=pairing.PAIRINGS_KEPT)
+        """key -> the matchmaking this peer runs as the leader of a paired exchange."""
         self.aborted: Records[str, set[int]] = Records()
         self.other_lists: Records[str, dict[int, object]] = Records()
         """key -> {sender: the member-list digest on a chunk of it this peer refused}: a call whose member runs the
@@ -163,7 +167,7 @@ class PeerNode:
     def disconnected(self, peer: int, now: float) -> list[Action]:
         if self.peers.on_disconnected(peer, now) and peer not in self._left:
             self.note(f"lost the connection to peer {peer}")
-        return []
+        return pairing.on_disconnected(self, peer, now)
 
     def receive(self, sender: int, message: Message, now: float) -> list[Action]:
         """A message from ``sender``; raises ``MalformedMessage`` for one that breaks the protocol."""
@@ -185,7 +189,7 @@ class PeerNode:
             return []
         if isinstance(message, Abort):
             self.aborted.put(message.key, self.aborted.get(message.key, set()) | {sender})
-            return []
+            return pairing.on_abort(self, message.key, sender, now)
         if isinstance(message, StateRequest):
             return self._state_request(sender, message)
         raise MalformedMessage(f"unknown message {type(message).__name__}")
@@ -308,8 +312,14 @@ class PeerNode:
         candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
         leader = groups.leader_of(self.group_seed, key, candidates)
         if leader == self.rank:
-            return agreement.Lead(key, candidates, now, self.grace_s, self._buckets(round_index))
+            lead = pairing.PairLead if pairing.is_paired(self, key) else agreement.Lead
+            return lead(key, candidates, now, self.grace_s, self._buckets(round_index))
         return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
+
+    def pair_ready(self, key: str, sender: int, round_index: int, now: float) -> list[Send]:
+        """A follower ready for paired exchange ``key`` (``pairing.ready``), matched within this peer's bucket of it."""
+        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
+        return pairing.ready(self, key, sender, candidates, now)
 
     def leads(self, key: str, round_index: int, sender: int) -> bool:
         """Whether this peer leads ``sender``'s bucket of exchange ``key`` in round ``round_index`` (by its own view)."""

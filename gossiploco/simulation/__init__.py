@@ -6,6 +6,7 @@
     peer        a virtual peer: the real ``PeerNode`` and calls run by cooperative tasks
     invariants  the checked properties, each with a name
     swarm       the peers' round program and ``simulate(seed)``
+    costs       what a run costs each peer (round and blocking time, bytes, messages, connections)
 
 ``bench/chaos.py sim`` runs it over many seeds; a failing seed replays exactly.
 """

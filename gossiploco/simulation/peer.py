@@ -97,6 +97,7 @@ class SimPeer:
                              mailbox_bytes=s.mailbox_bytes, join_round=join_round)
         self.node.behind_nat = set(s.behind_nat)  # as peers' records tell the runtime's node
         self.node.group_seed, self.node.group_size = swarm.seed, s.group_size  # as ZmqExchange.set_grouping does
+        self.node.paired = frozenset({"mix2"} if s.mix2 == "gossip" and s.pairing == "ready" else ())
         self.running, self.frozen = True, False
         self.thawed_at = -1.0
         """When this peer last resumed after a freeze (its own waits overran while it was stopped)."""

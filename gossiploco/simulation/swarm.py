@@ -14,7 +14,8 @@ can go down and reset connections at their limits; peers see all of it as discon
 
 Exchanges run in the buckets of ``protocol.groups`` (``Settings.group_size``; the chaos seeds draw 2 to 16, so even
 small swarms split). Links are one LAN value or per peer (``links="consumer"``), compute may be unequal
-(``inner_spread``) and peers may churn (``churn``: crash and restart each round with that probability); the
+(``inner_spread``) or overshoot at random (``round_jitter``), rounds may keep to a shared clock (``round_period``),
+gossip may pair members as they come (``pairing``), and peers may churn (``churn``: crash and restart each round with that probability); the
 per-peer costs of a run (round and blocking time, Mix1 completion, bytes, messages, connections) are in
 ``SimResult.stats["per_peer"]``.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,7 @@ from gossiploco.protocol import lifecycle
 from gossiploco.protocol.collectives import AllToAll, RingAllReduce, Swap
 from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
+from gossiploco.simulation.costs import per_peer_stats
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_churn, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
@@ -63,6 +64,8 @@ class Settings:
     mailbox_bytes: int = 1 << 20
     mix2: str = "gossip"
     """Mix2's exchange: gossip (a swap), global (the ring) or all-to-all (a compressed mean's two phases)."""
+    pairing: str = "bucket"
+    """``[groups] pairing`` for gossip Mix2: bucket (the leader waits for its bucket) or ready (``protocol.pairing``)."""
     behind_nat: tuple[int, ...] = ()
     """Peers behind NAT (nobody can dial them); the others are reachable."""
     relays: int = 0
@@ -79,6 +82,10 @@ class Settings:
     10 to 50 ms one way (a pair: 20 to 100 ms), drawn per peer."""
     inner_spread: float = 0.0
     """Unequal compute: peer p's inner steps take ``inner_s * (1 + inner_spread * u_p)``, u_p uniform in [0, 1]."""
+    round_jitter: float = 0.0
+    """A round's inner steps take ``U(0, round_jitter)`` s more, drawn per peer and round (a time budget's overshoot)."""
+    round_period: float = 0.0
+    """Rounds on a shared clock (0: each peer's own): round r's inner steps end at ``r * round_period + inner_s``."""
     churn: float = 0.0
     """The chance that a peer crashes in a round (it restarts ``churn_down_s`` later and catches up)."""
     churn_down_s: float = 2.0
@@ -207,12 +214,15 @@ class SimSwarm:
         self.note(f"{peer.pid} finished")
 
     def round(self, peer: SimPeer, r: int, z: torch.Tensor):
+        s = self.settings
         peer.node.current_round = r
         peer.snapshot = (r, z.clone())
         self.snapshots[(peer.pid, r)] = z.clone()
         began = peer.now
         mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
-        yield ("sleep", peer.now + self.inner_s[peer.pid])
+        own = self.inner_s[peer.pid]
+        end = max(peer.now, r * s.round_period + own) if s.round_period else peer.now + own
+        yield ("sleep", end + random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter))
         computed = peer.now
         delta = torch.randn(self.settings.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
         delta_hat = yield from self.mix(peer, "mix2", r, delta, self.settings.mix2)
@@ -397,7 +407,7 @@ class SimSwarm:
                  "failed_calls": self.checker.failed, "virtual_s": round(self.net.now, 3),
                  "paths": {path: self.net.paths[path] for path in PATHS},
                  "relay_resets": self.net.relay_resets, "relay_drops": self.net.relay_drops,
-                 "per_peer": self.per_peer_stats()}
+                 "per_peer": per_peer_stats(self)}
         return SimResult(self.seed, s, self.checker.violations, faults, dict(self.finished), stats, self.log)
 
     def _mark_dirty(self) -> None:
@@ -412,28 +422,6 @@ class SimSwarm:
         s = self.settings
         return (all(self.finished.get(p, 0) >= s.rounds or p in self.crashed for p in self.ids)
                 and not any(f.end > self.net.now for f in self.faults))
-
-    def per_peer_stats(self) -> dict:
-        """Medians over peers, per round each peer finished: what one peer costs as the swarm grows."""
-        def median(values) -> float:
-            values = list(values)
-            return statistics.median_high(values) if values else 0.0
-        rounds = {p: max(1, self.finished.get(p, 0)) for p in self.ids}
-        live = self.net.live_connections()
-        mix1 = [ok for *_, ok in self.timings]
-        return {
-            "round_s": round(median(t[2] for t in self.timings), 4),
-            "blocking_s": round(median(t[3] for t in self.timings), 4),
-            "blocking_p90_s": round(sorted(t[3] for t in self.timings)[int(0.9 * (len(self.timings) - 1))], 4)
-            if self.timings else 0.0,
-            "mix1_completion": round(sum(mix1) / len(mix1), 4) if mix1 else 0.0,
-            "bytes_per_round": round(median(self.bytes_sent.get(p, 0) / rounds[p] for p in self.ids), 1),
-            "messages_per_round": round(median(self.net.sent_by.get(p, 0) / rounds[p] for p in self.ids), 2),
-            "control_per_round": round(median(self.control_sent.get(p, 0) / rounds[p] for p in self.ids), 2),
-            "control_received_per_round": round(median(self.control_received.get(p, 0) / rounds[p]
-                                                       for p in self.ids), 2),
-            "connections_live": median(live.get(p, 0) for p in self.ids),
-            "connections_opened": median(self.net.connections_of.get(p, 0) for p in self.ids)}
 
     def _final_checks(self, faults: list[Fault]) -> None:
         s, now = self.settings, self.net.now
@@ -459,15 +447,16 @@ class SimSwarm:
 def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False, mix2: str | None = None,
              max_peers: int = 8) -> SimResult:
     """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
-    9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), the faults, the
-    reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
-    draws stay the same)."""
+    9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
+    (half ready, half bucket), the faults, the reachability pattern and all timings follow from ``seed``; Mix2's
+    exchange too, unless ``mix2`` names it (the draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
     settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
     scale = random.Random(f"scale-{seed}")  # its own stream: the schedule's draws stay what they were
     if peers is None and max_peers > 8 and scale.random() < 0.125:
         settings.peers = scale.randint(9, max_peers)
     settings.group_size = scale.choice([2, 3, 4, 16, 16, 16])
+    settings.pairing = random.Random(f"pairing-{seed}").choice(["ready", "bucket"])  # its own stream, as above
     if mix2 is not None:
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)

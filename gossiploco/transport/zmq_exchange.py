@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import torch
 import zmq
@@ -260,11 +260,13 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             return tuple(sorted((peer, *(int(endpoint.rsplit(":", 1)[1]) for endpoint in endpoints))
                                 for peer, endpoints in self._sockets.listening.items()))
 
-    def set_grouping(self, seed: int, size: int) -> None:
+    def set_grouping(self, seed: int, size: int, paired: Collection[str] = ()) -> None:
         """Key every exchange's buckets and leaders by the run's ``seed`` and split views larger than ``size``
-        (``protocol.groups``); every peer of the run must set the same."""
+        (``protocol.groups``); the exchanges labelled in ``paired`` pair their members as they become ready
+        (``protocol.pairing``). Every peer of the run must set the same."""
         with self._cond:
             self._node.group_seed, self._node.group_size = seed, size
+            self._node.paired = frozenset(paired)
 
     def set_behind_nat(self, peers: set[int], order_rings: bool = True) -> None:
         with self._cond:

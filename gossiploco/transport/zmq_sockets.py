@@ -322,9 +322,10 @@ class ZmqSockets:
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
         """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial; ``relayed``: None keeps the last), or
-        is dialed again after a refused handshake. Its DEALERs are made afresh: libzmq 4.3.5 goes on redialing an
-        endpoint after ``disconnect`` (measured: a DEALER disconnected from a dead peer's address connected to a
-        new listener there within 2 s, whether the connection was up or not), so the old ones are closed instead.
+        is dialed again after a refused handshake. Its DEALERs are made afresh: libzmq 4.3.5 carries out a
+        ``disconnect`` only when the socket is next used, and a DEALER toward a peer that moved is not used again, so
+        it went on redialing the old endpoint (measured: connected to a new listener there within 2 s;
+        ``bench/zmq_disconnect.py``); the old ones are closed instead.
         Messages still queued toward ``old`` are dropped, as a disconnect drops them."""
         with self._changing:
             if peer not in self.dealers:

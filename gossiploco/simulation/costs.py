@@ -1,0 +1,34 @@
+"""What a simulated run costs each peer (``SimResult.stats["per_peer"]``): medians over peers, per round each peer
+finished, of its round and blocking time, Mix1 completion, bytes, messages and connections; what one peer costs as
+the swarm grows (``bench/scale_sim.py``, ``bench/pairing_sim.py``)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gossiploco.simulation.swarm import SimSwarm
+
+
+def per_peer_stats(swarm: SimSwarm) -> dict:
+    """Medians over peers, per round each peer finished: what one peer costs as the swarm grows."""
+    def median(values) -> float:
+        values = list(values)
+        return statistics.median_high(values) if values else 0.0
+    rounds = {p: max(1, swarm.finished.get(p, 0)) for p in swarm.ids}
+    live = swarm.net.live_connections()
+    mix1 = [ok for *_, ok in swarm.timings]
+    return {
+        "round_s": round(median(t[2] for t in swarm.timings), 4),
+        "blocking_s": round(median(t[3] for t in swarm.timings), 4),
+        "blocking_p90_s": round(sorted(t[3] for t in swarm.timings)[int(0.9 * (len(swarm.timings) - 1))], 4)
+        if swarm.timings else 0.0,
+        "mix1_completion": round(sum(mix1) / len(mix1), 4) if mix1 else 0.0,
+        "bytes_per_round": round(median(swarm.bytes_sent.get(p, 0) / rounds[p] for p in swarm.ids), 1),
+        "messages_per_round": round(median(swarm.net.sent_by.get(p, 0) / rounds[p] for p in swarm.ids), 2),
+        "control_per_round": round(median(swarm.control_sent.get(p, 0) / rounds[p] for p in swarm.ids), 2),
+        "control_received_per_round": round(median(swarm.control_received.get(p, 0) / rounds[p]
+                                                   for p in swarm.ids), 2),
+        "connections_live": median(live.get(p, 0) for p in swarm.ids),
+        "connections_opened": median(swarm.net.connections_of.get(p, 0) for p in swarm.ids)}

@@ -10,11 +10,12 @@ Two things are retried (times are ``time.monotonic`` seconds, passed in by the c
   refusal is expected while a peer joins), then backing off: ``RETRY_FIRST_S`` doubled per refusal in a
   row, at most ``RETRY_MAX_S``. A handshake that succeeds starts the count again. It never gives up: a
   refusing peer is tried every ``RETRY_MAX_S`` for as long as it is a member.
-* A reverse connection (the ROUTER dials a peer behind NAT's listening port) that failed or dropped: libzmq would
-  redial an endpoint for as long as the socket lives, even after ``disconnect``, and the ROUTER lives as long as
-  the peer, so the driver turns libzmq's redialing off and redials the endpoints it still wants itself
-  (``Redials``): ``REDIAL_FIRST_S`` after a loss, doubling while attempts fail, at most ``REDIAL_MAX_S``; an
-  endpoint no longer wanted (its peer moved or was forgotten) is never dialed again.
+* A reverse connection (a peer behind NAT's ROUTER dials the ports a reachable peer listens on for it) that failed
+  or dropped: libzmq's own redialing starts again at 100 ms after every TCP connection, handshake or not (an
+  endpoint that accepts and refuses the handshake was dialed 10 times a second), so the driver turns it off and
+  redials the endpoints it still wants itself (``Redials``): ``REDIAL_FIRST_S`` after a loss, doubling per loss
+  since the last handshake, at most ``REDIAL_MAX_S``; an endpoint no longer wanted (its peer moved or was
+  forgotten) is never dialed again.
 """
 
 from __future__ import annotations

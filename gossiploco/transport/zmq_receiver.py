@@ -8,8 +8,8 @@ handshake, disconnect: a dead process at once, a frozen one after the heartbeat 
 ``connected``/``disconnected`` events; a refused handshake is retried with backoff
 (``ZmqSockets.refused_by``, the policy in ``transport.retry``), as libzmq gives up on such a connection. It also dials the reverse
 connections the driver asks for (``dial``), since only the ROUTER's thread may touch it, and redials those that
-failed or dropped while they are wanted (``retry.Redials``: libzmq's own redialing is off on the ROUTER, as it would go
-on dialing a departed peer's ports for as long as this peer runs).
+failed or dropped while they are wanted (``retry.Redials``: libzmq's own redialing is off on the ROUTER, as it starts
+again at 100 ms after every TCP connection, handshake or not).
 
 The driver is reached through ``feed(event)`` only: ``event(node, now)`` runs under the driver's
 lock with its ``PeerNode`` and returns the node's actions, which the driver then performs.

@@ -302,8 +302,8 @@ class SealedLinks:
                     changed = old != endpoint or peer in self._again
                     self._again.discard(peer)
                 if old is not None and changed:
-                    # made afresh, not disconnected: libzmq 4.3.5 goes on redialing an endpoint after ``disconnect``
-                    # (``ZmqSockets.reattach``), which left a peer that moved dialed at its old sealed port for good
+                    # made afresh, not disconnected: libzmq carries out a ``disconnect`` only when the socket is next
+                    # used, and a link toward a peer that moved is not, so its old sealed port was dialed for good
                     self._retire(peer, sock)
                     if endpoint is not None:
                         self._make_dealer(peer)
@@ -346,7 +346,11 @@ class SealedLinks:
         if sealed is None:
             return False
         tracker = None
-        sock, lock = self.dealers[peer]
+        entry = self.dealers.get(peer)
+        if entry is None:  # closed since ``is_up`` (``forget``, a path change under way): CurveZMQ takes it
+            self.pool.retire(peer, None, taken)
+            return False
+        sock, lock = entry
         try:
             tracker = send_until(sock, lock, sealed, deadline=deadline, what=what, peer=peer, rank=self.rank,
                                  closed=closed, copy=False, track=bool(taken),

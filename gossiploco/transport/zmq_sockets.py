@@ -162,10 +162,11 @@ class ZmqSockets:
         self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
         # A client that connects and never completes the handshake is dropped after HANDSHAKE_S.
         self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        # The ROUTER dials only reverse connections (``Receiver.dial``). libzmq redials an endpoint for as long as the
-        # socket lives, ``disconnect`` or not (see ``reattach``), and the ROUTER lives as long as this peer: a departed
-        # peer's reverse ports would be dialed for the rest of the run. So libzmq never redials here; the receiving
-        # thread redials the endpoints it still wants (``retry.Redials``), from the events below.
+        # The ROUTER dials only reverse connections (``Receiver.dial``). libzmq's own redialing starts again at 100 ms
+        # after every TCP connection, handshake or not, so an endpoint that takes TCP but refuses or never completes
+        # the handshake was dialed 10 times a second for as long as it was wanted. So libzmq never redials here; the
+        # receiving thread redials the endpoints it still wants (``retry.Redials``: backoff counted from the last
+        # handshake), from the events below.
         self.router.setsockopt(zmq.RECONNECT_IVL, -1)
         if trust is not None:
             secure_server(self.router, trust)

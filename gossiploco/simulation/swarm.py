@@ -15,9 +15,9 @@ can go down and reset connections at their limits; peers see all of it as discon
 Exchanges run in the buckets of ``protocol.groups`` (``Settings.group_size``; the chaos seeds draw 2 to 16, so even
 small swarms split). Links are one LAN value or per peer (``links="consumer"``), compute may be unequal
 (``inner_spread``) or overshoot at random (``round_jitter``), rounds may keep to a shared clock (``round_period``),
-gossip may pair members as they come (``pairing``), and peers may churn (``churn``: crash and restart each round with that probability); the
-per-peer costs of a run (round and blocking time, Mix1 completion, bytes, messages, connections) are in
-``SimResult.stats["per_peer"]``.
+gossip may pair members as they come (``pairing``), and peers may churn (``churn``: crash and restart each round
+with that probability); the per-peer costs of a run (round and blocking time, Mix1 completion, bytes, messages,
+connections) are in ``SimResult.stats["per_peer"]`` (``costs``).
 
 ``simulate(seed, ...)`` returns a ``SimResult`` with the violations and, if asked, the event log;
 the same arguments give the same result, bit for bit. ``simulate_scale`` is the scaling curve's run

@@ -135,7 +135,8 @@ def test_a_reverse_endpoint_is_redialed_while_wanted_and_never_once_its_peer_mov
         before = [c[0] for c in counts]
         # the kept endpoint is dialed twice more (its backoff is at most REDIAL_MAX_S): a window that long
         assert wait_until(lambda: counts[0][0] >= before[0] + 2, 10.0), counts
-        assert [c[0] for c in counts[1:]] == before[1:], (before, counts)
+        # at most one attempt libzmq had begun before the drop was applied lands after it; a redial would be several
+        assert all(c[0] - b <= 1 for c, b in zip(counts[1:], before[1:])), (before, counts)
         assert redials.losses(kept) >= 4 and a._receiver_work.redialed >= 4
     finally:
         stop.set()

@@ -323,7 +323,8 @@ def test_a_peer_whose_path_changed_is_no_longer_dialed_at_its_old_sealed_port(mo
         assert wait_until(lambda: 1 not in a.sockets.sealed.dealers, 5.0)
         before = {r: c[0] for r, c in counts.items()}
         assert wait_until(lambda: counts[2][0] >= before[2] + 3, 10.0), counts  # still dialed, again and again
-        assert counts[1][0] == before[1], (before, counts)
+        # at most one attempt begun before the DEALER was closed lands after it; the old socket redialed every 0.2 s
+        assert counts[1][0] - before[1] <= 1, (before, counts)
     finally:
         stop.set()
         a.close()

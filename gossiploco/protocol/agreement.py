@@ -222,7 +222,7 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
     own = peers.joined.get(node.rank)  # None: this peer has not decided yet (starting up)
     if own is not None and (own > message.round or not node.leads(key, message.round, sender)):
         return [Send(sender, Decision(key, node.current_round, ()))]
-    if own is not None and key.partition("/")[0] in node.paired:  # matched as it comes (``protocol.pairing``)
+    if own is not None and node.pairs_as_ready(key):  # matched as it comes (``protocol.pairing``)
         return node.pair_ready(key, sender, message.round, now)
     if key not in node.ready:
         node.first_ready.put(key, now)

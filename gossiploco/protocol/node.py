@@ -312,9 +312,13 @@ class PeerNode:
         candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
         leader = groups.leader_of(self.group_seed, key, candidates)
         if leader == self.rank:
-            lead = pairing.PairLead if pairing.is_paired(self, key) else agreement.Lead
+            lead = pairing.PairLead if self.pairs_as_ready(key) else agreement.Lead
             return lead(key, candidates, now, self.grace_s, self._buckets(round_index))
         return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
+
+    def pairs_as_ready(self, key: str) -> bool:
+        """Whether exchange ``key`` pairs its members as they become ready (its label is in ``paired``)."""
+        return key.partition("/")[0] in self.paired
 
     def pair_ready(self, key: str, sender: int, round_index: int, now: float) -> list[Send]:
         """A follower ready for paired exchange ``key`` (``pairing.ready``), matched within this peer's bucket of it."""

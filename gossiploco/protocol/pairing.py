@@ -60,11 +60,6 @@ class Pairing:
     """member -> (its pair, or itself alone, told at what time)."""
 
 
-def is_paired(node: PeerNode, key: str) -> bool:
-    """Whether exchange ``key`` pairs its members as they become ready (its label is in ``node.paired``)."""
-    return key.partition("/")[0] in node.paired
-
-
 def _state(node: PeerNode, key: str, candidates: list[int]) -> Pairing:
     state = node.pairings.get(key)
     if state is None:

@@ -224,8 +224,8 @@ class SimSwarm:
         end = max(peer.now, r * s.round_period + own) if s.round_period else peer.now + own
         yield ("sleep", end + random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter))
         computed = peer.now
-        delta = torch.randn(self.settings.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
-        delta_hat = yield from self.mix(peer, "mix2", r, delta, self.settings.mix2)
+        delta = torch.randn(s.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
+        delta_hat = yield from self.mix(peer, "mix2", r, delta, s.mix2)
         yield ("join", mix1)
         x = mix1.result if mix1.error is None else z
         mixed = mix1.error is None and mix1.result is not z

@@ -38,12 +38,43 @@ def test_handshake_backoff_schedules_each_peer_once_and_a_success_starts_the_cou
     assert backoff.due(11.0) == [7] and not backoff.pending
     assert backoff.refused(3, now=11.0) == 1.0  # a second refusal in a row waits twice as long
     assert backoff.due(11.9) == [] and backoff.due(12.0) == [3]
-    for now in range(20, 26):
+    assert backoff.refused(3, now=12.01) == 2.0 and backoff.refused(3, now=12.5) == pytest.approx(1.51)
+    assert backoff.refusals(3) == 3  # the same try's other socket refused too: counted once, scheduled once
+    assert backoff.due(14.0) == [] and backoff.due(14.01) == [3]
+    for now in range(20, 25):
         backoff.refused(3, now=float(now))
-    assert backoff.refusals(3) == 8 and backoff.due(25.0 + RETRY_MAX_S) == [3]  # capped
+        assert backoff.due(float(now) + RETRY_MAX_S) == [3]
+    assert backoff.refusals(3) == 8 and backoff.refused(3, now=40.0) == RETRY_MAX_S  # capped
+    assert backoff.due(40.0 + RETRY_MAX_S) == [3]
     backoff.succeeded(3)
-    assert backoff.refusals(3) == 0 and backoff.refused(3, now=40.0) == RETRY_FIRST_S
+    assert backoff.refusals(3) == 0 and backoff.refused(3, now=60.0) == RETRY_FIRST_S
     backoff.succeeded(99)  # a peer that never refused: nothing to forget
+
+
+def test_a_refusing_peer_that_speaks_is_tried_again_at_once_but_only_once_per_refusal():
+    """A message from a peer that refused this one's handshake says it has admitted this peer since: the next try comes
+    forward to now. A peer that keeps talking but still refuses is hurried once per refusal: at most twice the tries
+    the backoff alone makes."""
+    backoff = HandshakeBackoff()
+    assert not backoff.hurry(4, now=0.0)  # nothing scheduled: nothing to hurry
+    for now in range(4):
+        backoff.refused(4, now=float(now))
+        assert backoff.due(float(now) + RETRY_MAX_S) == [4]  # tried again, refused again
+    assert backoff.refused(4, now=13.0) == RETRY_MAX_S and backoff.due(14.0) == []  # the fifth try waits 8 s
+    assert backoff.hurry(4, now=14.0) and backoff.due(14.0) == [4]
+    assert not backoff.hurry(4, now=14.1)  # tried already: nothing pending
+    backoff.refused(4, now=14.2)  # refused again (it still does not admit this peer): 8 s, hurried once more at most
+    assert backoff.hurry(4, now=15.0)
+    assert not backoff.hurry(4, now=15.1)  # once per refusal
+    assert backoff.due(15.1) == [4]
+    backoff.refused(4, now=15.4)
+    assert backoff.hurry(4, now=15.5) and backoff.due(15.5) == [4]
+    assert not backoff.hurry(4, now=16.0) and not backoff.pending
+    backoff.refused(9, now=0.0)
+    assert not backoff.hurry(9, now=RETRY_FIRST_S)  # its time has come anyway: nothing to bring forward
+    backoff.refused(2, now=0.0)
+    backoff.cancel(2)
+    assert not backoff.hurry(2, now=0.1)  # forgotten
 
 
 def test_due_peers_come_in_the_order_they_were_scheduled():

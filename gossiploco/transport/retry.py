@@ -9,7 +9,10 @@ Two things are retried (times are ``time.monotonic`` seconds, passed in by the c
   itself (``HandshakeBackoff``), soon at first (the peer may not have read this peer's record yet: a
   refusal is expected while a peer joins), then backing off: ``RETRY_FIRST_S`` doubled per refusal in a
   row, at most ``RETRY_MAX_S``. A handshake that succeeds starts the count again. It never gives up: a
-  refusing peer is tried every ``RETRY_MAX_S`` for as long as it is a member.
+  refusing peer is tried every ``RETRY_MAX_S`` for as long as it is a member. A message from a refusing peer hurries
+  the next try (``HandshakeBackoff.hurry``): a peer connects to another only once it admitted that one's key, so its
+  first message says the next handshake will succeed (once per refusal: a peer that talks but still refuses is
+  tried at most twice as often as the backoff says).
 * A reverse connection (a peer behind NAT's ROUTER dials the ports a reachable peer listens on for it) that failed
   or dropped: libzmq's own redialing starts again at 100 ms after every TCP connection, handshake or not (an
   endpoint that accepts and refuses the handshake was dialed 10 times a second), so the driver turns it off and
@@ -60,14 +63,30 @@ class HandshakeBackoff:
         self.first_s, self.max_s = first_s, max_s
         self._refusals: dict[Hashable, int] = {}  # refusals in a row, per peer (until a handshake succeeds)
         self._retry_at: dict[Hashable, float] = {}  # when to connect again, per peer waiting to
+        self._hurried: set[Hashable] = set()  # peers whose try was hurried since their last refusal
 
     def refused(self, peer: Hashable, now: float) -> float:
-        """``peer`` refused a handshake at ``now``: schedule the next connection; the delay until it."""
+        """``peer`` refused a handshake at ``now``: schedule the next connection; the delay until it. One try counts
+        once: a refusal while the next try is already scheduled (another of its sockets, refused in the same try)
+        changes nothing."""
+        if peer in self._retry_at:  # another socket's refusal of the same try (each try dials all of the peer's)
+            return max(0.0, self._retry_at[peer] - now)
         count = self._refusals.get(peer, 0) + 1
         self._refusals[peer] = count
         delay = refused_delay_s(count, self.first_s, self.max_s)
         self._retry_at[peer] = now + delay
+        self._hurried.discard(peer)
         return delay
+
+    def hurry(self, peer: Hashable, now: float) -> bool:
+        """``peer``, which refused a handshake, says it has admitted this peer since (a message came from it): bring
+        its next try forward to ``now``, once per refusal. True if it was brought forward."""
+        at = self._retry_at.get(peer)
+        if at is None or at <= now or peer in self._hurried:
+            return False
+        self._retry_at[peer] = now
+        self._hurried.add(peer)
+        return True
 
     def succeeded(self, peer: Hashable) -> None:
         """A handshake with ``peer`` succeeded: its next refusal counts as the first again."""
@@ -86,6 +105,7 @@ class HandshakeBackoff:
         """Forget ``peer``: no connection scheduled, no refusal counted."""
         self._refusals.pop(peer, None)
         self._retry_at.pop(peer, None)
+        self._hurried.discard(peer)
 
     def due(self, now: float) -> list[Hashable]:
         """The peers whose time to connect again has come by ``now``, in the order they were scheduled; each
@@ -93,6 +113,7 @@ class HandshakeBackoff:
         peers = [peer for peer, at in self._retry_at.items() if at <= now]
         for peer in peers:
             del self._retry_at[peer]
+            self._hurried.discard(peer)
         return peers
 
 

@@ -228,6 +228,9 @@ class Receiver:
         message = from_wire(header, tensors)
         sender = header.sender
         incarnation = self.admission.identify(routing, sender, message, authenticated_as)
+        if self.sockets.handshakes.pending and self.sockets.handshakes.hurry(sender, time.monotonic()):
+            log.info("rank %d: peer %d refused this peer's handshake but has admitted it since (it sent a message): "
+                     "connecting again now", self.rank, sender)
 
         def event(node: PeerNode, now: float) -> list:
             note = self.admission.pin(sender, incarnation, node.peers.lost_at.get(sender, -math.inf), now)
@@ -239,6 +242,8 @@ class Receiver:
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         peer = self.sockets.monitors.get(monitor)
+        if peer is None:
+            peer = self.sockets.control_monitors.get(monitor)  # which reports failed handshakes only
         if peer is None:  # its socket was closed (``ZmqSockets.forget``, ``reattach``): retired at the next pass
             return
         while True:

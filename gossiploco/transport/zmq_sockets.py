@@ -202,6 +202,12 @@ class ZmqSockets:
         """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
+        """Each peer's first data DEALER's monitor: handshakes made, failed, and connections dropped."""
+        self.control_monitors: dict[zmq.Socket, int] = {}
+        """Each peer's control DEALER's monitor, of failed handshakes only. libzmq never dials again after a refused
+        handshake, and the two DEALERs handshake apart: a peer that admits this one between them (it just read this
+        peer's record) refuses one and accepts the other. Were the control DEALER's refusal unseen, it would stay
+        down (seen: a peer never heard a leader's decisions for 40 s while its data came through)."""
         self.handshakes = HandshakeBackoff()
         """The peers that refused our handshake, and when to connect to each again (the receiving thread's)."""
         self.listening: dict[int, tuple[str, str]] = {}
@@ -269,13 +275,17 @@ class ZmqSockets:
         monitor = data[0][0].get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
         control = self._client(server_key, control=True)
+        control_monitor = control.get_monitor_socket(HANDSHAKE_FAILURES)
+        control_monitor.setsockopt(zmq.LINGER, 0)
         self.dealers[peer] = data[0]
         self.extra_stripes[peer] = data[1:]
         self._relayed[peer] = relayed
         self._turn[peer] = itertools.count()
         self.controls[peer] = (control, threading.Lock())
         self.monitors[monitor] = peer
+        self.control_monitors[control_monitor] = peer
         self.new_monitors.put(monitor)
+        self.new_monitors.put(control_monitor)
         self._attach(peer, endpoint, listen)
 
     def _attach(self, peer: int, endpoint: str, listen: str | None) -> None:
@@ -308,7 +318,8 @@ class ZmqSockets:
         monitor to the receiving thread, which polls it, to close (``retired_monitors``). Holding ``_changing``."""
         (dealer, lock), (control, control_lock) = self.dealers.pop(peer), self.controls.pop(peer)
         monitor = next(m for m, p in self.monitors.items() if p == peer)
-        del self.monitors[monitor]
+        control_monitor = next(m for m, p in self.control_monitors.items() if p == peer)
+        del self.monitors[monitor], self.control_monitors[control_monitor]
         with lock:
             close_leaving_monitor(dealer)
         self.retired_monitors.put(monitor)
@@ -316,7 +327,8 @@ class ZmqSockets:
             with extra_lock:
                 extra.close(linger=0)
         with control_lock:
-            control.close(linger=0)
+            close_leaving_monitor(control)
+        self.retired_monitors.put(control_monitor)
         for table in (self._relayed, self._direct, self._turn, self.listening):
             table.pop(peer, None)
         self._striped.discard(peer)
@@ -459,15 +471,15 @@ class ZmqSockets:
         """Close every DEALER (messages already queued get ``linger_s``) and the context. The ROUTER
         must be closed first, by its thread (``router.close``)."""
         monitors = {peer: monitor for monitor, peer in self.monitors.items()}
+        control_monitors = {peer: monitor for monitor, peer in self.control_monitors.items()}
         for peer, (dealer, lock) in self.dealers.items():
             close_monitored(dealer, lock, monitors[peer], linger_s)
         for extras in self.extra_stripes.values():
             for extra, lock in extras:
                 with lock:
                     extra.close(linger=int(1000 * linger_s))
-        for control, lock in self.controls.values():
-            with lock:
-                control.close(linger=int(1000 * linger_s))
+        for peer, (control, lock) in self.controls.items():
+            close_monitored(control, lock, control_monitors[peer], linger_s)
         while not self.retired_monitors.empty():  # the receiving thread has ended: nobody polls these any more
             self.retired_monitors.get().close(linger=0)
         if self.sealed is not None:

@@ -136,25 +136,31 @@ async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] |
     moved = [0.0, 0.0]  # bytes up (local -> stream), down
 
     async def up() -> str:
-        while True:
-            if pause.is_set():  # hand over: everything read so far is sent; say so
-                stream[1].write(END)
+        read = paused = None
+        try:
+            while True:
+                if pause.is_set():  # hand over: everything read so far is sent; say so
+                    stream[1].write(END)
+                    await stream[1].drain()
+                    return "end"
+                read = asyncio.ensure_future(local[0].read(READ_BYTES))
+                paused = asyncio.ensure_future(pause.wait())
+                await asyncio.wait({read, paused}, return_when=asyncio.FIRST_COMPLETED)
+                paused.cancel()
+                if not read.done():  # cancelled while waiting, a read takes nothing from the connection
+                    read.cancel()
+                    continue
+                data = read.result()
+                if not data:
+                    return "eof"
+                stream[1].write(FRAME.pack(len(data)) + data)
                 await stream[1].drain()
-                return "end"
-            read = asyncio.ensure_future(local[0].read(READ_BYTES))
-            paused = asyncio.ensure_future(pause.wait())
-            await asyncio.wait({read, paused}, return_when=asyncio.FIRST_COMPLETED)
-            paused.cancel()
-            if not read.done():  # cancelled while waiting, a read takes nothing from the connection
-                read.cancel()
-                continue
-            data = read.result()
-            if not data:
-                return "eof"
-            stream[1].write(FRAME.pack(len(data)) + data)
-            await stream[1].drain()
-            moved[0] += len(data)
-            STATS.bytes += len(data)
+                moved[0] += len(data)
+                STATS.bytes += len(data)
+        finally:  # cancelled from outside (the carry ended): a read left pending would take the next stream's bytes
+            for task in (read, paused):
+                if task is not None and not task.done():
+                    task.cancel()
 
     async def down() -> str:
         while True:
@@ -175,6 +181,11 @@ async def carry(local: Pair, stream: Pair, *, renew_after: tuple[float, float] |
             done, _ = await asyncio.wait({ups, downs}, timeout=RENEW_IDLE_S, return_when=asyncio.FIRST_COMPLETED)
             if downs in done and _result(downs) == "end" and renew_after is None:
                 pause.set()  # the other side handed over: answer END once our side is drained
+                await asyncio.wait({ups}, timeout=HANDOVER_S)
+                return ups.done() and _result(ups) == "end"
+            if downs in done and _result(downs) == "end" and pause.is_set() and not ups.done():
+                # the other side answered our END before our side finished sending it (a slow drain): still a clean
+                # hand-over once it is sent
                 await asyncio.wait({ups}, timeout=HANDOVER_S)
                 return ups.done() and _result(ups) == "end"
             if done and not (ups in done and _result(ups) == "end"):

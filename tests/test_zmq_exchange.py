@@ -615,17 +615,24 @@ def test_striped_data_connections_carry_the_same_exchanges(encrypted):
             ex.close()
 
 
-def test_stripes_only_on_direct_paths():
-    """A relayed peer gets one data connection (a relay's slots and link are shared), and so does a reverse one."""
-    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(1)]
-    ex = ZmqExchange(0, endpoints, "stripes", 5.0, io_threads=2, stripes=4, join_round=None)
+def test_stripes_only_on_direct_paths_once_the_first_handshake_succeeded():
+    """A relayed peer gets one data connection (a relay's slots and link are shared), and so does a reverse one. A
+    direct one gets its further stripes once the first data connection's handshake succeeded: the peer admits this
+    one's key by then (dialed together, one stripe could be refused by a peer that admitted this one between their
+    handshakes, and libzmq never dials again after a refusal)."""
+    ports = free_ports(3)
+    ex = ZmqExchange(0, {0: f"tcp://127.0.0.1:{ports[0]}"}, "stripes", 5.0, io_threads=2, stripes=4, join_round=None)
+    nine = ZmqExchange(9, {9: f"tcp://127.0.0.1:{ports[1]}"}, "stripes", 5.0, io_threads=1, stripes=1, join_round=None)
     try:
         ex.add_peer(7, "tcp://127.0.0.1:1", relayed=True)
         ex.add_peer(8, "tcp://127.0.0.1:2", listen=True)
-        ex.add_peer(9, "tcp://127.0.0.1:3")
-        assert [ex.sockets.data_connections(p) for p in (7, 8, 9)] == [1, 1, 4]
+        ex.add_peer(6, f"tcp://127.0.0.1:{ports[2]}")  # nobody there: no handshake, no stripes yet
+        ex.add_peer(9, f"tcp://127.0.0.1:{ports[1]}")
+        assert wait_until(lambda: ex.sockets.data_connections(9) == 4, 10.0)
+        assert [ex.sockets.data_connections(p) for p in (6, 7, 8)] == [1, 1, 1]
     finally:
         ex.close()
+        nine.close()
 
 
 

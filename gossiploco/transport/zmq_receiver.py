@@ -34,6 +34,7 @@ from gossiploco.security.trust import parse_routing_id
 from gossiploco.transport.admission import Admission
 from gossiploco.transport.retry import Redials
 from gossiploco.transport.sealed import OFFER
+from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES
 from gossiploco.transport.zmq_service import TransportMessage
 from gossiploco.transport.zmq_sockets import ZmqSockets
 
@@ -242,6 +243,7 @@ class Receiver:
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         peer = self.sockets.monitors.get(monitor)
+        first_data = peer is not None
         if peer is None:
             peer = self.sockets.control_monitors.get(monitor)  # which reports failed handshakes only
         if peer is None:  # its socket was closed (``ZmqSockets.forget``, ``reattach``): retired at the next pass
@@ -251,13 +253,14 @@ class Receiver:
                 event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and first_data:
                 self.sockets.handshakes.succeeded(peer)
+                self.sockets.connect_stripes(peer)
                 self._offer_key(peer)
                 self.feed(lambda node, now: node.connected(peer, now))
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.feed(lambda node, now: node.disconnected(peer, now))
-            else:  # a failed handshake: libzmq gives up on the connection, so we retry ourselves
+            elif event["event"] & HANDSHAKE_FAILURES:  # libzmq gives up on the connection, so we retry ourselves
                 delay = self.sockets.refused_by(peer, time.monotonic())
                 refusals = self.sockets.handshakes.refusals(peer)
                 if refusals in (4, 16, 64):  # the first few are expected while a peer joins

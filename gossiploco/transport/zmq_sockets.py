@@ -195,6 +195,7 @@ class ZmqSockets:
         self.extra_stripes: dict[int, list[tuple[zmq.Socket, threading.Lock]]] = {}
         """Each peer's further data DEALERs (``stripes - 1``), used while it is dialed directly."""
         self._striped: set[int] = set()  # peers whose further data DEALERs are connected (dialed directly)
+        self._stripes_due: dict[int, str] = {}  # peer -> where its further data DEALERs dial once it admits this peer
         self._relayed: dict[int, bool] = {}
         self._direct: dict[int, str] = {}  # peer -> its endpoint while this peer dials it directly (not relayed)
         self._turn: dict[int, itertools.count] = {}  # peer -> which stripe the next data message takes
@@ -289,8 +290,9 @@ class ZmqSockets:
         self._attach(peer, endpoint, listen)
 
     def _attach(self, peer: int, endpoint: str, listen: str | None) -> None:
-        """Dial ``endpoint`` with the DEALERs of ``peer`` (every data stripe when the path is direct), or listen on
-        ``listen`` with its first data DEALER and its control DEALER (recording the ports)."""
+        """Dial ``endpoint`` with the DEALERs of ``peer`` (the further data stripes too when the path is direct, once
+        the first handshake succeeded: ``connect_stripes``), or listen on ``listen`` with its first data DEALER and its
+        control DEALER (recording the ports)."""
         (dealer, _), (control, _) = self.dealers[peer], self.controls[peer]
         if listen is None and not self._relayed[peer]:
             self._direct[peer] = endpoint
@@ -303,9 +305,7 @@ class ZmqSockets:
             control.connect(endpoint)
             self.listening.pop(peer, None)
             if not self._relayed[peer] and self.extra_stripes[peer]:  # a relay's slots and link are shared
-                for extra, _ in self.extra_stripes[peer]:
-                    extra.connect(endpoint)
-                self._striped.add(peer)
+                self._stripes_due[peer] = endpoint
             return
         bound = []
         for sock in (dealer, control):
@@ -329,7 +329,7 @@ class ZmqSockets:
         with control_lock:
             close_leaving_monitor(control)
         self.retired_monitors.put(control_monitor)
-        for table in (self._relayed, self._direct, self._turn, self.listening):
+        for table in (self._relayed, self._direct, self._turn, self.listening, self._stripes_due):
             table.pop(peer, None)
         self._striped.discard(peer)
 
@@ -362,6 +362,20 @@ class ZmqSockets:
         if self.sealed is not None:
             self.sealed.forget(peer)
         return True
+
+    def connect_stripes(self, peer: int) -> None:
+        """The first data DEALER's handshake with ``peer`` succeeded: ``peer`` admits this peer's key, so its further
+        data DEALERs dial now, and are admitted. Dialed with the first, one of them could be refused by a peer that
+        admitted this one between their handshakes (it just read this peer's record), and libzmq never dials again
+        after a refusal: that stripe would hold every message given to it. By the receiving thread."""
+        with self._changing:
+            endpoint = self._stripes_due.pop(peer, None)
+            if endpoint is None or peer not in self.dealers:
+                return
+            for extra, lock in self.extra_stripes[peer]:
+                with lock:
+                    extra.connect(endpoint)
+            self._striped.add(peer)
 
     def dialed_endpoint(self, peer: int) -> str | None:
         """``peer``'s endpoint while this peer dials it directly, not through a relay; else None. Any thread."""

@@ -57,7 +57,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
     longest deadline of one call. ``join_round=None``: this peer decides later (``announce``) from
     which round it takes part. ``trust``: CurveZMQ on every socket, members' keys only. ``fault``: a
     hook run before each send (``fault_injection``; None in normal use). ``io_threads``: libzmq I/O threads, where
-    CURVE's crypto runs (None: ``zmq_sockets.default_io_threads``); ``stripes``: data connections to each directly
+    CURVE's crypto runs (None: ``process_limits.default_io_threads``); ``stripes``: data connections to each directly
     dialed peer (None: as many as I/O threads; ``zmq_sockets``). ``sealed_port`` (with ``trust``): the TCP port of
     this peer's sealed port, where peers that dial it directly send their data chunks sealed with AES-256-GCM instead
     of CurveZMQ (``zmq_sealed``; 0: any free port; None: none, so data to this peer stays on CurveZMQ). Construction raises

@@ -10,11 +10,13 @@ connection of the same process (see ``ROUTER_HANDOVER`` below).
 
 Striping: CurveZMQ encrypts and decrypts a connection in the one libzmq I/O thread that owns it, so one data
 connection per peer caps what a peer sends to another at one core's XSalsa20-Poly1305 rate. With ``stripes`` > 1
-(default: the I/O threads, ``default_io_threads``) a directly dialed peer gets that many data DEALERs (routing ids
-``"i.<incarnation>/d<j>"`` for j >= 1), and data messages take them in turn: their crypto runs on as many threads.
-A data call's chunks carry their index and wait in the receiver's mailbox until consumed, so the order they
-arrive in does not matter. Only the first data DEALER has a monitor (liveness is the peer's, not a connection's);
-a reverse or relayed path uses the first alone (a relay's slots and link are shared).
+(default: the I/O threads, ``process_limits.default_io_threads``) a directly dialed peer gets that many data DEALERs (routing ids
+``"i.<incarnation>/d<j>"`` for j >= 1, dialed once the first one's handshake succeeded: ``connect_stripes``), and
+data messages take them in turn: their crypto runs on as many threads. A data call's chunks carry their index and
+wait in the receiver's mailbox until consumed, so the order they arrive in does not matter. The first data DEALER
+has a monitor (liveness is the peer's, not a connection's); the control DEALER has one for failed handshakes only
+(``control_monitors``); a reverse or relayed path uses the first data DEALER alone (a relay's slots and link are
+shared).
 
 Sealed data (``trust``; ``zmq_sealed``): a peer also binds a NULL-mechanism ROUTER, its sealed port, and each peer
 dialing it directly sends its data messages there sealed with AES-256-GCM (keys offered over CurveZMQ) once that
@@ -36,7 +38,6 @@ and when to give up (a full queue, a refused handshake) is ``gossiploco.transpor
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import threading
 import time
@@ -49,6 +50,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import MAX_STRIPES, Trust, routing_id
 from gossiploco.protocol import codec
+from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.zmq_sealed import SealedLinks
@@ -62,7 +64,6 @@ queued on the connection, so it must exceed the time one chunk takes on the slow
 RELAYED_HEARTBEAT_FACTOR = 4
 """Measured (bench/results/reach.md): a 4 MiB chunk through a relay whose link is 12.5 Mbit/s took
 longer than the default 5 s, and every relayed Mix2 then lost its connection."""
-OPEN_FILES_WANTED = 65536
 HANDSHAKE_MS = 5000
 """A connection must finish its ZMTP/CURVE handshake within this long, or the ROUTER drops it."""
 ROUTER_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
@@ -70,38 +71,6 @@ ROUTER_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTE
 Those of inbound connections name the ROUTER's own bound address, never a reverse endpoint it dials."""
 KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
 """TCP keepalive of inbound connections: a dead machine's connection is dropped after about 16 s."""
-
-
-def default_io_threads() -> int:
-    """libzmq I/O threads for one peer's context: half the cores this process may run on, 1 to 8. CurveZMQ encrypts
-    and decrypts in the I/O thread that owns a connection, so with one thread a peer's whole encrypted traffic is
-    bounded by one core's XSalsa20-Poly1305 rate (0.65 GB/s on this project's 2-core machine, about 5 Gbit/s),
-    while a ring all-reduce sends on one connection as it receives on another, and a group mean talks to several
-    peers at once: more threads put those connections' crypto on more cores."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(8, cores // 2))
-
-
-def raise_open_file_limit(wanted: int = OPEN_FILES_WANTED) -> int:
-    """Raise this process's soft limit on open files towards ``wanted`` (never above the hard limit):
-    every connection, including a stranger's until its handshake fails or times out, holds a file
-    descriptor, and the common default of 1,024 is easy to exhaust. Returns the limit now in force."""
-    try:
-        import resource
-    except ImportError:  # not on this OS
-        return -1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            return target
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 class ZmqSockets:

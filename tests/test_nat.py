@@ -163,7 +163,7 @@ def test_nat_relayed_connections_are_renewed_before_the_relays_limits_without_fa
         for rank in range(4):
             s = summary(peers, rank)
             failed = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
-            warnings = [line for line in peers.log(rank).splitlines() if "WARNING" in line or "ERROR" in line]
+            warnings = [line for line in peers.log(rank).splitlines() if " WARN" in line or " ERROR" in line]
             assert s["mix1_failures"] == s["mix2_failures"] == s["monitor_failures"] == 0, (rank, failed, warnings)
             assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
             renewed += s["reach"]["tunnels"]["renewed"]

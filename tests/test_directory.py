@@ -207,7 +207,7 @@ def test_records_are_validated_at_construction_too():
 # -- conformance suite: memory and DHT ---------------------------------------------------------
 
 
-@pytest.fixture(params=["memory", "dht"])
+@pytest.fixture(params=["memory", pytest.param("dht", marks=pytest.mark.slow)])  # the DHT: 7 s, out of the fast subset
 def swarm(request, dht_dirs) -> Callable[..., Directory]:
     """``join(run_id)`` makes one more directory of a swarm; memory or DHT (through one bootstrap)."""
     if request.param == "memory":

@@ -57,6 +57,7 @@ def _close(exchanges):
         ex.close()
 
 
+@pytest.mark.slow  # a second or more of real sockets: out of the fast subset
 def test_encrypted_peers_send_every_data_chunk_sealed_and_get_the_same_results():
     exchanges = _swarm(3)
     try:
@@ -69,6 +70,7 @@ def test_encrypted_peers_send_every_data_chunk_sealed_and_get_the_same_results()
         _close(exchanges)
 
 
+@pytest.mark.slow  # a second or more of real sockets: out of the fast subset
 def test_a_peer_without_a_sealed_port_gets_its_data_over_curvezmq_and_seals_what_it_sends():
     exchanges = _swarm(3, sealed_ports=[0, 0, None])
     try:
@@ -152,6 +154,7 @@ class _Tap:
         self.back.close()
 
 
+@pytest.mark.slow  # a second or more of real sockets: out of the fast subset
 def test_replayed_tampered_and_forged_messages_on_the_sealed_port_are_refused_and_counted():
     exchanges = _swarm(2)
     target = f"tcp://127.0.0.1:{exchanges[0].sockets.sealed.port}"

@@ -309,7 +309,7 @@ class PeerNode:
         """The agreement call for ``key`` of round ``round_index``; None when this peer takes no part in that round."""
         if not self.peers.takes_part(round_index):
             return None
-        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
+        candidates = self._bucket(key, round_index)
         leader = groups.leader_of(self.group_seed, key, candidates)
         if leader == self.rank:
             lead = pairing.PairLead if self.pairs_as_ready(key) else agreement.Lead
@@ -322,16 +322,19 @@ class PeerNode:
 
     def pair_ready(self, key: str, sender: int, round_index: int, now: float) -> list[Send]:
         """A follower ready for paired exchange ``key`` (``pairing.ready``), matched within this peer's bucket of it."""
-        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
-        return pairing.ready(self, key, sender, candidates, now)
+        return pairing.ready(self, key, sender, self._bucket(key, round_index), now)
 
     def leads(self, key: str, round_index: int, sender: int) -> bool:
         """Whether this peer leads ``sender``'s bucket of exchange ``key`` in round ``round_index`` (by its own view)."""
-        candidates = groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
+        candidates = self._bucket(key, round_index)
         if groups.leader_of(self.group_seed, key, candidates) != self.rank:
             return False
         return sender in candidates or groups.in_bucket(self.group_seed, key, self._buckets(round_index), self.rank,
                                                         sender)
+
+    def _bucket(self, key: str, round_index: int | None) -> list[int]:
+        """This peer's bucket of exchange ``key`` in its view of round ``round_index`` (``groups.group_of``)."""
+        return groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
 
     def _buckets(self, round_index: int | None) -> int:
         """How many buckets this peer's view of round ``round_index`` (itself included) splits into."""

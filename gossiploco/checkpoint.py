@@ -52,8 +52,9 @@ CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"^round-(\d{6,})\.json$")
 NOT_IDENTITY = ("device", "compute", "checkpoint", "logging")
 """Config fields a resumed run may change: where and how it computes, how it checkpoints, where its metrics go."""
-DEFAULT_ROUND = dataclasses.asdict(RoundConfig())
-"""The ``[round]`` section of a run that does not set one (left out of the identity)."""
+DEFAULT_ROUND = {k: v for k, v in dataclasses.asdict(RoundConfig()).items() if k != "clock"}
+"""The ``[round]`` section of a run that does not set one (left out of the identity), less ``clock``: a round clock
+at its default (``start``) is left out too, so runs from before the setting existed keep their identity."""
 
 
 class CheckpointError(GossiplocoError):
@@ -107,7 +108,10 @@ def shared_config(config: dict) -> dict:
             model["init"] = checkpoint_digest(init)
             model.pop("size", None)  # the checkpoint's config gives the shape: model.size is not used
         shared["model"] = model
-    if shared.get("round") == DEFAULT_ROUND:
+    rounds = shared.get("round")
+    if isinstance(rounds, dict) and rounds.get("clock") == "start":
+        shared["round"] = rounds = {k: v for k, v in rounds.items() if k != "clock"}
+    if rounds == DEFAULT_ROUND:
         del shared["round"]
     data = shared.get("data")
     if isinstance(data, dict) and "tokenizer" in data:

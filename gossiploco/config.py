@@ -23,7 +23,8 @@ from typing import Any
 
 from gossiploco.config_sections import (
     MIX_KINDS, AdaptiveConfig, CheckpointConfig, ComputeConfig, DataConfig, InnerOptConfig, MixConfig, ModelConfig,
-    GroupConfig, MonitorConfig, OuterOptConfig, RobustConfig, RoundConfig, TimeoutConfig, TransportConfig, _choice, _positive)
+    GroupConfig, MonitorConfig, OuterOptConfig, RobustConfig, TimeoutConfig, TransportConfig, _choice, _positive)
+from gossiploco.config_round import RoundConfig
 from gossiploco.errors import ConfigError
 from gossiploco.metric_sinks import LoggingConfig
 

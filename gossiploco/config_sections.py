@@ -5,7 +5,6 @@ into ``RunConfig``, checks what spans sections and loads presets; import them fr
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -388,7 +387,7 @@ class GroupConfig:
     the next of its group to become ready, so nobody waits for the group's slowest member (``protocol.pairing``:
     uniform when the order of arrival is random, biased toward similar speeds when speeds differ for good). Not the
     default: without bucket pairing's barrier, members start their next round apart, and unless rounds keep to a
-    shared clock (which the runtime's rounds do not yet: ``round_budget``) the next Mix1 leaves the late ones out
+    shared clock (``[round] budget = "time"`` with ``clock = "shared"``) the next Mix1 leaves the late ones out
     (measured in the simulator: README, "Large swarms")."""
 
     def check(self, p: str) -> None:
@@ -439,54 +438,6 @@ class CheckpointConfig:
         if self.every < 0:
             raise ConfigError(f"{p}.every", f"must be >= 0, got {self.every}")
         _positive(f"{p}.keep", self.keep)
-
-
-BUDGETS = ("steps", "time")
-WEIGHTS = ("equal", "tokens")
-
-
-@dataclass
-class RoundConfig:
-    """What ends a round and how the workers' contributions are weighted when they merge (Decoupled DiLoCo:
-    learners contribute what they computed, merges weighted by the tokens each processed).
-
-    ``budget = "time"`` does not force ``weights = "tokens"``: both combinations are valid, because the
-    unweighted merge under a time budget is the baseline a heterogeneity study compares against (a slow
-    worker's short pseudo-gradient then counts as much as a fast one's). Tokens is the natural choice with
-    a time budget; with a steps budget every worker processes the same tokens and the weighted merges equal
-    the unweighted ones bit for bit (weights are in units of a full round's tokens, so all are 1.0)."""
-
-    budget: str = "steps"
-    """steps: every worker runs inner_steps inner steps a round; time: each runs as many as fit in the round
-    (gossiploco.round_budget: on network peers with length_s, until the round's deadline; on the simulated
-    clock, a worker whose steps take step_time_factors[m] times the base step runs floor(inner_steps / factor)
-    of them, at least 1; a factor-1 worker runs inner_steps)."""
-    weights: str = "equal"
-    """equal: Mix1 and Mix2 take plain means; tokens: means weighted by the tokens each worker processed
-    (Mix2: this round's; Mix1, launched before this round's are known: the previous round's)."""
-    length_s: float = 0.0
-    """Round length in seconds for a time budget on a real clock (network peers: each runs inner steps until the
-    round's start plus length_s; see gossiploco.round_budget). 0: unset (then step_time_factors give a simulated
-    clock). The virtual swarm's simulated clock measures a round as inner_steps base steps and ignores it."""
-    step_time_factors: list[float] = field(default_factory=list)
-    """The simulated clock: worker m's inner step takes this many base steps (one per worker; empty: all 1;
-    network peers are indexed by their data stream). Only a time budget turns them into fewer steps; with a
-    steps budget everyone runs inner_steps."""
-
-    def check(self, p: str) -> None:
-        _choice(f"{p}.budget", self.budget, BUDGETS)
-        _choice(f"{p}.weights", self.weights, WEIGHTS)
-        if self.length_s < 0:
-            raise ConfigError(f"{p}.length_s", f"must be >= 0, got {self.length_s}")
-        for factor in self.step_time_factors:
-            if not factor > 0:
-                raise ConfigError(f"{p}.step_time_factors", f"every factor must be > 0, got {self.step_time_factors}")
-
-    def steps_for(self, worker: int, inner_steps: int) -> int:
-        """Inner steps worker ``worker`` runs in one round (the virtual swarm's simulated clock)."""
-        if self.budget == "steps" or not self.step_time_factors:
-            return inner_steps
-        return max(1, math.floor(inner_steps / self.step_time_factors[worker]))
 
 
 def _positive(name: str, value: float) -> None:

@@ -18,6 +18,11 @@ after it), sans-I/O: the caller passes the times it measured, so tests drive it 
   always runs, so every worker contributes a pseudo-gradient (and a weight > 0). The round's measurement
   (consensus and validation loss at h = 0, the same work on every peer) moves the deadline by its time: the
   length is for training.
+* shared (``round.clock = "shared"``, on the real clock): the deadline of round r is the swarm's anchor plus
+  (r + 1) ``length_s`` (``round_clock.RoundClock``), whatever the round's start: ``length_s`` is the whole round,
+  training and exchanges, and every peer's rounds end together however their exchanges went (ready pairing
+  releases each pair on its own: on the start clock the peers would drift apart). A measurement does not move
+  this deadline (it would move this peer off the swarm's clock): the round trains for less.
 
 The steps each worker ran are what ``round.weights = "tokens"`` weighs its contribution by.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 from gossiploco.config import RunConfig
 from gossiploco.errors import ConfigError
+from gossiploco.round_clock import RoundClock
 
 SMOOTHING = 0.3
 """Weight of the newest step in the expected step time (an exponential average: follows a machine that
@@ -46,7 +52,10 @@ class RoundBudget:
             raise ConfigError("round.step_time_factors", f"worker {worker} has no factor: {len(rc.step_time_factors)} given")
         self.fixed = None if self.length_s else rc.steps_for(worker, cfg.inner_steps)
         """Steps per round on the steps or simulated clock; None on the real clock."""
+        self.clock = RoundClock(self.length_s) if self.length_s and rc.clock == "shared" else None
+        """The swarm's shared round clock (``round.clock = "shared"``); None: deadlines count from each round's start."""
         self.deadline = 0.0
+        self.round_index = 0
         self.step_s: float | None = None
         """The expected seconds of one step (None before the first is measured)."""
 
@@ -54,9 +63,21 @@ class RoundBudget:
     def real(self) -> bool:
         return self.fixed is None
 
-    def begin(self, now: float) -> None:
-        """The round starts at ``now`` (the agreed start: see the module's docstring)."""
-        self.deadline = now + self.length_s
+    def begin(self, now: float, round_index: int = 0) -> None:
+        """Round ``round_index`` starts at ``now`` (on the start clock: the agreed start; see the module's docstring)."""
+        self.round_index = round_index
+        self.deadline = self.clock.begin(round_index, now) if self.clock is not None else now + self.length_s
+
+    @property
+    def round_ends_at(self) -> float | None:
+        """When this round's training ends on the shared clock (told to peers that ask: the clock's, not this peer's
+        deadline, which a late start puts later); None on any other clock."""
+        return self.clock.ends_at(self.round_index) if self.clock is not None else None
+
+    def adopt(self, clocks, now: float) -> str | None:
+        """Take up the swarm's shared clock from what peers said of theirs (``lifecycle.Position.clocks``); returns
+        why not, if their clock was refused. No-op on any other clock."""
+        return self.clock.adopt(clocks, now) if self.clock is not None else None
 
     def another(self, steps_done: int, now: float) -> bool:
         """Whether to run one more inner step, ``steps_done`` of this round done, at ``now``."""
@@ -67,8 +88,10 @@ class RoundBudget:
         return now + (self.step_s or 0.0) <= self.deadline
 
     def pause(self, seconds: float) -> None:
-        """``seconds`` not spent training (a measurement: the same on every peer) move the deadline."""
-        self.deadline += seconds
+        """``seconds`` not spent training (a measurement: the same on every peer) move the deadline (not on the
+        shared clock: the round trains for less)."""
+        if self.clock is None:
+            self.deadline += seconds
 
     def step_took(self, seconds: float) -> None:
         """An inner step took ``seconds`` (on the real clock: the next steps' expected time)."""

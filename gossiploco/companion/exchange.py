@@ -262,6 +262,14 @@ class CompanionExchange(Exchange, PathControl):
     def current_round(self, value: int) -> None:
         self._call("set_round", int(value))
 
+    @property
+    def round_ends_at(self) -> float | None:
+        return self._get("round_ends_at")
+
+    @round_ends_at.setter
+    def round_ends_at(self, value: float | None) -> None:  # time.monotonic() is the machine's: the same in both processes
+        self._call("set_round_ends", None if value is None else float(value))
+
     bytes_sent = _counter("bytes_sent")
     wire_bytes_sent = _counter("wire_bytes_sent")
     bytes_received = _counter("bytes_received")

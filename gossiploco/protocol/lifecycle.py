@@ -155,6 +155,14 @@ class Position:
     """Seconds spent catching up (waiting for the boundary and downloading), 0 without a catch-up."""
     members: list[int] = field(default_factory=list)
     """``join``: the members of the start round when it returned (fewer than a quorum: the owner says so)."""
+    clocks: tuple[tuple[int, float], ...] = ()
+    """What the peers asked said of their round clocks, ``(round, when it ends on this peer's clock)`` each (``join``
+    and a catch-up): on a shared round clock the owner takes up theirs (``round_clock.RoundClock.adopt``)."""
+
+
+def round_clocks(node: PeerNode) -> tuple[tuple[int, float], ...]:
+    """The round clocks the connected peers last told this one of (``Position.clocks``)."""
+    return tuple(clock for p, clock in sorted(node.peers.round_clocks.items()) if p in node.peers.connected)
 
 
 def corroborated(rounds: dict[int, int]) -> dict[int, int]:
@@ -238,7 +246,7 @@ def join(node: PeerNode, s: Settings, start_round: int, quorum: int = 1, quorum_
     until = max(quorum_until if quorum_until is not None else now, now + s.hello_s) if quorum > 1 else now
     while len(node.members(start_round)) < quorum and now < until:
         now = yield from _wait(node, Wait(until), "the wait for the others at the start")
-    return Position(start_round, members=node.members(start_round))
+    return Position(start_round, members=node.members(start_round), clocks=round_clocks(node))
 
 
 def maybe_catch_up(node: PeerNode, s: Settings, r: int) -> Program:
@@ -286,7 +294,8 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
             yield Act(node.announce(k, caught_up=True))  # replies re-admit peers dropped meanwhile
             node.note(f"{'joined a running swarm' if fresh else 'fell behind the swarm'}; caught up from peer "
                       f"{donor} at the start of round {k}, mixing again")
-            return Position(k, state=flat, donor=donor, fresh_join=fresh, catchup_s=now - began)
+            return Position(k, state=flat, donor=donor, fresh_join=fresh, catchup_s=now - began,
+                            clocks=round_clocks(node))
         if not fresh:  # it has a state of its own (the others finished or are gone): it goes on with that
             node.note(f"no peer gave its state (rounds {ahead}); going on from round {current} with this peer's own")
             yield Act(node.announce(current))

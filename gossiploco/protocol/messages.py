@@ -8,7 +8,8 @@ int64 ``meta`` vector and a float32 or uint8 payload), so the bytes on the wire 
     message        header op            key                  meta
     Data           mix1|mix2|grad|      the exchange key     [total, tag, digest?, ...]; payload: the chunk
                    monitor|state
-    Hello          hello                hello/<join>         [join round, current round, ask id, echoed id]
+    Hello          hello                hello/<join>         [join round, current round, ask id, echoed id,
+                                                             ms left in the sender's round (optional)]
     Ready          group                the exchange key     [0, round]
     Decision       group                the exchange key     [1, leader round, digest, *group]  (or [2, leader round]:
                                                              "I do not lead it", an empty group)
@@ -42,6 +43,8 @@ PROBE = -1
 STEPPING_OUT = 2**62
 """Join round of a peer that stays connected but takes no part for now (it is catching up): the
 others leave it out of their views at once instead of waiting a grace window for it per exchange."""
+MAX_ENDS_IN_MS = 7 * 24 * 3600 * 1000
+"""The most milliseconds a hello may say are left in (or past) its sender's round (a week: no round is that long)."""
 _READY, _DECISION, _NOT_LEADING, _LEADING = 0, 1, 2, 3
 _EMPTY = torch.empty(0, dtype=torch.float32)
 DATA_OPS = ("mix1", "mix2", "grad", "state")
@@ -76,12 +79,16 @@ class Data:
 class Hello:
     """"I take part from round ``join_round`` on, and I am in round ``current_round``" (``PROBE``:
     only asking; ``LEAVING``: I leave now). ``ask`` > 0 asks for a reply that echoes it (``echo``),
-    so the asker counts only answers to its latest question, never an older message that crossed it."""
+    so the asker counts only answers to its latest question, never an older message that crossed it.
+    ``ends_in_ms``: milliseconds until the sender's current round's training ends on a shared round clock
+    (``round_clock``; negative: it ended that long ago and the sender is in its exchanges), None when it has none or
+    does not say (then the entry is left out: a peer of an earlier version sends four)."""
 
     join_round: int
     current_round: int
     ask: int = 0
     echo: int = 0
+    ends_in_ms: int | None = None
 
     @property
     def ask_reply(self) -> bool:
@@ -172,6 +179,8 @@ def to_wire(message: Message, sender: int, run_id: str) -> tuple[codec.Header, l
         if isinstance(message, Hello):
             op, key = "hello", "hello/leave" if message.join_round == LEAVING else f"hello/{message.join_round}"
             meta = [message.join_round, message.current_round, message.ask, message.echo]
+            if message.ends_in_ms is not None:
+                meta.append(message.ends_in_ms)
         elif isinstance(message, Ready):
             op, key, meta = "group", message.key, [_READY, message.round]
         elif isinstance(message, Decision):
@@ -194,15 +203,17 @@ def to_wire(message: Message, sender: int, run_id: str) -> tuple[codec.Header, l
 
 def from_wire(header: codec.Header, tensors: Sequence[torch.Tensor]) -> Message:
     """The message a decoded codec frame holds; raises ``MalformedMessage`` when it is not a valid one."""
-    max_meta = 3 + MAX_GROUP if header.op == "group" else 4
+    max_meta = 3 + MAX_GROUP if header.op == "group" else 5 if header.op == "hello" else 4
     if (len(tensors) != 2 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1
             or not 1 <= tensors[0].numel() <= max_meta or tensors[1].dtype not in PAYLOAD_DTYPES or tensors[1].dim() != 1):
         raise MalformedMessage(f"expected an int64 meta vector (1 to {max_meta} entries) and a 1-d float32 or uint8 chunk")
     meta = [int(v) for v in tensors[0].tolist()]
     op, key = header.op, header.key
     if op == "hello":
-        if len(meta) != 4 or meta[0] < LEAVING or meta[2] < 0 or meta[3] < 0:
-            raise MalformedMessage(f"hello needs [join round >= {LEAVING}, current round, ask id >= 0, echo >= 0], got {meta}")
+        if (len(meta) not in (4, 5) or meta[0] < LEAVING or meta[2] < 0 or meta[3] < 0
+                or (len(meta) == 5 and not -MAX_ENDS_IN_MS <= meta[4] <= MAX_ENDS_IN_MS)):
+            raise MalformedMessage(f"hello needs [join round >= {LEAVING}, current round, ask id >= 0, echo >= 0] and "
+                                   f"optionally [ms left in the round, at most {MAX_ENDS_IN_MS} either way], got {meta}")
         return Hello(*meta)
     if op == "abort":
         return Abort(key)

@@ -36,6 +36,9 @@ class PeerTable:
         """peer -> when its connection last dropped (kept)."""
         self.reported: dict[int, int] = {}
         """peer -> the round it reported in its last hello."""
+        self.round_clocks: dict[int, tuple[int, float]] = {}
+        """peer -> (its round, when that round ends on this peer's clock), from its last hello that said so
+        (``round_clock``: a joiner takes up the swarm's shared round clock from these)."""
         self.leader_rounds: dict[int, int] = {}
         """peer -> its round when it last answered this peer's ``Ready`` as a leader."""
         self.left: set[int] = set()
@@ -65,7 +68,7 @@ class PeerTable:
             return False
         self.known.discard(peer)
         self.left.discard(peer)
-        for table in (self.joined, self.failed, self.lost_at, self.reported, self.leader_rounds):
+        for table in (self.joined, self.failed, self.lost_at, self.reported, self.round_clocks, self.leader_rounds):
             table.pop(peer, None)
         return True
 

@@ -356,9 +356,12 @@ class NetworkPeer:
         self.exchange.current_round = r
         if factored:
             algo.begin_round(r)
-        self.budget.begin(time.perf_counter())  # the agreed start: the previous Mix2 released every member here
+        self.budget.begin(time.monotonic(), r)  # start clock: the previous Mix2 released every member here
+        if self.budget.clock is not None:  # a joiner asking this peer takes up the swarm's clock from its answer
+            self.exchange.round_ends_at = self.budget.round_ends_at
+            self.progress.merge({"round_ends_monotonic": self.budget.round_ends_at})
         h = 0
-        while self.budget.another(h, time.perf_counter()):
+        while self.budget.another(h, time.monotonic()):
             self.monitor.poll(r, h)  # a measurement that finished is written; a postponed one starts
             due, val_loss = measure_due(cfg, h)
             measuring = time.perf_counter()

@@ -64,6 +64,10 @@ def install(peer: NetworkPeer, position: lifecycle.Position) -> int:
     count the schedule's); returns the round to go on from."""
     if position.catchup_s:
         peer.clock.add("catchup_s", position.catchup_s)
+    refused = peer.budget.adopt(position.clocks, time.monotonic())  # a shared round clock: the swarm's anchor
+    if refused:
+        log.warning("rank %d: %s", peer.rank, refused)
+        peer.progress.count("round_clock_refused")
     if position.state is None:
         return position.round
     algo, flat, k = peer.algo, position.state, position.round

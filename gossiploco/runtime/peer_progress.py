@@ -12,7 +12,7 @@ from gossiploco.runtime.common import mean_loss, merge_stats
 TensorDict = dict[str, torch.Tensor]
 
 COUNTS = ("mix1_failures", "mix2_failures", "grad_failures", "monitor_failures", "monitor_late", "monitor_waits", "monitor_dropped",
-          "catchups")
+          "catchups", "round_clock_refused")
 """What a peer counts over its run (its summary reports them)."""
 
 

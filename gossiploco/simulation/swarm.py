@@ -39,6 +39,7 @@ from gossiploco.protocol import lifecycle
 from gossiploco.protocol.collectives import AllToAll, RingAllReduce, Swap
 from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
+from gossiploco.round_clock import RoundClock
 from gossiploco.simulation.costs import per_peer_stats
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_churn, draw_faults, draw_reachability
 from gossiploco.simulation.invariants import Checker, Violation
@@ -85,7 +86,8 @@ class Settings:
     round_jitter: float = 0.0
     """A round's inner steps take ``U(0, round_jitter)`` s more, drawn per peer and round (a time budget's overshoot)."""
     round_period: float = 0.0
-    """Rounds on a shared clock (0: each peer's own): round r's inner steps end at ``r * round_period + inner_s``."""
+    """Time-budget rounds on the runtime's shared clock (``round_clock``) of this period: round r's compute ends at the
+    anchor + (r + 1) ``round_period`` whatever ``inner_s``; a restarted peer adopts the anchor. 0: ``inner_s`` a round."""
     churn: float = 0.0
     """The chance that a peer crashes in a round (it restarts ``churn_down_s`` later and catches up)."""
     churn_down_s: float = 2.0
@@ -123,6 +125,8 @@ class SimSwarm:
         self.returned: dict[int, tuple[float, int, Fault]] = {}  # peer -> (when it came back, swarm round then, the fault)
         self.mixed_after: dict[int, int] = {}  # peer -> first round it mixed with others after coming back
         self.deadlines: dict[int, AdaptiveDeadlines] = {}
+        self.round_clocks: dict[int, RoundClock] = {}
+        """pid -> its shared round clock (``Settings.round_period``), its latest incarnation's."""
         self.logging = log
         self.log: list[str] = []
         self.inner_s = {p: settings.inner_s * (1 + settings.inner_spread * self.rng.random()) for p in self.ids}
@@ -190,14 +194,18 @@ class SimSwarm:
         z = torch.zeros(s.values)
         r = 0
         life = self.life(peer)
+        clock = RoundClock(s.round_period) if s.round_period else None  # the runtime's shared clock (round_budget)
+        if clock is not None:
+            self.round_clocks[peer.pid] = clock
         try:
             if restarted:
-                r, z = self.position(peer, (yield from peer.drive(lifecycle.join(peer.node, life, 0))), z)
+                r, z = self.position(peer, (yield from peer.drive(lifecycle.join(peer.node, life, 0))), z, clock)
             while r < s.rounds:
-                r, z = self.position(peer, (yield from peer.drive(lifecycle.maybe_catch_up(peer.node, life, r))), z)
+                r, z = self.position(peer, (yield from peer.drive(lifecycle.maybe_catch_up(peer.node, life, r))), z,
+                                     clock)
                 if r >= s.rounds:
                     break
-                z = yield from self.round(peer, r, z)
+                z = yield from self.round(peer, r, z, clock)
                 r += 1
                 self.finished[peer.pid] = r
                 self._done_dirty = True
@@ -213,15 +221,18 @@ class SimSwarm:
         peer.node.current_round = s.rounds  # as the runtime tells the others it is done
         self.note(f"{peer.pid} finished")
 
-    def round(self, peer: SimPeer, r: int, z: torch.Tensor):
+    def round(self, peer: SimPeer, r: int, z: torch.Tensor, clock: RoundClock | None):
         s = self.settings
         peer.node.current_round = r
         peer.snapshot = (r, z.clone())
         self.snapshots[(peer.pid, r)] = z.clone()
         began = peer.now
         mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
-        own = self.inner_s[peer.pid]
-        end = max(peer.now, r * s.round_period + own) if s.round_period else peer.now + own
+        if clock is not None:  # time-budget rounds on the shared clock: the same deadline whatever the peer's speed
+            end = clock.begin(r, peer.now)
+            peer.node.round_ends_at = clock.ends_at(r)
+        else:
+            end = peer.now + self.inner_s[peer.pid]
         yield ("sleep", end + random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter))
         computed = peer.now
         delta = torch.randn(s.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
@@ -313,8 +324,14 @@ class SimSwarm:
             boundary_poll_s=lifecycle.BOUNDARY_POLL_S * s.grace_s / TimeoutConfig().grace_s,  # a real run's ratio
             nonce=lambda: f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}")
 
-    def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor,
+                 clock: RoundClock | None = None) -> tuple[int, torch.Tensor]:
         """Install what a lifecycle program decided; a downloaded state must be the donor's of that round."""
+        if clock is not None and position.clocks:
+            refused = clock.adopt(position.clocks, peer.now)
+            others = [c.anchor for p, c in self.round_clocks.items()
+                      if p != peer.pid and c.anchor is not None and self.peers[p].running]
+            self.checker.round_clock_adopted(peer.pid, peer.now, refused, clock.anchor, others)
         if position.state is None:
             return position.round, z
         k, donor = position.round, position.donor

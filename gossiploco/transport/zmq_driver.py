@@ -129,6 +129,17 @@ class ZmqDriver:
             self._node.current_round = value
 
     @property
+    def round_ends_at(self) -> float | None:
+        """When this peer's round ends on a shared round clock (``time.monotonic()``; set by its runtime, None on its
+        own clock); answers to hellos tell it (``PeerNode.round_ends_at``)."""
+        return self._node.round_ends_at
+
+    @round_ends_at.setter
+    def round_ends_at(self, value: float | None) -> None:
+        with self._cond:
+            self._node.round_ends_at = value
+
+    @property
     def bytes_sent(self) -> int:
         """Payload bytes of the data chunks this peer sent (``Traffic.payload_sent``)."""
         return self.traffic.payload_sent

@@ -57,6 +57,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.scale_real_report import write_markdown
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -86,6 +88,13 @@ class SwarmSettings:
     """``timeouts.heartbeat_s`` (None: the config's default, 5 s)."""
     grace_s: float | None = None
     """``timeouts.grace_s`` (None: the config's default, 10 s)."""
+    pairing: str = "bucket"
+    """``[groups] pairing`` of Mix2 (``ready``: each member paired with the next one of its bucket ready)."""
+    period_s: float = 0.0
+    """> 0: time-budget rounds on the shared round clock (``round.clock = "shared"``, ``round_clock.RoundClock``):
+    a peer's compute ends at its clock's deadline plus an overshoot drawn per peer and round from U(0, overshoot_s)
+    (the step in flight), instead of ``inner_s`` from its round's start. Founders anchor at their start line."""
+    overshoot_s: float = 0.0
 
 
 def inner_seconds(seed: int, rank: int, low: float, high: float) -> float:
@@ -141,7 +150,7 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
                            deadlines=AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor),
                            heartbeat_s=t.heartbeat_s, trust=trust)
     try:
-        exchange.set_grouping(settings.seed, settings.group_size)
+        exchange.set_grouping(settings.seed, settings.group_size, {"mix2"} if settings.pairing == "ready" else ())
         record["connected_all"] = exchange.wait_connected(settings.connect_s)
         record["connect_s"] = time.monotonic() - began
         start = FileBarrier(out / "start", settings.peers)
@@ -168,6 +177,7 @@ def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> No
     import torch
 
     from gossiploco.mixing.operators import GlobalMix, GossipMix
+    from gossiploco.round_clock import RoundClock
     from testbed.processes import resources
 
     recorder = GroupRecorder(exchange)
@@ -178,6 +188,8 @@ def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> No
     inner_s = record["inner_s"]
     traffic = exchange.traffic
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"mix1-{rank}")
+    clock = RoundClock(settings.period_s) if settings.period_s else None
+    overshoot = random.Random(f"{settings.seed}:{rank}:overshoot")
 
     def timed_mix1(state: dict, r: int):
         t0 = time.perf_counter()
@@ -191,7 +203,12 @@ def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> No
             t_round = time.perf_counter()
             exchange.current_round = r
             pending = pool.submit(timed_mix1, {"z": z.clone()}, r)  # Mix1 launched at the round's start, non-blocking
-            time.sleep(inner_s)  # the inner steps (synthetic compute)
+            compute_s = inner_s
+            if clock is not None:  # time-budget rounds on the shared clock: train until the clock's deadline
+                deadline = clock.begin(r, time.monotonic())
+                exchange.round_ends_at = clock.ends_at(r)
+                compute_s = max(0.0, deadline - time.monotonic()) + overshoot.uniform(0, settings.overshoot_s)
+            time.sleep(compute_s)  # the inner steps (synthetic compute)
             delta = torch.randn(settings.payload, generator=gen).mul_(0.01)
             t_mix2 = time.perf_counter()
             res2 = mix2.mix([{"delta": delta}], r, recorder)  # blocking Mix2 of the pseudo-gradient
@@ -203,7 +220,7 @@ def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> No
             round_s = time.perf_counter() - t_round
             kinds = traffic.control_counts()
             record["rounds"].append({
-                "round": r, "round_s": round_s, "compute_s": inner_s, "mix2_s": mix2_s, "mix1_wait_s": mix1_wait_s,
+                "round": r, "round_s": round_s, "compute_s": compute_s, "mix2_s": mix2_s, "mix1_wait_s": mix1_wait_s,
                 "blocking_s": mix2_s + mix1_wait_s, "mix1_s": mix1_s,
                 "mix1_ok": res1.ok, "mix1_cause": res1.cause, "mix1_group": recorder.sizes.get(f"mix1/{r}"),
                 "mix2_ok": res2.ok, "mix2_cause": res2.cause, "mix2_group": recorder.sizes.get(f"mix2/{r}"),
@@ -245,7 +262,8 @@ def mem_available() -> int:
 
 def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, inner: tuple[float, float] = (1.0, 2.0),
               group_size: int = 16, seed: int = 0, timeout_s: float | None = None, heartbeat_s: float | None = None,
-              grace_s: float | None = None, label: str = "") -> dict:
+              grace_s: float | None = None, label: str = "", pairing: str = "bucket", period_s: float = 0.0,
+              overshoot_s: float = 0.0) -> dict:
     """Start ``peers`` peer processes, wait for them (at most ``timeout_s``), stop them; returns the run's
     summary (``summarize``) with every peer's record under ``records``."""
     from gossiploco.runtime.launch import free_ports
@@ -261,7 +279,7 @@ def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, i
     settings = SwarmSettings(peers, [f"tcp://127.0.0.1:{p}" for p in free_ports(peers)], f"scale-{os.urandom(4).hex()}",
                              str(key), str(out), rounds=rounds, payload=payload, inner_low_s=inner[0],
                              inner_high_s=inner[1], group_size=group_size, seed=seed, heartbeat_s=heartbeat_s,
-                             grace_s=grace_s)
+                             grace_s=grace_s, pairing=pairing, period_s=period_s, overshoot_s=overshoot_s)
     write_json(out / "swarm.json", asdict(settings))
     timeout_s = timeout_s or settings.connect_s * 2 + rounds * (inner[1] + 30) + settings.finish_s
     env = child_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -327,7 +345,8 @@ def summarize(records: list[dict], settings: SwarmSettings) -> dict:
              for kind in sorted({k for row in rows for k in row["control_kinds"]})}
     return {
         "peers": settings.peers, "group_size": settings.group_size, "heartbeat_s": settings.heartbeat_s,
-        "grace_s": settings.grace_s, "rounds": settings.rounds,
+        "grace_s": settings.grace_s, "rounds": settings.rounds, "pairing": settings.pairing,
+        "period_s": settings.period_s, "overshoot_s": settings.overshoot_s,
         "payload_floats": settings.payload, "inner_s": [settings.inner_low_s, settings.inner_high_s],
         "peers_done": done, "peer_rounds": len(rows),
         "round_s": median(r["round_s"] for r in rows), "round_s_p90": p90(r["round_s"] for r in rows),
@@ -352,86 +371,6 @@ def summarize(records: list[dict], settings: SwarmSettings) -> dict:
     }
 
 
-BEGIN, END = "<!-- scale-real: begin (bench/scale_real.py writes this part) -->", "<!-- scale-real: end -->"
-
-
-def table(runs: list[dict]) -> str:
-    """The summaries as a markdown table, one row per (group size, M)."""
-    mib, kib = 2**20, 2**10
-
-    def f(v, fmt="{:.2f}"):
-        return "-" if v is None else fmt.format(v)
-
-    head = ("| M | group size | variant | peers done | round s (p50 / p90) | blocking s (p50 / p90) | Mix2 s | Mix1 wait s "
-            "| Mix1 s | Mix1 ok | Mix1 / Mix2 group | payload sent KiB | all sent KiB | received KiB | control msgs (p50 / mean / max) "
-            "| connected | DEALERs | fds (sockets) | RSS MiB | PSS MiB | threads | machine memory used GiB |")
-    rows = [head, "|" + "---|" * (head.count("|") - 1)]
-    for s in runs:
-        rows.append(
-            f"| {s['peers']} | {s['group_size']} | {variant_name(s)} | {s['peers_done']}/{s['peers']} "
-            f"| {f(s['round_s'])} / {f(s['round_s_p90'])} | {f(s['blocking_s'])} / {f(s['blocking_s_p90'])} "
-            f"| {f(s['mix2_s'])} | {f(s['mix1_wait_s'])} | {f(s['mix1_s'])} | {f(s['mix1_completion'], '{:.0%}')} "
-            f"| {f(s['mix1_group'], '{:.0f}')} / {f(s['mix2_group'], '{:.0f}')} | {f(s['bytes_sent'] / kib, '{:.0f}')} "
-            f"| {f(s['wire_sent'] / kib, '{:.0f}')} | {f(s['bytes_received'] / kib, '{:.0f}')} "
-            f"| {f(s['control_sent'], '{:.0f}')} / {f(s['control_sent_mean'], '{:.1f}')} / {f(s['control_sent_max'], '{:.0f}')} | {f(s['connected'], '{:.0f}')} | {f(s['dealers'], '{:.0f}')} "
-            f"| {f(s['fds'], '{:.0f}')} ({f(s['sockets'], '{:.0f}')}) | {f(s['rss'] / mib, '{:.0f}')} "
-            f"| {f(s['pss'] / mib, '{:.0f}')} | {f(s['threads'], '{:.0f}')} | {f(s['mem_lost_max'] / 2**30, '{:.1f}')} |")
-    return "\n".join(rows)
-
-
-def variant_name(s: dict) -> str:
-    """What sets a run apart from the default settings: its label, and timeouts it changed."""
-    parts = [s.get("label") or ""] + [f"{k.removesuffix('_s')} {s[k]:g} s" for k in ("heartbeat_s", "grace_s")
-                                      if s.get(k) is not None]
-    return ", ".join(p for p in parts if p) or "default"
-
-
-def default_run(s: dict) -> bool:
-    return s.get("heartbeat_s") is None and s.get("grace_s") is None
-
-
-def criterion(runs: list[dict]) -> str:
-    """The done criterion of issue 26: the median blocking per round of each 64-peer run with the default grouping
-    and timeouts within 1.5x of the 4-peer run's, with every peer done."""
-    base = [s for s in runs if s["peers"] == 4 and s["group_size"] == 16 and default_run(s) and not s.get("label")]
-    at_64 = [s for s in runs if s["peers"] == 64 and s["group_size"] == 16 and default_run(s)]
-    if not base or not at_64:
-        return "Blocking criterion: not measured (needs M = 4 and M = 64 with group size 16 and default timeouts)."
-    a = base[0]["blocking_s"]
-    lines = []
-    for s in at_64:
-        ratio = s["blocking_s"] / a if a else float("inf")
-        verdict = "met" if ratio <= 1.5 and s["peers_done"] == 64 else "MISSED"
-        lines.append(f"{variant_name(s)}: {verdict}: {s['blocking_s']:.2f} s / {a:.2f} s = {ratio:.2f}x, "
-                     f"{s['peers_done']} of 64 peers done")
-    others = [f"M={s['peers']}, group size {s['group_size']}, {variant_name(s)}: {s['blocking_s'] / a:.2f}x"
-              for s in runs if s not in base and s not in at_64]
-    return ("Blocking criterion (median blocking per round at 64 peers within 1.5x of 4 peers', group size 16, "
-            "default timeouts): " + "; ".join(lines) + "."
-            + (" Other runs against the same 4-peer median, for information: " + "; ".join(others) + "." if others else ""))
-
-
-def write_markdown(path: Path, runs: list[dict]) -> None:
-    """Replace the generated part of the "Real processes" section of ``path`` (between ``BEGIN`` and ``END``;
-    appended with a heading when absent), keeping everything else of the file."""
-    commands = sorted({s["command"] for s in runs})
-    kinds = "; ".join(f"M={s['peers']}/g{s['group_size']} ({variant_name(s)}): "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in s["control_kinds"].items()) for s in runs)
-    failures = "; ".join(f"M={s['peers']}/g{s['group_size']} ({variant_name(s)}): {s['failures']}"
-                         for s in runs if s["failures"]) or "none"
-    body = "\n\n".join([BEGIN, table(runs), criterion(runs),
-                         f"Control messages sent per peer per round, mean by kind: {kinds}.",
-                         f"Failed exchanges (peer-rounds, by cause): {failures}.",
-                         "Commands:\n\n" + "\n".join(f"    nice -n 5 {c}" for c in commands), END])
-    text = path.read_text() if path.exists() else "# Scaling: round cost against M\n"
-    if BEGIN in text and END in text:
-        text = text[:text.index(BEGIN)] + body + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n## Real processes (bench/scale_real.py)\n\n" + body + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command")
@@ -446,6 +385,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heartbeat-s", type=float, default=None, help="timeouts.heartbeat_s (default: the config's)")
     ap.add_argument("--grace-s", type=float, default=None, help="timeouts.grace_s (default: the config's)")
+    ap.add_argument("--pairing", choices=("bucket", "ready"), default="bucket", help="[groups] pairing of Mix2")
+    ap.add_argument("--period", type=float, default=0.0,
+                    help="> 0: time-budget rounds of this period on the shared round clock (--inner unused)")
+    ap.add_argument("--overshoot", type=float, default=0.0, help="with --period: compute overshoots by U(0, this) s")
     ap.add_argument("--min-free-gb", type=float, default=4.0,
                     help="skip an M when MemAvailable is below this plus 0.15 GB per peer")
     ap.add_argument("--label", default="", help="names this run in the results (a repetition, a variant)")
@@ -469,22 +412,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"M={m}: skipped, MemAvailable {mem_available() / 2**30:.1f} GB < {need / 2**30:.1f} GB", flush=True)
             continue
         name = "-".join(filter(None, [f"m{m}-g{args.group_size}", args.heartbeat_s and f"hb{args.heartbeat_s:g}",
-                                      args.grace_s and f"grace{args.grace_s:g}", args.label]))
+                                      args.grace_s and f"grace{args.grace_s:g}", args.period and f"clock{args.period:g}",
+                                      args.pairing != "bucket" and args.pairing, args.label]))
         summary = run_swarm(m, Path(args.out) / name, rounds=args.rounds, payload=args.payload,
                             inner=(low, high), group_size=args.group_size, seed=args.seed,
-                            heartbeat_s=args.heartbeat_s, grace_s=args.grace_s, label=args.label)
+                            heartbeat_s=args.heartbeat_s, grace_s=args.grace_s, label=args.label,
+                            pairing=args.pairing, period_s=args.period, overshoot_s=args.overshoot)
         print(json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=1), flush=True)
         results.append(summary)
     command = args.record_command or "python -m bench.scale_real " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.json:
         path = Path(args.json)
         kept = json.loads(path.read_text())["runs"] if path.exists() else []
-        variant = lambda s: (s["peers"], s["group_size"], s.get("heartbeat_s"), s.get("grace_s"), s.get("label", ""))  # noqa: E731
+        variant = lambda s: (s["peers"], s["group_size"], s.get("heartbeat_s"), s.get("grace_s"), s.get("label", ""),  # noqa: E731
+                             s.get("pairing", "bucket"), s.get("period_s", 0.0))
         new = {variant(s) for s in results}
         kept = [s for s in kept if variant(s) not in new]
         runs = sorted(kept + [{**{k: v for k, v in s.items() if k != "records"}, "command": command} for s in results],
                       key=lambda s: (s["group_size"] != 16, s["group_size"], s.get("heartbeat_s") or 0, s.get("grace_s") or 0,
-                                     s.get("label", ""), s["peers"]))
+                                     s.get("period_s") or 0, s.get("pairing", "bucket"), s.get("label", ""), s["peers"]))
         write_json(path, {"runs": runs})
         if args.markdown:
             write_markdown(Path(args.markdown), runs)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import scale_real  # the repository root is on sys.path (pyproject's pytest `pythonpath`)
+from bench.scale_real_report import criterion, variant_name
 from gossiploco.protocol.messages import Data, Decision, Hello, Ready
 from gossiploco.transport.traffic import Traffic
 from testbed.file_barrier import FileBarrier
@@ -46,9 +47,15 @@ def test_inner_seconds_are_fixed_per_peer_and_within_the_spread():
 def test_the_verdict_compares_the_medians_at_64_and_4_peers():
     runs = [{"peers": 4, "group_size": 16, "blocking_s": 0.4, "peers_done": 4},
             {"peers": 64, "group_size": 16, "blocking_s": 0.7, "peers_done": 64}]
-    assert "MISSED" in scale_real.criterion(runs) and "1.75x" in scale_real.criterion(runs)
+    assert "MISSED" in criterion(runs) and "1.75x" in criterion(runs)
     runs[1]["blocking_s"] = 0.6
-    assert ": met:" in scale_real.criterion(runs)
+    assert ": met:" in criterion(runs)
+    shared = {"peers": 64, "group_size": 16, "blocking_s": 0.1, "peers_done": 64, "pairing": "ready", "period_s": 3.0,
+              "overshoot_s": 0.5}
+    assert variant_name(shared) == "shared clock 3 s (+ up to 0.5 s), ready pairing"
+    assert criterion(runs + [shared]).count(": met:") == 1  # no 4-peer run of its schedule: not judged
+    verdict = criterion(runs + [shared, {**shared, "peers": 4, "peers_done": 4, "blocking_s": 0.05}])
+    assert "ready pairing: MISSED: 0.10 s / 0.05 s = 2.00x" in verdict and ": met: 0.60 s / 0.40 s" in verdict
 
 
 @pytest.mark.slow

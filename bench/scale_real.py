@@ -206,7 +206,7 @@ def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> No
             compute_s = inner_s
             if clock is not None:  # time-budget rounds on the shared clock: train until the clock's deadline
                 deadline = clock.begin(r, time.monotonic())
-                exchange.round_ends_at = clock.ends_at(r)
+                exchange.round_ends = (r, clock.ends_at(r))
                 compute_s = max(0.0, deadline - time.monotonic()) + overshoot.uniform(0, settings.overshoot_s)
             time.sleep(compute_s)  # the inner steps (synthetic compute)
             delta = torch.randn(settings.payload, generator=gen).mul_(0.01)

@@ -185,6 +185,8 @@ def test_exchanges_in_companion_processes_reduce_in_shared_vectors_and_swap():
         assert exchanges[0].members() == [0, 1, 2] and exchanges[1].connected() == [0, 2]
         exchanges[2].current_round = 4
         assert exchanges[2].current_round == 4
+        exchanges[2].round_ends = (4, 123.5)  # a shared round clock's end, told to peers that ask
+        assert exchanges[2].round_ends == (4, 123.5)
         assert exchanges[0].bytes_sent > 50_000 * 4 and exchanges[0].malformed_messages == 0
         state = exchanges[0].deadlines.state()
         exchanges[0].deadlines.load_state(state)

@@ -112,7 +112,7 @@ def test_a_node_answers_with_its_rounds_end_and_the_asker_keeps_it_on_its_own_cl
     member, joiner = (PeerNode(rank, [1, 2], grace_s=1.0, chunk_elems=64, mailbox_bytes=1 << 20) for rank in (1, 2))
     for node, other in ((member, 2), (joiner, 1)):
         node.connected(other, 0.0)
-    member.current_round, member.round_ends_at = 6, 50.0
+    member.current_round, member.round_ends = 6, (6, 50.0)
     [question] = joiner.announce(PROBE, to=[1])
     # The member's clock reads 47.5 when the question comes: 2.5 s left; the joiner's reads 1000.1 when the answer comes.
     [answer] = member.receive(2, question.message, 47.5)
@@ -121,7 +121,10 @@ def test_a_node_answers_with_its_rounds_end_and_the_asker_keeps_it_on_its_own_cl
     assert joiner.peers.round_clocks == {1: (6, pytest.approx(1002.6))}
     [late] = member.receive(2, question.message, 51.25)  # in its exchanges, 1.25 s after its training ended
     assert late.message.ends_in_ms == -1250
-    member.round_ends_at = None  # on its own clock: says nothing, and nothing is kept
+    member.current_round = 7  # in a round whose end it was not told (done, say): says nothing
+    [other] = member.receive(2, question.message, 51.5)
+    assert other.message.ends_in_ms is None and other.message.current_round == 7
+    member.round_ends = None  # on its own clock: says nothing, and nothing is kept
     [plain] = member.receive(2, question.message, 52.0)
     assert plain.message.ends_in_ms is None
     joiner.peers.round_clocks.clear()

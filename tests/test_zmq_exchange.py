@@ -440,11 +440,26 @@ def test_heartbeat_timeout_comes_from_the_config_for_slow_links():
     try:
         ex.add_peer(1, "tcp://127.0.0.1:1")
         assert ex.sockets.dealers[1][0].getsockopt(zmq.HEARTBEAT_TIMEOUT) == 30000
+        assert ex.sockets.dealers[1][0].getsockopt(zmq.HEARTBEAT_IVL) == 10000  # a PING every third of the timeout
         # the ROUTER has no ZMTP heartbeat (libzmq aborts on it, see zmq_sockets); TCP keepalive instead
         assert ex.sockets.router.getsockopt(zmq.HEARTBEAT_IVL) == 0
         assert ex.sockets.router.getsockopt(zmq.TCP_KEEPALIVE) == 1
     finally:
         ex.close()
+
+
+def test_a_heartbeat_pings_every_third_of_its_timeout_and_never_more_than_once_a_second():
+    from gossiploco.transport.zmq_send import heartbeat
+
+    ctx = zmq.Context()
+    try:
+        for timeout_ms, ivl_ms in ((5000, 1666), (30000, 10000), (20000, 6666), (1500, 1000), (500, 1000)):
+            sock = ctx.socket(zmq.DEALER)
+            heartbeat(sock, timeout_ms)
+            assert (sock.getsockopt(zmq.HEARTBEAT_IVL), sock.getsockopt(zmq.HEARTBEAT_TIMEOUT)) == (ivl_ms, timeout_ms)
+            sock.close(0)
+    finally:
+        ctx.term()
 
 
 def test_inplace_all_reduce_reduces_in_the_callers_buffer_and_matches_the_copying_one(groups):

@@ -263,12 +263,12 @@ class CompanionExchange(Exchange, PathControl):
         self._call("set_round", int(value))
 
     @property
-    def round_ends_at(self) -> float | None:
-        return self._get("round_ends_at")
+    def round_ends(self) -> tuple[int, float] | None:
+        return self._get("round_ends")
 
-    @round_ends_at.setter
-    def round_ends_at(self, value: float | None) -> None:  # time.monotonic() is the machine's: the same in both processes
-        self._call("set_round_ends", None if value is None else float(value))
+    @round_ends.setter
+    def round_ends(self, value: tuple[int, float] | None) -> None:  # time.monotonic() is the machine's: both processes'
+        self._call("set_round_ends", None if value is None else (int(value[0]), float(value[1])))
 
     bytes_sent = _counter("bytes_sent")
     wire_bytes_sent = _counter("wire_bytes_sent")

@@ -34,7 +34,7 @@ CALLS = frozenset({
     "check_reachable", "protocol_state", "security_counts", "sealed_counts", "join_swarm", "catch_up_if_behind",
     "is_closed", "deadlines_state", "load_deadlines"})
 """Methods of ``ZmqExchange`` the trainer calls (``CompanionExchange``)."""
-COUNTERS = ("current_round", "round_ends_at", "bytes_sent", "wire_bytes_sent", "dropped_messages",
+COUNTERS = ("current_round", "round_ends", "bytes_sent", "wire_bytes_sent", "dropped_messages",
             "bytes_received", "malformed_messages", "isolated_mixes")
 """The properties the trainer reads (``("get", name)``), and still reads after the exchange closed (``shut``
 returns them)."""
@@ -67,7 +67,7 @@ def main(conn: Connection, kwargs: dict, log_level: int) -> None:
             exchange.current_round = int(args[0])
             return None
         if name == "set_round_ends":
-            exchange.round_ends_at = None if args[0] is None else float(args[0])
+            exchange.round_ends = None if args[0] is None else (int(args[0][0]), float(args[0][1]))
             return None
         if name == "shut":  # leave or close, then the counters as they end (the trainer's summary reads them later)
             how, linger_s = args

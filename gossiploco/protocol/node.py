@@ -31,8 +31,8 @@ from typing import Generic, TypeVar
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
 from gossiploco.protocol import agreement, groups, pairing
 from gossiploco.protocol.mailbox import Mailbox
-from gossiploco.protocol.messages import (LEAVING, MAX_ENDS_IN_MS, PROBE, STEPPING_OUT, Abort, Action, Data, Decision, Hello, Leading,
-                                          Message, Ready, Send, ServeState, StateRequest, op_and_round)
+from gossiploco.protocol.messages import (LEAVING, MAX_ENDS_IN_MS, PROBE, STEPPING_OUT, Abort, Action, Data, Decision,
+                                          Hello, Leading, Message, Ready, Send, ServeState, StateRequest, op_and_round)
 from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
 from gossiploco.protocol.state_limit import StateRequestLimit, refusal
 
@@ -94,9 +94,10 @@ class PeerNode:
         """Id of this peer's latest question to the others (``announce``); only replies echoing it count."""
         self.current_round = -1
         """The round this peer is in (set by its owner; -1 before the first); told to peers in hellos and decisions."""
-        self.round_ends_at: float | None = None
-        """When ``current_round``'s training ends on a shared round clock (``round_clock``; set by its owner, None on
-        each peer's own clock): the answers to hellos say how long that is from now, so a joiner takes up the clock."""
+        self.round_ends: tuple[int, float] | None = None
+        """(round, when its training ends) on a shared round clock (``round_clock``; set by its owner, None on each
+        peer's own clock): answers to hellos sent while in that round say how long that is from now, so a joiner takes
+        up the clock (never for another round: a peer that finished, say, says nothing)."""
         self.closed = False
         self.broken: str | None = None
         """Why the carrier under this node died (a driver thread crashed); every call then fails with it."""
@@ -264,9 +265,11 @@ class PeerNode:
         if message.ends_in_ms is not None and message.current_round >= 0:
             self.peers.round_clocks[sender] = (message.current_round, now + message.ends_in_ms / 1000)
         if message.ask_reply:
-            left = None if self.round_ends_at is None else round((self.round_ends_at - now) * 1000)
+            left = None
+            if self.round_ends is not None and self.round_ends[0] == self.current_round:
+                left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
             return [Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, echo=message.ask,
-                                       ends_in_ms=None if left is None else max(-MAX_ENDS_IN_MS, min(left, MAX_ENDS_IN_MS))))]
+                                       ends_in_ms=left))]
         return []
 
     # -- the owner's requests -----------------------------------------------------------------------

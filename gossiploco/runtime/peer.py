@@ -358,7 +358,7 @@ class NetworkPeer:
             algo.begin_round(r)
         self.budget.begin(time.monotonic(), r)  # start clock: the previous Mix2 released every member here
         if self.budget.clock is not None:  # a joiner asking this peer takes up the swarm's clock from its answer
-            self.exchange.round_ends_at = self.budget.round_ends_at
+            self.exchange.round_ends = (r, self.budget.round_ends_at)
             self.progress.merge({"round_ends_monotonic": self.budget.round_ends_at})
         h = 0
         while self.budget.another(h, time.monotonic()):

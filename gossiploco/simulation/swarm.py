@@ -230,7 +230,7 @@ class SimSwarm:
         mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
         if clock is not None:  # time-budget rounds on the shared clock: the same deadline whatever the peer's speed
             end = clock.begin(r, peer.now)
-            peer.node.round_ends_at = clock.ends_at(r)
+            peer.node.round_ends = (r, clock.ends_at(r))
         else:
             end = peer.now + self.inner_s[peer.pid]
         yield ("sleep", end + random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter))

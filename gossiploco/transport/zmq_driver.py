@@ -129,15 +129,15 @@ class ZmqDriver:
             self._node.current_round = value
 
     @property
-    def round_ends_at(self) -> float | None:
-        """When this peer's round ends on a shared round clock (``time.monotonic()``; set by its runtime, None on its
-        own clock); answers to hellos tell it (``PeerNode.round_ends_at``)."""
-        return self._node.round_ends_at
+    def round_ends(self) -> tuple[int, float] | None:
+        """(round, when its training ends) on a shared round clock (``time.monotonic()``; set by its runtime, None on
+        its own clock); answers to hellos tell it (``PeerNode.round_ends``)."""
+        return self._node.round_ends
 
-    @round_ends_at.setter
-    def round_ends_at(self, value: float | None) -> None:
+    @round_ends.setter
+    def round_ends(self, value: tuple[int, float] | None) -> None:
         with self._cond:
-            self._node.round_ends_at = value
+            self._node.round_ends = value
 
     @property
     def bytes_sent(self) -> int:

@@ -41,7 +41,7 @@ from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 from gossiploco.transport.zmq_auth import SEALED_DOMAIN
 from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, GaveUp, close_leaving_monitor, close_monitored,
-                                            send_until)
+                                            heartbeat, send_until)
 
 RECONNECT_MAX_MS = 10_000
 """A sealed port that does not answer (a firewall) is dialed again at most this often once backoff grew."""
@@ -319,8 +319,7 @@ class SealedLinks:
         sock.setsockopt(zmq.SNDHWM, self.sndhwm)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing on a connection not yet (or no longer) made
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms)
+        heartbeat(sock, self.heartbeat_ms)
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
         self.dealers[peer] = (sock, threading.Lock())

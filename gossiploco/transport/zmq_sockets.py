@@ -54,9 +54,9 @@ from gossiploco.transport.process_limits import default_io_threads, raise_open_f
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.zmq_sealed import SealedLinks
-from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, close_leaving_monitor, close_monitored, send_until
+from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, close_leaving_monitor, close_monitored, heartbeat,
+                                            send_until)
 
-HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
 queued on the connection, so it must exceed the time one chunk takes on the slowest link: a
@@ -237,8 +237,7 @@ class ZmqSockets:
         for stripe in range(self.stripes):
             dealer = self._client(server_key, control=False, stripe=stripe)
             dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
-            dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-            dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
+            heartbeat(dealer, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
             data.append((dealer, threading.Lock()))
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
         # TCP connections, but only a live peer completes the handshake. The first data connection speaks for all.

@@ -6,8 +6,9 @@ the seeded simulator (the real protocol, ``protocol.pairing`` and ``protocol.agr
 Each cell: ``simulate_scale`` (consumer links, 1% churn, 20 s of compute a round, a 2 s grace window) with every
 peer's compute equal but overshooting by ``U(0, --jitter)`` s each round, drawn afresh (what time-budget rounds do:
 a round ends at its deadline plus less than one step), ``[groups] pairing`` bucket or ready, and rounds either
-starting when the last one ended (each peer's own clock: the runtime's rounds today) or keeping to a shared clock
-(round r's compute ends at ``r * --period + 20 s``). Medians over seeds of the per-peer medians: blocking time per
+starting when the last one ended (each peer's own clock: ``round.clock = "start"``) or keeping to the shared round
+clock (``round.clock = "shared"``, the runtime's ``round_clock.RoundClock``: round r's compute ends at the anchor +
+(r + 1) ``--period``; a restarted peer takes up the anchor from the answers to its questions). Medians over seeds of the per-peer medians: blocking time per
 round (Mix2 and the wait for Mix1 after it) and its 90th percentile, the share of rounds whose Mix1 mixed, control
 messages sent per peer per round; violations of the simulator's properties (must be 0).
 """

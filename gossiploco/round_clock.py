@@ -14,9 +14,12 @@ barrier's spread (milliseconds on a LAN, a latency or two over the internet) and
 joins a running swarm (or catches up after falling behind) cannot know the founders' anchor from its own start:
 it asks. Every hello a peer answers carries the milliseconds left until its current round's end
 (``protocol.messages.Hello.ends_in_ms``); the asker turns each answer into an anchor on its own clock and takes
-their median (``adopt``), so fewer than half of the answers lying cannot move it outside the honest ones' range,
-and an anchor that would put this peer's round more than a period away from now is refused whoever says it
-(its damage is bounded: one round at most out of step, as a peer on its own clock).
+their median (``adopt``), so fewer than half of the answers lying cannot move it outside the honest ones' range.
+An anchor that would end the newest reported round more than 1.5 periods from now is refused whoever says it: no
+honest peer's round ends more than a period ahead. One in the past is taken: honest peers may still be in the
+exchanges of a round whose training ended periods ago (measured in the simulator with faults: up to 4.2 periods),
+and a peer whose deadline has passed still runs one step a round, so an anchor too early (only a majority of lying
+answers gives one) costs this peer most of its training, never the swarm a wait.
 
 Times are ``time.monotonic()`` on the peer's machine: never sent, so the peers' clocks need not agree on the time
 of day; only their rates must agree (machines that keep time by NTP slew their monotonic clocks to within a few
@@ -29,8 +32,8 @@ import statistics
 from collections.abc import Iterable
 
 TOLERANCE = 0.5
-"""An adopted anchor is refused when it would end this peer's round more than this many periods before now, or
-more than ``1 + TOLERANCE`` periods after it: a swarm running the same rounds is never that far off."""
+"""An adopted anchor is refused when it would end the newest reported round more than ``1 + TOLERANCE`` periods from
+now: an honest peer's round ends at most a period ahead (plus an answer's delivery time)."""
 
 
 class RoundClock:
@@ -67,8 +70,8 @@ class RoundClock:
         # Where the newest reported round ends: the round this peer goes on with ends there or a period later.
         newest = max(k for k, _ in reports if k >= 0)
         ends = anchor + (newest + 1) * self.period_s
-        if not now - TOLERANCE * self.period_s <= ends <= now + (1 + TOLERANCE) * self.period_s:
+        if ends > now + (1 + TOLERANCE) * self.period_s:
             return (f"the others' round clock (round {newest} ending {ends - now:+.1f} s from now, median of "
-                    f"{len(anchors)} answers) is not within a round of now: keeping this peer's own")
+                    f"{len(anchors)} answers) is further ahead than a round: keeping this peer's own")
         self.anchor = anchor
         return None

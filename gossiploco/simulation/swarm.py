@@ -7,10 +7,9 @@ sleep), then Mix2 (pairwise gossip or a global all-reduce of its pseudo-gradient
 and takes the outer step. Exchanges go through group agreement; a failed exchange is identity.
 Joining, asking the others' rounds, catching up and stepping out are the runtime's own programs
 (``protocol.lifecycle``: ``join`` for a restarted peer, ``maybe_catch_up`` at every round start), run by
-``SimPeer.drive``; this module holds no rule of its own about them.
-Small tensors stand in for the model; the mixing math is the protocol's own. Some peers may be
-behind NAT (``Settings.behind_nat``): their connections are reverse or go through relays, which
-can go down and reset connections at their limits; peers see all of it as disconnects.
+``SimPeer.drive``; so is the shared round clock (``round_clock``). Small tensors stand in for the model; the mixing
+math is the protocol's own. Some peers may be behind NAT (``Settings.behind_nat``): their connections are reverse or
+go through relays, which can go down and reset connections at their limits; peers see all of it as disconnects.
 
 Exchanges run in the buckets of ``protocol.groups`` (``Settings.group_size``; the chaos seeds draw 2 to 16, so even
 small swarms split). Links are one LAN value or per peer (``links="consumer"``), compute may be unequal
@@ -228,11 +227,9 @@ class SimSwarm:
         self.snapshots[(peer.pid, r)] = z.clone()
         began = peer.now
         mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
-        if clock is not None:  # time-budget rounds on the shared clock: the same deadline whatever the peer's speed
-            end = clock.begin(r, peer.now)
+        end = peer.now + self.inner_s[peer.pid] if clock is None else clock.begin(r, peer.now)  # shared: one deadline
+        if clock is not None:  # time-budget rounds on the shared clock, whatever the peer's speed
             peer.node.round_ends = (r, clock.ends_at(r))
-        else:
-            end = peer.now + self.inner_s[peer.pid]
         yield ("sleep", end + random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter))
         computed = peer.now
         delta = torch.randn(s.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
@@ -465,7 +462,7 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
              max_peers: int = 8) -> SimResult:
     """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
     9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
-    (half ready, half bucket), the faults, the reachability pattern and all timings follow from ``seed``; Mix2's
+    (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), the faults, the reachability pattern and all timings follow from ``seed``; Mix2's
     exchange too, unless ``mix2`` names it (the draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
     settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
@@ -474,6 +471,9 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
         settings.peers = scale.randint(9, max_peers)
     settings.group_size = scale.choice([2, 3, 4, 16, 16, 16])
     settings.pairing = random.Random(f"pairing-{seed}").choice(["ready", "bucket"])  # its own stream, as above
+    clock = random.Random(f"clock-{seed}")  # a quarter: time-budget rounds on the shared clock (``round_clock``)
+    if clock.random() < 0.25:
+        settings.round_period, settings.round_jitter = settings.inner_s * clock.uniform(1.5, 3), clock.uniform(0, 0.3)
     if mix2 is not None:
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)

@@ -55,6 +55,22 @@ def test_the_next_member_ready_is_paired_at_once_even_while_the_leader_still_com
     assert _told(leader.receive(a, Ready(KEY, 0), 1.5)) == {a: pair}  # asked again: the same pair
 
 
+def test_a_pairing_never_matches_members_across_a_change_of_view():
+    """Found by the simulator (chaos seed 2802: a leader's view shrank while a follower's Ready was on its way, and the
+    leader was paired with a member of another bucket by its own call's view). The pairing's members are the bucket
+    it started with: one whose Ready comes by another view is told it is alone (identity, at once), and nobody is
+    paired with a member that the arriving one's view does not hold."""
+    from gossiploco.protocol import pairing
+
+    chief, (a, b, c), nodes = _swarm(4)
+    leader = nodes[chief]
+    assert pairing.ready(leader, KEY, a, [chief, a, b], 0.1) == []  # started with bucket {chief, a, b}: a waits
+    assert _told(pairing.ready(leader, KEY, c, [chief, a, c], 0.2)) == {c: (c,)}  # c is not of it: alone at once
+    assert pairing.ready(leader, KEY, chief, [chief, b], 0.3) == []  # the leader's view has lost a: not paired with it
+    assert leader.pairings.get(KEY).waiting == chief
+    assert _told(pairing.ready(leader, KEY, b, [chief, a, b], 0.4)) == {b: tuple(sorted((chief, b)))}
+
+
 def test_a_member_that_waited_a_whole_grace_window_is_not_paired_any_more():
     """Its own grace window is over (it does identity, or is about to): pairing a newcomer with it would leave that
     newcomer waiting for a partner who is gone."""

@@ -92,8 +92,13 @@ def ready(node: PeerNode, key: str, member: int, candidates: list[int], now: flo
         if node.peers.lost_at.get(member, -1.0) >= when:
             group = tuple(p for p in group if p != member)  # a new process of it: that pair was its predecessor's
         return [Send(member, Decision(key, node.current_round, group))]
+    if member not in state.candidates or member not in candidates:
+        # Its Ready came by a view other than the one this pairing started with (peers came or went meanwhile): paired
+        # here, it could meet a member of another bucket by either view. Alone for this exchange, told at once.
+        state.paired[member] = ((member,), now)
+        return _tell(node, key, (member,))
     other = state.waiting
-    if other is not None and other != member and not _gone(node, key, other) \
+    if other is not None and other != member and other in candidates and not _gone(node, key, other) \
             and now - state.waiting_since < node.grace_s:
         pair = tuple(sorted((other, member)))
         state.paired[other] = state.paired[member] = (pair, now)

@@ -372,6 +372,35 @@ def test_a_discovered_peer_is_probed_and_joins_the_group():
         b.close()
 
 
+def test_an_idle_receiving_thread_sleeps_and_new_work_wakes_it_at_once(monkeypatch):
+    """Idle, the receiving thread sleeps in its poll (which covers every connection's monitor: a cost growing with
+    the peers) instead of waking ten times a second; a peer added, or a close, wakes it at once. Its idle sleep is
+    made 10 s here, so that a missed wake-up shows as seconds, whatever the machine's load."""
+    from gossiploco.transport import zmq_receiver
+
+    monkeypatch.setattr(zmq_receiver, "IDLE_POLL_MS", 10_000)
+    run_id = "test-wake"
+    ports = free_ports(2)
+    endpoints = {r: f"tcp://127.0.0.1:{p}" for r, p in zip((3, 11), ports)}
+    a = ZmqExchange(3, {3: endpoints[3]}, run_id, 10.0, grace_s=2.0)
+    b = ZmqExchange(11, {11: endpoints[11]}, run_id, 10.0, grace_s=2.0)
+    try:
+        receiving = a._receiver_work  # noqa: SLF001 - the thread's poll count is what is under test
+        wait_until(lambda: receiving.polls > 0, 5.0)
+        before = receiving.polls
+        time.sleep(2.0)  # nothing to do: what it does meanwhile is what is measured
+        assert receiving.polls - before <= 1, f"{receiving.polls - before} polls in 2 s of idling"
+        added = time.monotonic()
+        assert a.add_peer(11, endpoints[11]) and b.add_peer(3, endpoints[3])
+        assert wait_until(lambda: a.members(0) == [3, 11] and b.members(0) == [3, 11], 20.0)
+        assert time.monotonic() - added < 5.0, "adding a peer must wake the thread, not wait for its next poll"
+    finally:
+        closing = time.monotonic()
+        a.close()
+        b.close()
+    assert time.monotonic() - closing < 5.0, "closing must wake the thread, not wait for its next poll"
+
+
 def test_adaptive_deadlines_follow_observed_durations():
     from gossiploco.transport.deadlines import AdaptiveDeadlines
 

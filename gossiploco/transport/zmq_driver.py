@@ -173,6 +173,7 @@ class ZmqDriver:
                     return
                 self._closed = self._node.closed = True
                 self._cond.notify_all()
+            self._sockets.waker.wake()  # the receiving thread may sleep up to a second otherwise
             for thread in self.threads:
                 if thread is not threading.current_thread():
                     thread.join(timeout=10)

@@ -41,7 +41,9 @@ from gossiploco.transport.zmq_sockets import ZmqSockets
 log = logging.getLogger(__name__)
 
 POLL_MS = 100
-"""How often the driver's threads wake to notice ``close()``."""
+"""How often the receiving thread wakes while it has something timed to do (a redial, a handshake to try again)."""
+IDLE_POLL_MS = 1000
+"""How long it sleeps otherwise: other threads wake it when they give it work or close (``transport.wakeup``)."""
 DRAIN_BATCH = 1000
 """Most ROUTER messages read in a row, so ``close()`` and the monitors are not starved."""
 
@@ -77,11 +79,20 @@ class Receiver:
         self.redials = Redials()
         """The reverse endpoints the ROUTER dials, and when to dial each again (this thread's)."""
         self.redialed = 0
+        self.polls = 0
+        """Polls this thread made (for tests: an idle one makes about one a second)."""
         """Reverse connections dialed again after they failed or dropped (for tests and diagnostics)."""
 
     def dial(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Stop dialing ``old``, dial ``new`` (a reverse connection); done by the receiver thread soon. Any thread."""
         self._dials.put((old, new))
+        self.sockets.waker.wake()
+
+    def _timed_work(self) -> bool:
+        """Whether something is due at a time rather than on a message: then the thread polls every ``POLL_MS``."""
+        sealed = self.sealed
+        return bool(self.redials.pending or self.sockets.handshakes.pending
+                    or (sealed is not None and sealed.busy()))
 
     def run(self) -> None:
         """The thread's loop, until ``closed()``. Raises ``ExchangeError`` when the ZAP thread died."""
@@ -89,6 +100,8 @@ class Receiver:
         router = self.sockets.router
         poller.register(router, zmq.POLLIN)
         poller.register(self.sockets.router_monitor, zmq.POLLIN)
+        waker = self.sockets.waker
+        poller.register(waker.fd, zmq.POLLIN)
         sealed = self.sealed
         if sealed is not None and sealed.router is not None:
             poller.register(sealed.router, zmq.POLLIN)
@@ -110,8 +123,11 @@ class Receiver:
                 self.sockets.retry_refused(time.monotonic(), self.endpoints())
             if sealed is not None:
                 sealed.dial_pending()
-            for sock, _ in poller.poll(POLL_MS):
-                if sock is router:
+            self.polls += 1
+            for sock, _ in poller.poll(POLL_MS if self._timed_work() else IDLE_POLL_MS):
+                if sock == waker.fd:
+                    waker.drain()
+                elif sock is router:
                     self._drain_router()
                 elif sealed is not None and sock is sealed.router:
                     self._drain_sealed()

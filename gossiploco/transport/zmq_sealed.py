@@ -129,8 +129,8 @@ class SealedLinks:
     """
 
     def __init__(self, ctx: zmq.Context, rank: int, routing: bytes, bind: str | None, *, max_frame_bytes: int,
-                 heartbeat_ms: int, sndhwm: int, monitors_out: queue.SimpleQueue,
-                 monitors_retired: queue.SimpleQueue | None = None):
+                 heartbeat_ms: int, sndhwm: int, monitors_out, monitors_retired=None,
+                 wake: Callable[[], None] = lambda: None):
         self.ctx = ctx
         self.rank = rank
         self.routing = routing
@@ -141,6 +141,8 @@ class SealedLinks:
         self.monitors_retired = monitors_retired if monitors_retired is not None else queue.SimpleQueue()
         """Monitors of DEALERs closed (``forget``), for the receiving thread to stop polling and close (default: a
         queue of its own, for an owner that never forgets a peer)."""
+        self.wake = wake
+        """Wakes the receiving thread when a dial or a forgotten peer waits for it (``transport.wakeup``)."""
         self.opener = Opener()
         self.sealer = Sealer()
         self.router: zmq.Socket | None = None
@@ -229,6 +231,7 @@ class SealedLinks:
         as down at once (a sender waiting on it gives up and sends over CurveZMQ). Any thread."""
         with self._state:
             self._pending[peer] = endpoint
+        self.wake()
 
     def forget(self, peer: int) -> None:
         """``peer`` left: drop its keys and close its DEALER (on the receiving thread's next ``dial_pending``). Any
@@ -238,6 +241,7 @@ class SealedLinks:
         with self._state:
             self._pending.pop(peer, None)
             self._forgotten.add(peer)
+        self.wake()
 
     def _close_forgotten(self) -> None:
         """Close the DEALERs of forgotten peers whose lock is free now (a busy one waits for the next pass)."""
@@ -269,6 +273,10 @@ class SealedLinks:
         self.monitors_retired.put(monitor)
         with self._state:
             self._connected.pop(peer, None)
+
+    def busy(self) -> bool:
+        """Whether ``dial_pending`` has work: dials not applied, forgotten DEALERs to close, refusals to try again."""
+        return bool(self._pending or self._forgotten or self.refusals.pending)
 
     def dial_pending(self) -> None:
         """Apply the dials asked for, and dial again the sealed ports that refused a handshake (by the receiving

@@ -38,7 +38,6 @@ and when to give up (a full queue, a refused handshake) is ``gossiploco.transpor
 from __future__ import annotations
 
 import itertools
-import queue
 import threading
 import time
 import uuid
@@ -53,6 +52,7 @@ from gossiploco.protocol import codec
 from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
+from gossiploco.transport.wakeup import Waker, WakingQueue
 from gossiploco.transport.zmq_sealed import SealedLinks
 from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, close_leaving_monitor, close_monitored, heartbeat,
                                             send_until)
@@ -182,9 +182,11 @@ class ZmqSockets:
         """The peers that refused our handshake, and when to connect to each again (the receiving thread's)."""
         self.listening: dict[int, tuple[str, str]] = {}
         """Reverse connections: peer -> the (data, control) endpoints its DEALERs listen on for it to dial."""
-        self.new_monitors: queue.SimpleQueue = queue.SimpleQueue()
+        self.waker = Waker()
+        """Wakes the receiving thread when it is given work (``transport.wakeup``)."""
+        self.new_monitors = WakingQueue(self.waker)
         """Monitors of peers added since the receiving thread last looked (it polls them)."""
-        self.retired_monitors: queue.SimpleQueue = queue.SimpleQueue()
+        self.retired_monitors = WakingQueue(self.waker)
         """Monitors of sockets closed since the receiving thread last looked (it stops polling and closes them)."""
         self._keys: dict[int, bytes | None] = {}  # peer -> the server key its DEALERs were made with
         self._changing = threading.RLock()  # one change of a peer's sockets at a time: connect, reattach, forget
@@ -196,7 +198,8 @@ class ZmqSockets:
                 self.sealed = SealedLinks(self.ctx, rank, routing_id(rank, self.incarnation, False), sealed_bind,
                                           max_frame_bytes=max_message_bytes + codec.MAX_HEADER_BYTES,
                                           heartbeat_ms=self.heartbeat_ms, sndhwm=self.sndhwm,
-                                          monitors_out=self.new_monitors, monitors_retired=self.retired_monitors)
+                                          monitors_out=self.new_monitors, monitors_retired=self.retired_monitors,
+                                          wake=self.waker.wake)
             except zmq.ZMQError as exc:
                 self.router.close(linger=0)
                 self.router_monitor.close(linger=0)
@@ -469,3 +472,4 @@ class ZmqSockets:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+        self.waker.close()

@@ -79,9 +79,9 @@ class Receiver:
         self.redials = Redials()
         """The reverse endpoints the ROUTER dials, and when to dial each again (this thread's)."""
         self.redialed = 0
+        """Reverse connections dialed again after they failed or dropped (for tests and diagnostics)."""
         self.polls = 0
         """Polls this thread made (for tests: an idle one makes about one a second)."""
-        """Reverse connections dialed again after they failed or dropped (for tests and diagnostics)."""
 
     def dial(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Stop dialing ``old``, dial ``new`` (a reverse connection); done by the receiver thread soon. Any thread."""

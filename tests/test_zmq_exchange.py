@@ -351,12 +351,15 @@ def test_a_leader_that_never_comes_costs_a_bounded_wait_and_then_fails_fast(grou
     assert time.monotonic() - start < 2.0
 
 
+def _two_strangers(run_id: str) -> tuple[dict[int, str], ZmqExchange, ZmqExchange]:
+    """Peers 3 and 11 on free ports, each knowing only itself: (their endpoints, 3's exchange, 11's)."""
+    endpoints = {r: f"tcp://127.0.0.1:{p}" for r, p in zip((3, 11), free_ports(2))}
+    return (endpoints, ZmqExchange(3, {3: endpoints[3]}, run_id, 10.0, grace_s=2.0),
+            ZmqExchange(11, {11: endpoints[11]}, run_id, 10.0, grace_s=2.0))
+
+
 def test_a_discovered_peer_is_probed_and_joins_the_group():
-    run_id = "test-discovery"
-    ports = free_ports(2)
-    endpoints = {r: f"tcp://127.0.0.1:{p}" for r, p in zip((3, 11), ports)}
-    a = ZmqExchange(3, {3: endpoints[3]}, run_id, 10.0, grace_s=2.0)
-    b = ZmqExchange(11, {11: endpoints[11]}, run_id, 10.0, grace_s=2.0)
+    endpoints, a, b = _two_strangers("test-discovery")
     try:
         assert a.members(0) == [3] and a.known() == [3]
         assert a.add_peer(11, endpoints[11]) and not a.add_peer(11, endpoints[11])
@@ -379,11 +382,7 @@ def test_an_idle_receiving_thread_sleeps_and_new_work_wakes_it_at_once(monkeypat
     from gossiploco.transport import zmq_receiver
 
     monkeypatch.setattr(zmq_receiver, "IDLE_POLL_MS", 10_000)
-    run_id = "test-wake"
-    ports = free_ports(2)
-    endpoints = {r: f"tcp://127.0.0.1:{p}" for r, p in zip((3, 11), ports)}
-    a = ZmqExchange(3, {3: endpoints[3]}, run_id, 10.0, grace_s=2.0)
-    b = ZmqExchange(11, {11: endpoints[11]}, run_id, 10.0, grace_s=2.0)
+    endpoints, a, b = _two_strangers("test-wake")
     try:
         receiving = a._receiver_work  # noqa: SLF001 - the thread's poll count is what is under test
         wait_until(lambda: receiving.polls > 0, 5.0)

@@ -63,12 +63,13 @@ class RoundClock:
     def adopt(self, reports: Iterable[tuple[int, float]], now: float) -> str | None:
         """Take the swarm's anchor from other peers' answers: ``(their round, when it ends on this peer's clock)``.
         Returns why they were refused (None: adopted, or nothing to adopt)."""
-        anchors = [ends - (k + 1) * self.period_s for k, ends in reports if k >= 0]
-        if not anchors:
+        reports = [(k, ends) for k, ends in reports if k >= 0]
+        if not reports:
             return None
+        anchors = [ends - (k + 1) * self.period_s for k, ends in reports]
         anchor = statistics.median(anchors)
         # Where the newest reported round ends: the round this peer goes on with ends there or a period later.
-        newest = max(k for k, _ in reports if k >= 0)
+        newest = max(k for k, _ in reports)
         ends = anchor + (newest + 1) * self.period_s
         if ends > now + (1 + TOLERANCE) * self.period_s:
             return (f"the others' round clock (round {newest} ending {ends - now:+.1f} s from now, median of "

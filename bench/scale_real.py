@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.json)
         kept = json.loads(path.read_text())["runs"] if path.exists() else []
         variant = lambda s: (s["peers"], s["group_size"], s.get("heartbeat_s"), s.get("grace_s"), s.get("label", ""),  # noqa: E731
-                             s.get("pairing", "bucket"), s.get("period_s", 0.0))
+                             s.get("pairing", "bucket"), s.get("period_s", 0.0), s.get("overshoot_s", 0.0))
         new = {variant(s) for s in results}
         kept = [s for s in kept if variant(s) not in new]
         runs = sorted(kept + [{**{k: v for k, v in s.items() if k != "records"}, "command": command} for s in results],

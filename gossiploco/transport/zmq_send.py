@@ -21,6 +21,7 @@ HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE
                       | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 """Monitor events of a handshake that failed (libzmq then gives up on that connection: the owner dials again)."""
 HEARTBEAT_MIN_IVL_MS = 1000
+"""ZMTP heartbeats never ping more often than this (``heartbeat``)."""
 
 
 def heartbeat(sock: zmq.Socket, timeout_ms: int) -> None:
@@ -28,8 +29,8 @@ def heartbeat(sock: zmq.Socket, timeout_ms: int) -> None:
     connection dropped when nothing came for ``timeout_ms`` after one. A dead or frozen peer is found within
     ``timeout_ms`` plus an interval (6.7 s by default, where a PING a second took 6 s); each PING and its PONG cost
     both ends an encrypted message and a wake-up of libzmq's I/O thread, on every connection, so a peer's idle CPU
-    is proportional to its connections times this rate (a third of what one a second cost with ``heartbeat_s = 30``,
-    a tenth with 30 s)."""
+    is proportional to its connections times this rate (three fifths of what a PING a second cost by default, a
+    tenth with ``heartbeat_s = 30``)."""
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(HEARTBEAT_MIN_IVL_MS, timeout_ms // 3))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
 

@@ -8,7 +8,7 @@ alternating landed and current ``--repeats`` times with ``--threads`` torch thre
 in nanoseconds per value. Both versions must send the same bytes (a codec's payload is a wire format), but for
 top-k's choice among magnitudes tied at a chunk's k-th largest, which is not specified ("ties only").
 
-    python -m bench.codecs                      # 1 and 2 threads, writes bench/results/codecs.md
+    python -m bench.codecs --repeats 15         # 1 and 2 threads, writes bench/results/codecs.md
     python -m bench.codecs --values 1000000 --repeats 3 --threads 1 --out /tmp/codecs.md
 """
 
@@ -71,7 +71,7 @@ def measure(modules: dict, name: str, x: torch.Tensor, repeats: int) -> dict:
 
 def differ_only_at_ties(codec, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two top-k payloads of ``x`` differ only in which of several values equal to a chunk's k-th largest
-    magnitude they keep (``compression.largest``: which is not specified; 16M normal fp32 values have such ties)."""
+    magnitude they keep (``codec_kernels.select_row``: which is not specified; 16M normal fp32 values have such ties)."""
     n, k = codec._shape(x.numel())
     chunks = torch.nn.functional.pad(x, (0, n * codec.chunk - x.numel())).view(n, codec.chunk)
     kth = chunks.abs().topk(k, dim=1).values[:, -1:]
@@ -116,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
         dec = ns["landed"]["decode"] / ns["current"]["decode"]
         lines.append(f"| {threads} | {name} | {ns['landed']['encode']:.2f} | {ns['current']['encode']:.2f} | {enc:.1f}x | "
                      f"{ns['landed']['decode']:.2f} | {ns['current']['decode']:.2f} | {dec:.1f}x | {same} |")
+    one_thread = {name: ns["landed"] for threads, name, ns, _ in rows if threads == 1}
+    if one_thread and len(args.threads) > 1:
+        copy = {threads: ns["current"]["decode"] for threads, name, ns, _ in rows if name == "none"}
+        lines += ["", "Against the landed codecs on one thread (what the issue measured: about 3 ns a value each way): "
+                  "the current codecs' speed-up with each number of threads. A decode writes the whole vector, which "
+                  "`none`'s decode does and nothing else (a copy into it): the last column is each decode's time "
+                  "over that copy's, with as many threads. `none` and `bf16` are torch's conversions, unchanged: "
+                  "their differences are this machine's memory, whose speed varies by tens of percent from run to "
+                  "run.", "", "| threads | codec | encode speed-up | decode speed-up | decode / a copy |",
+                  "|---:|---|---:|---:|---:|"]
+        for threads, name, ns, _ in rows:
+            if name in one_thread:
+                over_copy = f"{ns['current']['decode'] / copy[threads]:.2f}" if threads in copy else "-"
+                lines.append(f"| {threads} | {name} | {one_thread[name]['encode'] / ns['current']['encode']:.1f}x | "
+                             f"{one_thread[name]['decode'] / ns['current']['decode']:.1f}x | {over_copy} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"results in {args.out}")

@@ -17,6 +17,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -172,18 +173,24 @@ def test_the_4bit_format_is_the_linear_grid_because_it_loses_less_than_e3m0_on_p
 @pytest.mark.parametrize("rows, width, k", [(64, 4096, 82), (3, 4096, 123), (5, 1024, 21), (7, 2048, 2),
                                            (2, 65536, 1311), (4, 512, 11), (3, 4096, 1024)])
 def test_the_sampled_selection_keeps_exactly_each_rows_k_largest(rows, width, k):
-    """``largest`` (a threshold from a sample, then a selection among the candidates) against ``torch.topk`` over
-    each whole row, on rows that defeat the sample: all zeros, a run of equal values, a NaN, three nonzero values,
-    and a heavy tail."""
-    from gossiploco.mixing.compression import largest
+    """Top-k's selection (``codec_kernels.select_row``: a threshold from a sample, then a selection among the
+    candidates) against ``torch.topk`` over each whole row, on rows that defeat the sample: all zeros, a run of equal
+    values, a NaN, three nonzero values, and a heavy tail. Its columns come ascending, and it returns the bits of the
+    k-th largest and of the largest magnitude."""
+    from gossiploco.mixing.codec_kernels import select_row
 
     def check(magnitudes):
-        values, columns = largest(magnitudes, k)
         reference = magnitudes.topk(k, dim=1, sorted=False).values
-        assert values.shape == columns.shape == (rows, k)
-        assert torch.equal(magnitudes.gather(1, columns).nan_to_num(9.0), values.nan_to_num(9.0))  # values at columns
-        assert torch.equal(values.sort(dim=1).values.nan_to_num(9.0), reference.sort(dim=1).values.nan_to_num(9.0))
-        assert all(len(set(row.tolist())) == k for row in columns)  # k distinct columns
+        for r in range(rows):
+            bits = magnitudes[r].contiguous().numpy().view(np.int32)
+            kept = np.empty(k, np.int32)
+            kth, top = select_row(bits, k, *(np.empty(width, np.int32) for _ in range(3)), kept)
+            columns = torch.from_numpy(kept.astype(np.int64))
+            assert bool((columns[1:] > columns[:-1]).all()) and 0 <= int(columns[0]) and int(columns[-1]) < width
+            values = magnitudes[r, columns].sort().values.nan_to_num(9.0)
+            assert torch.equal(values, reference[r].sort().values.nan_to_num(9.0))
+            as_float = torch.tensor([kth, top], dtype=torch.int32).view(torch.float32).nan_to_num(9.0)
+            assert torch.equal(as_float, torch.stack([values[0], values[-1]]))
 
     generator = torch.Generator().manual_seed(rows * width + k)
     magnitudes = torch.randn(rows, width, generator=generator).abs()
@@ -218,6 +225,116 @@ def test_topk_keeps_each_chunks_largest_values_with_their_sign():
             levels = torch.stack([low + (high - low) / 4, low + 3 * (high - low) / 4])
             assert torch.isclose(dec[c, i].abs(), levels[(levels - padded[c, i].abs()).abs().argmin()])
     assert 4 * 1_000_000 / TopKCodec(0.02, 4096, 2).encoded_bytes(1_000_000) > 80  # the default: 85x fewer bytes
+
+
+def reference_topk_payload(codec: TopKCodec, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k's bytes written plainly (the format's formulas, with ``torch.topk`` over each zero-padded chunk): per
+    chunk its low and high kept magnitude, its k columns ascending (uint16), and the codes ``sign | level << 1`` with
+    level = clamp(floor((|v| - low) / (high - low) * levels), 0, levels - 1) (a span of 0 counts as 1), packed 8 / bits
+    a byte over the whole vector, lowest bits first. Returns (payload, decoded: the kept values' grid magnitudes,
+    (low + (high - low) (level + 1/2) / levels), with their signs, zero elsewhere)."""
+    n, k = codec._shape(x.numel())
+    chunks = torch.nn.functional.pad(x, (0, n * codec.chunk - x.numel())).view(n, codec.chunk)
+    columns = chunks.abs().topk(k, dim=1).indices.sort(dim=1).values
+    values = chunks.gather(1, columns)
+    low, high = values.abs().amin(dim=1, keepdim=True), values.abs().amax(dim=1, keepdim=True)
+    span = torch.where(high > low, high - low, torch.ones_like(high))
+    level = ((values.abs() - low) / span * codec.levels).floor().clamp(0, codec.levels - 1)
+    codes = ((values < 0).to(torch.uint8) | (level.to(torch.uint8) << 1)).reshape(-1)
+    per_byte = 8 // codec.bits
+    codes = torch.nn.functional.pad(codes, (0, (-codes.numel()) % per_byte)).view(-1, per_byte)
+    packed = torch.zeros(codes.shape[0], dtype=torch.uint8)
+    for j in range(per_byte):
+        packed |= codes[:, j] << (j * codec.bits)
+    bounds = torch.cat([low, high], dim=1)
+    payload = torch.cat([bounds.reshape(-1).view(torch.uint8), columns.to(torch.int16).reshape(-1).view(torch.uint8),
+                         packed])
+    magnitude = low + (high - low) * ((level + 0.5) / codec.levels)
+    decoded = torch.zeros_like(chunks).scatter_(1, columns, torch.where(values < 0, -magnitude, magnitude))
+    return payload, decoded.reshape(-1)[:x.numel()]
+
+
+@pytest.mark.parametrize("density, chunk, bits, n", [(0.02, 4096, 2, (1 << 16) + 100), (0.05, 100, 2, 1050),
+                                                     (0.3, 7, 1, 703), (0.01, 2048, 4, 40_000), (0.1, 64, 8, 3000),
+                                                     (0.02, 65536, 2, 70_000)])
+def test_topk_sends_the_bytes_of_the_plain_formulas(density, chunk, bits, n):
+    """The compiled top-k (a sampled threshold, then a selection among candidates, codes packed as they are made)
+    sends what ``torch.topk`` and the format's formulas give, byte for byte, and decodes to their values: chunk sizes
+    with and without the sample, cut last chunks, every value width (normal values, and cut chunks holding at least k of
+    them: no ties at a k-th largest, whose choice is not specified)."""
+    codec = TopKCodec(density, chunk, bits)
+    x = vec(n, n)
+    payload, decoded = codec.roundtrip(x)
+    reference, reference_decoded = reference_topk_payload(codec, x)
+    assert torch.equal(payload, reference)
+    assert torch.equal(decoded, reference_decoded)
+
+
+@pytest.mark.parametrize("name", ["int8", "4bit", "e3m0", "topk"])
+def test_codecs_send_and_decode_the_same_on_any_number_of_threads(name):
+    """A long vector is coded in pieces on ``torch.get_num_threads()`` threads: the bytes and the values are those of
+    one thread (top-k's pieces are whole bytes of codes: 8 chunks each, with a k that packs unevenly: 3 a chunk)."""
+    codec = build_codec(name, block=4095, density=3 / 1000, chunk=1000, bits=2)
+    x = vec((1 << 20) + 333, 9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, one_decoded = codec.roundtrip(x)
+        torch.set_num_threads(2)
+        two, two_decoded = codec.roundtrip(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(one_decoded, two_decoded)
+
+
+def _encode_on_two_threads() -> None:
+    """Code a long vector on two threads of the pieces' pool, and check it against the values decoded on this one.
+    No torch operation runs on torch's own threads here: a forked child of a process that used them waits for them
+    for good (GNU OpenMP), whatever the codecs do."""
+    torch.set_num_threads(2)
+    codec = build_codec("4bit")
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((1 << 20) + 1, dtype=np.float32))
+    decoded = codec.decode(codec.encode(x), x.numel()).numpy()
+    torch.set_num_threads(1)
+    assert np.array_equal(decoded, codec.decode(codec.encode(x), x.numel()).numpy())
+
+
+def test_a_forked_child_codes_on_threads_of_its_own():
+    """The pieces' threads are a process's own: a child forked after its parent coded on threads (whose pool it
+    inherits, without the threads) codes on new ones, where it would wait for its parent's for good."""
+    import multiprocessing
+
+    threads = torch.get_num_threads()
+    try:
+        _encode_on_two_threads()  # the parent's pool of two threads exists now
+    finally:
+        torch.set_num_threads(threads)
+    child = multiprocessing.get_context("fork").Process(target=_encode_on_two_threads)
+    child.start()
+    child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("name", ["int8", "4bit", "e3m0", "topk"])
+def test_decoding_writes_into_any_float_vector_and_refuses_others(name):
+    """``out`` may be a strided view (written through a copy); a vector of another type or size is a ``ValueError``
+    before anything is written; a vector holding a NaN or an infinity makes a payload every decoder refuses."""
+    codec = build_codec(name, block=16, density=0.25, chunk=16)
+    x = vec(1001, 4)
+    payload, decoded = codec.roundtrip(x)
+    strided = torch.full((2002,), float("nan"))[::2]
+    assert codec.decode(payload, 1001, out=strided) is strided and torch.equal(strided, decoded)
+    for wrong in (torch.zeros(1001, dtype=torch.float64), torch.zeros(1000), torch.zeros(7, 143)):
+        with pytest.raises(ValueError):
+            codec.decode(payload, 1001, out=wrong)
+    for bad in (float("nan"), float("inf")):
+        spoiled = x.clone()
+        spoiled[500] = bad
+        with pytest.raises(PeerFailed):
+            codec.roundtrip(spoiled)
 
 
 @pytest.mark.parametrize("name", ["none", "bf16", "int8", "4bit", "topk"])

@@ -43,6 +43,10 @@ REGRESSION_SEEDS = {
           "also accepts that end: nobody it could reach had a state to give)",
     12247: "a resumed peer that rejoined its round without a download was excused like one that caught up, "
            "and was left out for 3 rounds (fixed: only a round it downloaded the state of is excused)",
+    204311: "ready pairing on each peer's own clock: a resumed peer was the odd one out of 5 members in round 3 "
+            "(the matchmaker told it it was alone while the 4 others paired) and was flagged as not mixing, where "
+            "bucket pairing's unmatched member counts as taking part (the checker now counts both alike: "
+            "simulation.recovery)",
 }
 
 
@@ -50,6 +54,30 @@ REGRESSION_SEEDS = {
 def test_regression_seeds_hold_every_property(seed):
     result = simulate(seed)
     assert not result.violations, [str(v) for v in result.violations]
+
+
+def test_a_matchmakers_odd_one_out_takes_part_and_one_left_alone_by_everyone_does_not():
+    """``recovery.not_mixing``'s accounting (``simulation.recovery``): told alone by a matchmaker in an exchange where
+    a pair formed is ready pairing's unmatched member, and takes part; told alone where nobody paired, or never in a
+    group, is flagged; a bucket of one by the draw takes part."""
+    from gossiploco.simulation.recovery import Recovery
+
+    fault = Fault("pause", 1.0, 2.0, peer=1)
+    recovery = Recovery()
+    for peer in (1, 2, 3, 4):
+        recovery.came_back(peer, 2.0, 1, fault)
+    recovery.told_alone(1, 2, "mix2/2")  # the odd one out: 3 and 5 paired in mix2/2 (known only later)
+    recovery.told_alone(4, 2, "mix2/2")
+    recovery.took_part(4, 3)  # its round-2 exchange still counts, once a pair is known to have formed there
+    recovery.told_alone(2, 2, "mix2/2b")  # alone: nobody paired in that exchange
+    recovery.grouped("mix2/2b", [2])
+    recovery.grouped("mix2/2", [3, 5])
+    flagged = {}
+    recovery.check(flagged.__setitem__, [fault], down=(), alive=5, rounds=6, window_s=1.0, aftermath_s=0.0)
+    assert recovery.first_round(1) == 2 and recovery.first_round(4) == 2
+    assert sorted(flagged) == [2, 3] and "mixed again in round None" in flagged[2]
+    recovery.came_back(1, 9.0, 3, fault)  # coming back again starts over
+    assert recovery.first_round(1) is None
 
 
 def test_the_same_seed_replays_exactly():

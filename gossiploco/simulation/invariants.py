@@ -16,8 +16,8 @@
     correctness.identity       a failed exchange changed the value it was given
     recovery.state             a downloaded state differs from the donor's state of that round
     recovery.not_mixing        a restarted or resumed peer was not in an agreed group of 2 or more again (or alone
-                               in its bucket by the draw) within 2 rounds of the swarm (checked when no other fault
-                               overlaps its recovery)
+                               in its bucket by the draw, or a matchmaker's odd one out) within 2 rounds of the swarm
+                               (checked when no other fault overlaps its recovery: ``simulation.recovery``)
     bounded.growth             a node's mailbox or records went past their limits
     round_clock.refused        a restarted peer refused the answers' shared round clock (``round_clock``)
     round_clock.off            a restarted peer's adopted round clock is more than ``ROUND_CLOCK_SLACK_S`` from the

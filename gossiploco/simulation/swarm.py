@@ -41,6 +41,7 @@ from gossiploco.protocol.ring import segment_bounds
 from gossiploco.round_clock import RoundClock
 from gossiploco.simulation.costs import per_peer_stats
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_churn, draw_faults, draw_reachability
+from gossiploco.simulation.recovery import Recovery
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
 from gossiploco.simulation.paths import PATHS, Relays
@@ -121,8 +122,7 @@ class SimSwarm:
         self.gave_up: set[int] = set()  # stopped with an error because every other peer was done or gone
         self.finished: dict[int, int] = {}
         self.snapshots: dict[tuple[int, int], torch.Tensor] = {}  # (peer, round) -> z at that round's start
-        self.returned: dict[int, tuple[float, int, Fault]] = {}  # peer -> (when it came back, swarm round then, the fault)
-        self.mixed_after: dict[int, int] = {}  # peer -> first round it mixed with others after coming back
+        self.recovery = Recovery()
         self.deadlines: dict[int, AdaptiveDeadlines] = {}
         self.round_clocks: dict[int, RoundClock] = {}
         """pid -> its shared round clock (``Settings.round_period``), its latest incarnation's."""
@@ -249,14 +249,15 @@ class SimSwarm:
             if call is None:
                 return value
             group = yield from peer.run_call(call)
-            if len(group) == 1:
+            self.recovery.grouped(key, group)
+            if len(group) == 1:  # what counts as taking part: ``simulation.recovery``
                 if call.view == [peer.pid] and len(peer.node.members(r)) > 1:
-                    # alone in its bucket by the draw (protocol.groups, small group sizes): it took part in its
-                    # exchange as agreed, with nobody to mix with, which is no failure to recover from
-                    self._mixed(peer.pid, r)
+                    self.recovery.took_part(peer.pid, r)  # alone in its bucket by the draw
+                elif label in peer.node.paired and len(call.view) > 1:
+                    self.recovery.told_alone(peer.pid, r, key)
                 peer.node.isolated(group, key, r)  # counted as the real peer counts it (it then fails that mix)
                 return value
-            self._mixed(peer.pid, r)  # back in a group (an unmatched gossip peer takes part too)
+            self.recovery.took_part(peer.pid, r)  # back in a group (an unmatched gossip peer takes part too)
             deadlines = self.deadlines[peer.pid]
             deadline_s = deadlines.deadline_s(key)
             if kind == "global":
@@ -305,10 +306,6 @@ class SimSwarm:
                                                 {m: 4 * segments[k].numel() for k, m in enumerate(group) if m != peer.pid},
                                                 peer.node.chunk_elems, peer.now, deadline))
         return torch.cat([mean if m == peer.pid else got[m].view(torch.float32) for m in group])
-
-    def _mixed(self, pid: int, r: int) -> None:
-        if pid in self.returned and pid not in self.mixed_after:
-            self.mixed_after[pid] = r
 
     # -- joining and catching up: the runtime's own programs (``protocol.lifecycle``) ---------------
 
@@ -367,8 +364,7 @@ class SimSwarm:
                     self.note(f"RESTART {pid}")
                     self.crashed.discard(pid)
                     self._done_dirty = True
-                    self.returned[pid] = (net.now, max(self.finished.values(), default=0), fault)
-                    self.mixed_after.pop(pid, None)
+                    self.recovery.came_back(pid, net.now, max(self.finished.values(), default=0), fault)
                     self.start_peer(pid, None, (old.incarnation + 1) if old else 1)
                 net.at(fault.end, restart)
         elif fault.kind == "pause":
@@ -387,8 +383,7 @@ class SimSwarm:
                 if peer is None or not peer.running or not peer.frozen:
                     return
                 self.note(f"RESUME {pid}")
-                self.returned[pid] = (net.now, max(self.finished.values(), default=0), fault)
-                self.mixed_after.pop(pid, None)
+                self.recovery.came_back(pid, net.now, max(self.finished.values(), default=0), fault)
                 peer.thaw()
                 for other in self.ids:
                     if other != pid:
@@ -445,17 +440,10 @@ class SimSwarm:
             if self.finished.get(pid, 0) < s.rounds:
                 self.checker.flag("liveness.unfinished", now, pid, f"finished {self.finished.get(pid, 0)} of {s.rounds} rounds")
         alive = [p for p in self.ids if p not in self.crashed]
-        window = 3 * (s.inner_s + 2 * s.grace_s + 1.0)  # about 2 rounds after coming back, and the round it came back in
-        for pid, (when, swarm_round, cause) in self.returned.items():
-            if pid in self.crashed or len(alive) < 2 or swarm_round + 2 >= s.rounds:
-                continue  # nobody to mix with, or too few rounds left to tell
-            aftermath = s.exchange_s + 2 * s.grace_s + 1.0  # a fault's effects last until the exchanges it hit time out
-            if any(f is not cause and f.start < when + window and f.end + aftermath > cause.start for f in faults):
-                continue  # another fault during the recovery: the property is about recovering from one
-            mixed = self.mixed_after.get(pid)
-            if mixed is None or mixed > swarm_round + 2:
-                self.checker.flag("recovery.not_mixing", now, pid,
-                                  f"came back at t={when:.2f}s (swarm in round {swarm_round}); mixed again in round {mixed}")
+        self.recovery.check(lambda pid, detail: self.checker.flag("recovery.not_mixing", now, pid, detail), faults,
+                            self.crashed, len(alive), s.rounds,
+                            window_s=3 * (s.inner_s + 2 * s.grace_s + 1.0),  # about 2 rounds after, and its own
+                            aftermath_s=s.exchange_s + 2 * s.grace_s + 1.0)  # until the exchanges it hit time out
 
 
 def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False, mix2: str | None = None,

@@ -658,25 +658,77 @@ def test_striped_data_connections_carry_the_same_exchanges(encrypted):
             ex.close()
 
 
-def test_stripes_only_on_direct_paths_once_the_first_handshake_succeeded():
+def test_stripes_only_on_direct_paths_once_the_first_handshake_succeeded_and_chunks_went():
     """A relayed peer gets one data connection (a relay's slots and link are shared), and so does a reverse one. A
-    direct one gets its further stripes once the first data connection's handshake succeeded: the peer admits this
-    one's key by then (dialed together, one stripe could be refused by a peer that admitted this one between their
-    handshakes, and libzmq never dials again after a refusal)."""
+    direct one gets its further stripes at the first data chunk to it after the first data connection's handshake
+    succeeded: the peer admits this one's key by then (dialed together, one stripe could be refused by a peer that
+    admitted this one between their handshakes, and libzmq never dials again after a refusal), and a member no chunk
+    went to holds none (``zmq_stripes``). Hellos never make them."""
     ports = free_ports(3)
-    ex = ZmqExchange(0, {0: f"tcp://127.0.0.1:{ports[0]}"}, "stripes", 5.0, io_threads=2, stripes=4, join_round=None)
-    nine = ZmqExchange(9, {9: f"tcp://127.0.0.1:{ports[1]}"}, "stripes", 5.0, io_threads=1, stripes=1, join_round=None)
+    ex = ZmqExchange(0, {0: f"tcp://127.0.0.1:{ports[0]}"}, "stripes", 5.0, io_threads=2, stripes=4, join_round=None,
+                     chunk_bytes=1 << 12)
+    nine = ZmqExchange(9, {9: f"tcp://127.0.0.1:{ports[1]}"}, "stripes", 5.0, io_threads=1, stripes=1, join_round=None,
+                       chunk_bytes=1 << 12)
     try:
         ex.add_peer(7, "tcp://127.0.0.1:1", relayed=True)
         ex.add_peer(8, "tcp://127.0.0.1:2", listen=True)
-        ex.add_peer(6, f"tcp://127.0.0.1:{ports[2]}")  # nobody there: no handshake, no stripes yet
+        ex.add_peer(6, f"tcp://127.0.0.1:{ports[2]}")  # nobody there: no handshake, no stripes
         ex.add_peer(9, f"tcp://127.0.0.1:{ports[1]}")
-        assert wait_until(lambda: ex.sockets.data_connections(9) == 4, 10.0)
+        nine.add_peer(0, f"tcp://127.0.0.1:{ports[0]}")
+        assert wait_until(lambda: 9 in ex.connected() and 0 in nine.connected(), 10.0)
+        assert ex.sockets.data_connections(9) == 1 and ex.sockets.stripe_sends == [0, 0, 0, 0]  # hellos only so far
+        ex.announce(0)
+        nine.announce(0)
+        mine, theirs = torch.arange(10_000.0), -torch.arange(10_000.0)
+        got = run_all([lambda: ex.swap("mix2/0", 9, mine), lambda: nine.swap("mix2/0", 0, theirs)])
+        assert torch.equal(got[0], theirs) and torch.equal(got[1], mine)
+        assert ex.sockets.data_connections(9) == 4 and min(ex.sockets.stripe_sends) > 0
         assert [ex.sockets.data_connections(p) for p in (6, 7, 8)] == [1, 1, 1]
     finally:
         ex.close()
         nine.close()
 
+
+def test_further_stripes_are_a_bounded_pool_of_the_peers_chunks_went_to_last(monkeypatch):
+    """At most ``MAX_STRIPED`` peers hold further stripes: making a new peer's closes those of the peers chunks went
+    to least recently, once idle for ``IDLE_S``, and goes over the bound while all are in use; a retired peer's are
+    closed and it is allowed none until admitted again. Real DEALERs, dialing a port nobody listens on."""
+    from gossiploco.transport import zmq_stripes
+
+    monkeypatch.setattr(zmq_stripes, "MAX_STRIPED", 2)
+    ctx = zmq.Context()
+    made: dict[int, list[zmq.Socket]] = {}
+
+    def make(peer, stripe, endpoint):
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        made.setdefault(peer, []).append(sock)
+        return sock
+
+    pool = zmq_stripes.Stripes(3, make)
+    first = (ctx.socket(zmq.DEALER), threading.Lock())
+    nowhere = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    try:
+        assert pool.pick(1, first, 0.0) is first and not made  # not admitted yet: the first DEALER only
+        for peer in (1, 2, 3, 4):
+            pool.allow(peer, nowhere)
+        turns = [pool.pick(1, first, 0.0)[0] for _ in range(3)]  # made now, then taken in turn
+        assert turns[0] is first[0] and turns[1:] == made[1] and pool.connections(1) == 3
+        pool.pick(2, first, 10.0)
+        pool.pick(3, first, 20.0)  # peer 1's went out 20 s ago, under IDLE_S: over the bound, nothing closed
+        assert pool.striped() == [1, 2, 3] and pool.evicted == 0
+        pool.pick(4, first, 45.0)  # 1 and 2 idle for 30 s or more: both closed to make room
+        assert pool.striped() == [3, 4] and pool.evicted == 2
+        assert all(sock.closed for sock in made[1] + made[2]) and not any(sock.closed for sock in made[3])
+        assert pool.pick(1, first, 46.0) is first and pool.striped() == [1, 3, 4]  # made again; 3 is in use
+        pool.drop(3)
+        assert all(sock.closed for sock in made[3]) and pool.pick(3, first, 47.0) is first and pool.striped() == [1, 4]
+        assert pool.opened == 5
+        pool.close(0.0)
+        assert pool.striped() == [] and all(sock.closed for socks in made.values() for sock in socks)
+    finally:
+        first[0].close(linger=0)
+        ctx.term()
 
 
 def test_gossip_pairs_members_as_they_come_over_real_sockets(groups):

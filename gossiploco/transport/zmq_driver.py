@@ -317,7 +317,7 @@ class ZmqDriver:
         if self._fault is not None:
             self._fault(self.rank, message)
         frames = codec.encode(*to_wire(message, self.rank, self.run_id))
-        tracker = self._sockets.send(peer, frames, control=isinstance(message, CONTROL),
+        tracker = self._sockets.send(peer, frames, control=isinstance(message, CONTROL), chunk=isinstance(message, Data),
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
         self.traffic.sent(message, frames)
         return tracker

@@ -11,8 +11,9 @@ connection of the same process (see ``ROUTER_HANDOVER`` below).
 Striping: CurveZMQ encrypts and decrypts a connection in the one libzmq I/O thread that owns it, so one data
 connection per peer caps what a peer sends to another at one core's XSalsa20-Poly1305 rate. With ``stripes`` > 1
 (default: the I/O threads, ``process_limits.default_io_threads``) a directly dialed peer gets that many data DEALERs (routing ids
-``"i.<incarnation>/d<j>"`` for j >= 1, dialed once the first one's handshake succeeded: ``connect_stripes``), and
-data messages take them in turn: their crypto runs on as many threads. A data call's chunks carry their index and
+``"i.<incarnation>/d<j>"`` for j >= 1), and data messages take them in turn: their crypto runs on as many threads.
+The further ones are a bounded pool (``zmq_stripes``): made at the first data message to a peer that admitted this
+one (``connect_stripes``: the first one's handshake succeeded), kept for the peers data went to most recently. A data call's chunks carry their index and
 wait in the receiver's mailbox until consumed, so the order they arrive in does not matter. The first data DEALER
 has a monitor (liveness is the peer's, not a connection's); the control DEALER has one for failed handshakes only
 (``control_monitors``); a reverse or relayed path uses the first data DEALER alone (a relay's slots and link are
@@ -37,7 +38,6 @@ and when to give up (a full queue, a refused handshake) is ``gossiploco.transpor
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import uuid
@@ -54,6 +54,7 @@ from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.wakeup import Waker, WakingQueue
 from gossiploco.transport.zmq_sealed import SealedLinks
+from gossiploco.transport.zmq_stripes import Stripes
 from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, close_leaving_monitor, close_monitored, heartbeat,
                                             send_until)
 
@@ -161,15 +162,11 @@ class ZmqSockets:
         self.endpoint = f"{host}:{port}"
         self.dealers: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         """Each peer's first data DEALER (the one with a monitor)."""
-        self.extra_stripes: dict[int, list[tuple[zmq.Socket, threading.Lock]]] = {}
-        """Each peer's further data DEALERs (``stripes - 1``), used while it is dialed directly."""
-        self._striped: set[int] = set()  # peers whose further data DEALERs are connected (dialed directly)
+        self.further_stripes = Stripes(self.stripes, self._stripe)
+        """Each peer's further data DEALERs (``stripes - 1``): a bounded pool, on direct paths (``zmq_stripes``)."""
         self._stripes_due: dict[int, str] = {}  # peer -> where its further data DEALERs dial once it admits this peer
         self._relayed: dict[int, bool] = {}
         self._direct: dict[int, str] = {}  # peer -> its endpoint while this peer dials it directly (not relayed)
-        self._turn: dict[int, itertools.count] = {}  # peer -> which stripe the next data message takes
-        self.stripe_sends = [0] * self.stripes
-        """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
         """Each peer's first data DEALER's monitor: handshakes made, failed, and connections dropped."""
@@ -219,6 +216,19 @@ class ZmqSockets:
             secure_client(sock, self.trust, server_key)
         return sock
 
+    @property
+    def stripe_sends(self) -> list[int]:
+        """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
+        return self.further_stripes.sends
+
+    def _stripe(self, peer: int, stripe: int, endpoint: str) -> zmq.Socket:
+        """A further data DEALER (stripe ``stripe``) to ``peer``, dialing ``endpoint`` (``zmq_stripes``)."""
+        dealer = self._client(self._keys[peer], control=False, stripe=stripe)
+        dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
+        heartbeat(dealer, self.heartbeat_ms)
+        dealer.connect(endpoint)
+        return dealer
+
     def connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None = None,
                 relayed: bool = False) -> None:
         """A data DEALER to ``peer`` with its monitor, and a control DEALER. ``server_key``: the
@@ -236,23 +246,18 @@ class ZmqSockets:
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
         self._keys[peer] = server_key
-        data = []
-        for stripe in range(self.stripes):
-            dealer = self._client(server_key, control=False, stripe=stripe)
-            dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
-            heartbeat(dealer, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
-            data.append((dealer, threading.Lock()))
+        dealer = self._client(server_key, control=False)
+        dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
+        heartbeat(dealer, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
         # TCP connections, but only a live peer completes the handshake. The first data connection speaks for all.
-        monitor = data[0][0].get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
         monitor.setsockopt(zmq.LINGER, 0)
         control = self._client(server_key, control=True)
         control_monitor = control.get_monitor_socket(HANDSHAKE_FAILURES)
         control_monitor.setsockopt(zmq.LINGER, 0)
-        self.dealers[peer] = data[0]
-        self.extra_stripes[peer] = data[1:]
+        self.dealers[peer] = (dealer, threading.Lock())
         self._relayed[peer] = relayed
-        self._turn[peer] = itertools.count()
         self.controls[peer] = (control, threading.Lock())
         self.monitors[monitor] = peer
         self.control_monitors[control_monitor] = peer
@@ -275,7 +280,7 @@ class ZmqSockets:
             dealer.connect(endpoint)
             control.connect(endpoint)
             self.listening.pop(peer, None)
-            if not self._relayed[peer] and self.extra_stripes[peer]:  # a relay's slots and link are shared
+            if not self._relayed[peer] and self.stripes > 1:  # a relay's slots and link are shared
                 self._stripes_due[peer] = endpoint
             return
         bound = []
@@ -294,15 +299,12 @@ class ZmqSockets:
         with lock:
             close_leaving_monitor(dealer)
         self.retired_monitors.put(monitor)
-        for extra, extra_lock in self.extra_stripes.pop(peer, []):
-            with extra_lock:
-                extra.close(linger=0)
+        self.further_stripes.drop(peer)
         with control_lock:
             close_leaving_monitor(control)
         self.retired_monitors.put(control_monitor)
-        for table in (self._relayed, self._direct, self._turn, self.listening, self._stripes_due):
+        for table in (self._relayed, self._direct, self.listening, self._stripes_due):
             table.pop(peer, None)
-        self._striped.discard(peer)
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
         """``peer`` moved from ``old`` to ``new`` or changed path (listen or dial; ``relayed``: None keeps the last), or
@@ -336,17 +338,14 @@ class ZmqSockets:
 
     def connect_stripes(self, peer: int) -> None:
         """The first data DEALER's handshake with ``peer`` succeeded: ``peer`` admits this peer's key, so its further
-        data DEALERs dial now, and are admitted. Dialed with the first, one of them could be refused by a peer that
-        admitted this one between their handshakes (it just read this peer's record), and libzmq never dials again
-        after a refusal: that stripe would hold every message given to it. By the receiving thread."""
+        data DEALERs may be made (at the first data message to it: ``zmq_stripes``), and are admitted. Dialed with
+        the first, one of them could be refused by a peer that admitted this one between their handshakes (it just
+        read this peer's record), and libzmq never dials again after a refusal: that stripe would hold every message
+        given to it. By the receiving thread."""
         with self._changing:
             endpoint = self._stripes_due.pop(peer, None)
-            if endpoint is None or peer not in self.dealers:
-                return
-            for extra, lock in self.extra_stripes[peer]:
-                with lock:
-                    extra.connect(endpoint)
-            self._striped.add(peer)
+            if endpoint is not None and peer in self.dealers:
+                self.further_stripes.allow(peer, endpoint)
 
     def dialed_endpoint(self, peer: int) -> str | None:
         """``peer``'s endpoint while this peer dials it directly, not through a relay; else None. Any thread."""
@@ -354,7 +353,7 @@ class ZmqSockets:
 
     def data_connections(self, peer: int) -> int:
         """How many data DEALERs carry messages to ``peer`` now (its stripes in use)."""
-        return 1 + len(self.extra_stripes[peer]) if peer in self._striped else 1
+        return self.further_stripes.connections(peer)
 
     def refused_by(self, peer: int, now: float) -> float:
         """``peer`` refused our handshake (libzmq then never retries): schedule a new connection
@@ -368,25 +367,23 @@ class ZmqSockets:
                 self.reattach(peer, endpoints[peer], endpoints[peer], None)
 
     def send(self, peer: int, frames: list, *, control: bool, deadline: float, what: str, zero_copy: bool,
-             closed: Callable[[], bool]) -> zmq.MessageTracker | None:
+             closed: Callable[[], bool], chunk: bool = False) -> zmq.MessageTracker | None:
         """Queue ``frames`` for ``peer``, retrying a full queue until ``deadline``. By default zmq copies
-        the payload; with ``zero_copy`` it reads it in place until the returned tracker is done."""
+        the payload; with ``zero_copy`` it reads it in place until the returned tracker is done. ``chunk``: a data
+        chunk, which takes the further stripes in turn (``zmq_stripes``); other data messages (hellos, state
+        requests) take the first data DEALER."""
         sockets = self.controls if control else self.dealers
         if peer not in sockets:
             raise PeerFailed(f"{what}: {peer} is not a known peer")
         if not control and self.sealed is not None and self.sealed.send(peer, frames, deadline=deadline, what=what,
                                                                         closed=closed):
             return None  # sealed into new buffers: the caller's memory is free again at once
-        entry, extras, turn = sockets.get(peer), self.extra_stripes.get(peer, []), self._turn.get(peer)
-        if entry is None or turn is None:  # forgotten or made afresh meanwhile (``forget``, ``reattach``)
+        entry = sockets.get(peer)
+        if entry is None:  # forgotten or made afresh meanwhile (``forget``, ``reattach``)
             raise PeerFailed(f"{what}: the connection to {peer} was closed")
+        if chunk and not control:  # chunks take the stripes in turn (their order does not matter: module docstring)
+            entry = self.further_stripes.pick(peer, entry, time.monotonic())
         dealer, lock = entry
-        striped = not control and peer in self._striped
-        stripe = next(turn) % (1 + len(extras)) if striped and extras else 0
-        if stripe:  # data messages take the stripes in turn (their order does not matter: module docstring)
-            dealer, lock = extras[stripe - 1]
-        if not control:
-            self.stripe_sends[stripe] += 1
         return send_until(dealer, lock, frames, deadline=deadline, what=what, peer=peer, rank=self.rank, closed=closed,
                           copy=not zero_copy, track=zero_copy)
 
@@ -459,10 +456,7 @@ class ZmqSockets:
         control_monitors = {peer: monitor for monitor, peer in self.control_monitors.items()}
         for peer, (dealer, lock) in self.dealers.items():
             close_monitored(dealer, lock, monitors[peer], linger_s)
-        for extras in self.extra_stripes.values():
-            for extra, lock in extras:
-                with lock:
-                    extra.close(linger=int(1000 * linger_s))
+        self.further_stripes.close(linger_s)
         for peer, (control, lock) in self.controls.items():
             close_monitored(control, lock, control_monitors[peer], linger_s)
         while not self.retired_monitors.empty():  # the receiving thread has ended: nobody polls these any more

@@ -313,10 +313,10 @@ class TopKCodec(Codec):
         bounds = bound_bits.view(np.float32)
 
         def encode_piece(first: int, last: int) -> None:
-            kernels.topk_encode(x[first * self.chunk:last * self.chunk], min(x.size, last * self.chunk) - first * self.chunk,
-                                self.chunk, k, self.bits, first * k, bound_bits[2 * first:2 * last],
-                                bounds[2 * first:2 * last], positions[first * k:last * k], packed,
-                                _scratch("padded", self.chunk, np.float32),
+            start, end = first * self.chunk, min(x.size, last * self.chunk)
+            kernels.topk_encode(x[start:end], end - start, self.chunk, k, self.bits, first * k,
+                                bound_bits[2 * first:2 * last], bounds[2 * first:2 * last],
+                                positions[first * k:last * k], packed, _scratch("padded", self.chunk, np.float32),
                                 *(_scratch(name, self.chunk, np.int32) for name in ("candidates", "columns", "select")),
                                 _scratch("kept", k, np.int32))
 

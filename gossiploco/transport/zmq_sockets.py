@@ -10,11 +10,12 @@ connection of the same process (see ``ROUTER_HANDOVER`` below).
 
 Striping: CurveZMQ encrypts and decrypts a connection in the one libzmq I/O thread that owns it, so one data
 connection per peer caps what a peer sends to another at one core's XSalsa20-Poly1305 rate. With ``stripes`` > 1
-(default: the I/O threads, ``process_limits.default_io_threads``) a directly dialed peer gets that many data DEALERs (routing ids
-``"i.<incarnation>/d<j>"`` for j >= 1), and data messages take them in turn: their crypto runs on as many threads.
-The further ones are a bounded pool (``zmq_stripes``): made at the first data message to a peer that admitted this
-one (``connect_stripes``: the first one's handshake succeeded), kept for the peers data went to most recently. A data call's chunks carry their index and
-wait in the receiver's mailbox until consumed, so the order they arrive in does not matter. The first data DEALER
+(default: the I/O threads, ``process_limits.default_io_threads``) a directly dialed peer gets that many data DEALERs
+(routing ids ``"i.<incarnation>/d<j>"`` for j >= 1), and data chunks take them in turn: their crypto runs on as many
+threads. The further ones are a bounded pool (``zmq_stripes``): made at the first chunk to a peer that admitted this
+one (``connect_stripes``: the first one's handshake succeeded), kept for the peers chunks went to most recently. A
+data call's chunks carry their index and wait in the receiver's mailbox until consumed, so the order they arrive in
+does not matter. The first data DEALER
 has a monitor (liveness is the peer's, not a connection's); the control DEALER has one for failed handshakes only
 (``control_monitors``); a reverse or relayed path uses the first data DEALER alone (a relay's slots and link are
 shared).

@@ -33,8 +33,6 @@ CROWDED = 8
 """A chunk with more than this many times ``k`` candidates (many equal magnitudes: zeros, say) is selected in full."""
 GROUP_VALUES = 1 << 15
 """A block codec reads this many values' absmaxes in one stream (128 KB: they are still in cache for their codes)."""
-E3M0_GRID = np.array([2.0 ** -k for k in range(8)] + [-(2.0 ** -k) for k in range(8)], dtype=np.float32)
-"""E3M0's 16 codes' values: ``(-1)^(c >> 3) 2^-(c & 7)``."""
 
 kernel = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
@@ -70,11 +68,11 @@ def _e3m0_codes(x, scale, units, codes):
     clamped to 0..7 (everything below 2^-7 is 2^-7); the negative side's codes are k + 8. ``units``: float32 scratch,
     as long as ``x``."""
     for i in range(x.size):
-        units[i] = abs(x[i] / scale)
+        units[i] = x[i] / scale
     bits = units.view(np.int32)
     for i in range(x.size):
-        negative = np.int32(x[i] / scale <= F32(0.0))
-        magnitude = bits[i] + negative
+        negative = np.int32(units[i] <= F32(0.0))
+        magnitude = (bits[i] & ABS_MASK) + negative
         k = np.int32(127) - (magnitude >> 23) - np.int32((magnitude & MANTISSA) > HALF_MANTISSA)
         codes[i] = min(max(k, np.int32(0)), np.int32(7)) + 8 * negative - 8
 
@@ -167,15 +165,20 @@ def _unpack_linear_pairs(codes, levels, out):
 
 
 @kernel
+def _e3m0_bits(code):
+    """The float bits of E3M0 code ``code``'s unit value ``(-1)^(c >> 3) 2^-(c & 7)``: exponent ``127 - (c & 7)``,
+    sign ``c >> 3``."""
+    return ((np.int32(127) - (code & 7)) << 23) | ((code >> 3) << 31)
+
+
+@kernel
 def _decode_e3m0_pairs(codes, out):
-    """E3M0's unit values of ``out.size // 2`` bytes of 4-bit codes, built as float bits (``(-1)^(c >> 3)
-    2^-(c & 7)``: exponent ``127 - (c & 7)``, sign ``c >> 3``) into ``out``."""
+    """E3M0's unit values of ``out.size // 2`` bytes of 4-bit codes, built as float bits, into ``out``."""
     bits = out.view(np.int32)
     for j in range(out.size // 2):
         byte = np.int32(codes[j])
-        low, high = byte & 15, byte >> 4
-        bits[2 * j] = ((np.int32(127) - (low & 7)) << 23) | ((low >> 3) << 31)
-        bits[2 * j + 1] = ((np.int32(127) - (high & 7)) << 23) | ((high >> 3) << 31)
+        bits[2 * j] = _e3m0_bits(byte & 15)
+        bits[2 * j + 1] = _e3m0_bits(byte >> 4)
 
 
 @kernel
@@ -204,9 +207,7 @@ def block_decode(scales, codes, block, levels, out):
     if levels == 0:
         _decode_e3m0_pairs(codes, out)
         if n % 2:
-            bits = out.view(np.int32)
-            low = np.int32(codes[n // 2]) & 15
-            bits[n - 1] = ((np.int32(127) - (low & 7)) << 23) | ((low >> 3) << 31)
+            out[n - 1:].view(np.int32)[0] = _e3m0_bits(np.int32(codes[n // 2]) & 15)
         for b in range((n + block - 1) // block):
             _scale(out[b * block:min(n, b * block + block)], scales[b])
         return

@@ -199,7 +199,7 @@ class BlockCodec(Codec):
         elif name == "4bit":
             self.bits, self.levels = 4, 7
         elif name == "e3m0":
-            self.bits, self.levels = 4, 0  # codes 0..7: +2^-k; 8..15: -2^-k (``codec_kernels.E3M0_GRID``)
+            self.bits, self.levels = 4, 0  # codes 0..7: +2^-k; 8..15: -2^-k
         else:
             raise ValueError(f"unknown block codec {name!r}")
 

@@ -108,6 +108,8 @@ class FactoredDiLoCo:
                 mixer.make_robust(self.robust)
         self._mix1_starts = [j * cfg.inner_steps // len(parts) for j in range(len(parts))]
         self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
+        for mix in (cfg.mix1, cfg.mix2):
+            mix.codec().prepare()  # a compiled codec compiles now, before the first round's exchanges
         self.state_device = state_device(cfg.compute.outer_state, trainer.device, 4 * sum(p.numel() for p in params.values()))
         """Where z and the momentum live (gossiploco.outer_state)."""
         self._side = SideStream(self.state_device)

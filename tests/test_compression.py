@@ -299,6 +299,7 @@ def _encode_on_two_threads() -> None:
     assert np.array_equal(decoded, codec.decode(codec.encode(x), x.numel()).numpy())
 
 
+@pytest.mark.slow  # a fresh interpreter: seconds; the fast subset keeps its margin under 2 minutes
 def test_a_forked_child_codes_on_threads_of_its_own():
     """The pieces' threads are a process's own: a child forked after its parent coded on threads (whose pool it
     inherits, without the threads) codes on new ones, where it would wait for its parent's for good."""
@@ -316,6 +317,44 @@ def test_a_forked_child_codes_on_threads_of_its_own():
         child.kill()
         child.join()
     assert child.exitcode == 0
+
+
+@pytest.mark.slow  # a fresh interpreter: seconds; the fast subset keeps its margin under 2 minutes
+def test_preparing_a_codec_compiles_its_kernels_before_any_exchange():
+    """In a fresh interpreter no kernel is compiled until a codec runs; ``prepare`` compiles (or loads) what encode and
+    decode run, so the first exchange does not pay for it."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from gossiploco.mixing.compression import build_codec\n"
+        "assert 'gossiploco.mixing.codec_kernels' not in sys.modules\n"
+        "for name in ('4bit', 'topk'):\n"
+        "    build_codec(name, block=64, chunk=64, density=0.1).prepare()\n"
+        "from gossiploco.mixing import codec_kernels as k\n"
+        "ran = [k.block_encode, k.block_codes_valid, k.block_decode, k.topk_encode, k.topk_positions_valid,"
+        " k.topk_decode]\n"
+        "assert all(kernel.signatures for kernel in ran), [kernel.__name__ for kernel in ran if not kernel.signatures]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_algorithm_prepares_both_mixes_codecs_when_it_is_built(make_config, monkeypatch):
+    from gossiploco.data import load_corpus
+    from gossiploco.factored import FactoredDiLoCo
+    from gossiploco.mixing import MemoryHub
+    from gossiploco.runtime.common import build_trainer
+
+    prepared = []
+    monkeypatch.setattr(BlockCodec, "prepare", lambda self: prepared.append(self.name))
+    monkeypatch.setattr(TopKCodec, "prepare", lambda self: prepared.append(self.name))
+    cfg = make_config("globalm1-localm2", workers=1, **{"mix1.compression": "4bit", "mix2.compression": "topk"})
+    algo = FactoredDiLoCo(build_trainer(cfg, load_corpus(cfg.data), torch.device("cpu"), 0), cfg,
+                          MemoryHub(1, 5.0).exchange(0))
+    algo.close()
+    assert prepared == ["4bit", "topk"]
 
 
 @pytest.mark.parametrize("name", ["int8", "4bit", "e3m0", "topk"])

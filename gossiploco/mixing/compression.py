@@ -130,6 +130,11 @@ class Codec(ABC):
         """The fp32 vector of ``numel`` values ``payload`` holds (written into ``out`` when given, and
         returned); ``PeerFailed`` for a payload no encoder makes."""
 
+    def prepare(self) -> None:
+        """Make the first exchange as quick as later ones: a compiled codec compiles (or loads from its cache) what
+        it runs, here rather than inside a round's exchange, where a first use on a new machine cost about 5 s of
+        it (``codec_kernels``). Nothing for the others."""
+
     def roundtrip(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(payload, decode(payload))``: what is sent and what every receiver makes of it."""
         payload = self.encode(flat)
@@ -222,6 +227,9 @@ class BlockCodec(Codec):
     def _code_range(self, start: int, end: int) -> slice:
         return slice(start, end) if self.bits == 8 else slice(start // 2, (end + 1) // 2)
 
+    def prepare(self) -> None:
+        self.roundtrip(torch.linspace(-1.0, 1.0, 2 * self.block + 1))  # whole blocks and a cut one, an odd count
+
     def encode(self, flat):
         kernels = _kernels()
         x = _cpu_values(flat)
@@ -296,6 +304,9 @@ class TopKCodec(Codec):
         multiple of 8 chunks each, so that no byte of packed codes is shared by two pieces."""
         step = max(8, 4 * PIECE_VALUES // self.chunk // 8 * 8)
         return [(c, min(c + step, chunks)) for c in range(0, chunks, step)]
+
+    def prepare(self) -> None:
+        self.roundtrip(torch.linspace(-1.0, 1.0, 2 * self.chunk + 1))  # whole chunks and a cut one
 
     def _sections(self, payload: torch.Tensor, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The payload's bounds (int32 bits, two a chunk), positions (int16, ``k`` a chunk) and packed codes, as numpy

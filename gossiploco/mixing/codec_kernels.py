@@ -1,4 +1,4 @@
-"""The compressed codecs' loops, compiled (numba): each value is read once and each byte written once.
+"""The compressed codecs' loops, compiled (numba): each value comes from memory once, each byte is written once.
 
 ``mixing.compression`` owns the formats and the checks; these kernels are its inner loops, on numpy views of its
 tensors. Written with torch operations, a block codec made several passes over memory (the absmax, the division,
@@ -14,8 +14,9 @@ its block's scale, or its chunk's high bound, is then not finite and ``decode`` 
 own decode included.
 
 Every kernel releases the GIL (``nogil``), so ``compression`` codes pieces of a long vector on several threads at
-once. Kernels compile on first use and are cached on disk (``cache=True``: ``__pycache__`` beside this file, or
-numba's per-user cache where that is read-only); this module is imported only when a codec first runs.
+once. Kernels compile on first use (``Codec.prepare``: when the algorithm is built) and are cached on disk
+(``cache=True``: ``__pycache__`` beside this file, or numba's per-user cache where that is read-only); this module
+is imported only when a codec first runs.
 """
 
 from __future__ import annotations

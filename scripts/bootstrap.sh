@@ -73,4 +73,9 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -m pip install --quiet "torch==2.13.0"
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+# The compressed codecs' kernels (numba) compile once per machine and are cached beside their module: compiled
+# here, every process that later runs a codec (a peer, a test) loads them instead of compiling them at once.
+.venv/bin/python -c "from gossiploco.mixing.compression import build_codec
+for name in ('4bit', 'topk'):
+    build_codec(name).prepare()"
 .venv/bin/python -c "import torch, gossiploco; print(f'gossiploco {gossiploco.__version__} ready (torch {torch.__version__}, CUDA {torch.cuda.is_available()})')"

@@ -692,7 +692,8 @@ def test_stripes_only_on_direct_paths_once_the_first_handshake_succeeded_and_chu
 def test_further_stripes_are_a_bounded_pool_of_the_peers_chunks_went_to_last(monkeypatch):
     """At most ``MAX_STRIPED`` peers hold further stripes: making a new peer's closes those of the peers chunks went
     to least recently, once idle for ``IDLE_S``, and goes over the bound while all are in use; a retired peer's are
-    closed and it is allowed none until admitted again. Real DEALERs, dialing a port nobody listens on."""
+    closed and it is allowed none until admitted again; a peer whose stripes cannot be made keeps its first DEALER,
+    counted, and is not tried again. Real DEALERs, dialing a port nobody listens on."""
     from gossiploco.transport import zmq_stripes
 
     monkeypatch.setattr(zmq_stripes, "MAX_STRIPED", 2)
@@ -724,6 +725,18 @@ def test_further_stripes_are_a_bounded_pool_of_the_peers_chunks_went_to_last(mon
         pool.drop(3)
         assert all(sock.closed for sock in made[3]) and pool.pick(3, first, 47.0) is first and pool.striped() == [1, 4]
         assert pool.opened == 5
+        calls = []
+
+        def failing(peer, stripe, endpoint):  # out of file descriptors at the second stripe, say
+            calls.append(stripe)
+            if stripe == 2:
+                raise zmq.ZMQError(24)
+            return make(peer, stripe, endpoint)
+
+        broken = zmq_stripes.Stripes(3, failing)
+        broken.allow(5, nowhere)
+        assert broken.pick(5, first, 48.0) is first and broken.failed == 1 and made[5][0].closed  # the one made: closed
+        assert broken.pick(5, first, 49.0) is first and calls == [1, 2]  # not tried again for that connection
         pool.close(0.0)
         assert pool.striped() == [] and all(sock.closed for socks in made.values() for sock in socks)
     finally:

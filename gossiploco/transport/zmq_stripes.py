@@ -24,11 +24,14 @@ peer's sockets); one lock guards the pool, and each stripe has its own lock, hel
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
 import zmq
+
+log = logging.getLogger(__name__)
 
 MAX_STRIPED = 32
 """Peers that may hold further data connections at once (two buckets of the default group size)."""
@@ -54,11 +57,13 @@ class Stripes:
         self._used: OrderedDict[int, float] = OrderedDict()  # striped peer -> its last data message, oldest first
         self._turn: dict[int, itertools.count] = {}
         self.sends = [0] * count
-        """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
+        """Data chunks queued on each stripe so far (all peers together; for tests and diagnostics)."""
         self.opened = 0
         """Peers whose further stripes were made (again: counted each time)."""
         self.evicted = 0
         """Peers whose further stripes were closed to make room."""
+        self.failed = 0
+        """Peers whose further stripes could not be made (logged)."""
 
     def allow(self, peer: int, endpoint: str) -> None:
         """``peer`` admitted this peer on a direct path at ``endpoint``: its further stripes may be made."""
@@ -96,7 +101,17 @@ class Stripes:
             evicted += self._take(oldest)
             self.evicted += 1
         endpoint = self._allowed[peer]
-        extras = [(self._make(peer, stripe, endpoint), threading.Lock()) for stripe in range(1, self.count)]
+        extras: list[Stripe] = []
+        try:
+            for stripe in range(1, self.count):
+                extras.append((self._make(peer, stripe, endpoint), threading.Lock()))
+        except zmq.ZMQError as exc:  # out of file descriptors, say: this peer's data keeps its first DEALER
+            evicted += extras
+            del self._allowed[peer]
+            self.failed += 1
+            log.warning("cannot make further data connections to peer %d (%s); its data keeps one connection until "
+                        "it is connected afresh", peer, exc)
+            return []
         self._extra[peer] = extras
         self._turn[peer] = itertools.count()
         self._used[peer] = now

@@ -712,7 +712,8 @@ def test_further_stripes_are_a_bounded_pool_of_the_peers_chunks_went_to_last(mon
     try:
         assert pool.pick(1, first, 0.0) is first and not made  # not admitted yet: the first DEALER only
         for peer in (1, 2, 3, 4):
-            pool.allow(peer, nowhere)
+            pool.due(peer, nowhere)
+            pool.admitted(peer)
         turns = [pool.pick(1, first, 0.0)[0] for _ in range(3)]  # made now, then taken in turn
         assert turns[0] is first[0] and turns[1:] == made[1] and pool.connections(1) == 3
         pool.pick(2, first, 10.0)
@@ -734,7 +735,8 @@ def test_further_stripes_are_a_bounded_pool_of_the_peers_chunks_went_to_last(mon
             return make(peer, stripe, endpoint)
 
         broken = zmq_stripes.Stripes(3, failing)
-        broken.allow(5, nowhere)
+        broken.due(5, nowhere)
+        broken.admitted(5)
         assert broken.pick(5, first, 48.0) is first and broken.failed == 1 and made[5][0].closed  # the one made: closed
         assert broken.pick(5, first, 49.0) is first and calls == [1, 2]  # not tried again for that connection
         pool.close(0.0)

@@ -165,7 +165,6 @@ class ZmqSockets:
         """Each peer's first data DEALER (the one with a monitor)."""
         self.further_stripes = Stripes(self.stripes, self._stripe)
         """Each peer's further data DEALERs (``stripes - 1``): a bounded pool, on direct paths (``zmq_stripes``)."""
-        self._stripes_due: dict[int, str] = {}  # peer -> where its further data DEALERs dial once it admits this peer
         self._relayed: dict[int, bool] = {}
         self._direct: dict[int, str] = {}  # peer -> its endpoint while this peer dials it directly (not relayed)
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
@@ -281,8 +280,8 @@ class ZmqSockets:
             dealer.connect(endpoint)
             control.connect(endpoint)
             self.listening.pop(peer, None)
-            if not self._relayed[peer] and self.stripes > 1:  # a relay's slots and link are shared
-                self._stripes_due[peer] = endpoint
+            if not self._relayed[peer]:  # a relay's slots and link are shared
+                self.further_stripes.due(peer, endpoint)
             return
         bound = []
         for sock in (dealer, control):
@@ -304,7 +303,7 @@ class ZmqSockets:
         with control_lock:
             close_leaving_monitor(control)
         self.retired_monitors.put(control_monitor)
-        for table in (self._relayed, self._direct, self.listening, self._stripes_due):
+        for table in (self._relayed, self._direct, self.listening):
             table.pop(peer, None)
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
@@ -344,9 +343,8 @@ class ZmqSockets:
         read this peer's record), and libzmq never dials again after a refusal: that stripe would hold every message
         given to it. By the receiving thread."""
         with self._changing:
-            endpoint = self._stripes_due.pop(peer, None)
-            if endpoint is not None and peer in self.dealers:
-                self.further_stripes.allow(peer, endpoint)
+            if peer in self.dealers:
+                self.further_stripes.admitted(peer)
 
     def dialed_endpoint(self, peer: int) -> str | None:
         """``peer``'s endpoint while this peer dials it directly, not through a relay; else None. Any thread."""

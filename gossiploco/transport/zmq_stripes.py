@@ -8,8 +8,8 @@ a libzmq mailbox and a TCP connection each way per stripe, and a heartbeat per i
 to it: with sealed data (``zmq_sealed``) CurveZMQ's data connections carry only the fallback, and a peer exchanges
 with its groups' members, not with the swarm. So:
 
-* A peer's further stripes are made at the first data message to it over CurveZMQ (``pick``), once it admitted this
-  peer (``allow``: its first data connection's handshake succeeded; dialed before, a stripe could be refused by a
+* A peer's further stripes are made at the first data chunk to it over CurveZMQ (``pick``), once it admitted this
+  peer (``admitted``: its first data connection's handshake succeeded; dialed before, a stripe could be refused by a
   peer that admitted this one in between, and libzmq never dials again after a refusal), and only on a direct path
   (a relay's slots and link are shared; a reverse path has one listening DEALER).
 * At most ``MAX_STRIPED`` peers hold further stripes. Making a new peer's closes those of the peer data went to
@@ -17,8 +17,8 @@ with its groups' members, not with the swarm. So:
   the middle of an exchange keeps its stripes).
 * Closing gives messages still queued ``CLOSE_LINGER_S`` to go out.
 
-Thread rules: any thread calls ``pick`` (a sender), ``allow`` (the receiving thread), ``drop`` (whoever retires a
-peer's sockets); one lock guards the pool, and each stripe has its own lock, held while sending on it or closing it.
+Thread rules: any thread calls ``pick`` (a sender), ``due`` (whoever connects a peer), ``admitted`` (the receiving
+thread), ``drop`` (whoever retires a peer's sockets); one lock guards the pool, and each stripe has its own lock, held while sending on it or closing it.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class Stripes:
         self.count = count
         self._make = make
         self._lock = threading.Lock()
+        self._due: dict[int, str] = {}  # peer -> where its further stripes will dial once it admits this peer
         self._allowed: dict[int, str] = {}  # peer -> where its further stripes dial (admitted, direct path)
         self._extra: dict[int, list[Stripe]] = {}
         self._used: OrderedDict[int, float] = OrderedDict()  # striped peer -> its last data message, oldest first
@@ -65,10 +66,18 @@ class Stripes:
         self.failed = 0
         """Peers whose further stripes could not be made (logged)."""
 
-    def allow(self, peer: int, endpoint: str) -> None:
-        """``peer`` admitted this peer on a direct path at ``endpoint``: its further stripes may be made."""
+    def due(self, peer: int, endpoint: str) -> None:
+        """``peer`` is dialed directly at ``endpoint``: its further stripes may be made once it admits this peer
+        (``admitted``)."""
         if self.count > 1:
             with self._lock:
+                self._due[peer] = endpoint
+
+    def admitted(self, peer: int) -> None:
+        """``peer``'s first data connection's handshake succeeded: if it is due further stripes, they may be made."""
+        with self._lock:
+            endpoint = self._due.pop(peer, None)
+            if endpoint is not None:
                 self._allowed[peer] = endpoint
 
     def pick(self, peer: int, first: Stripe, now: float) -> Stripe:
@@ -128,6 +137,7 @@ class Stripes:
         """``peer``'s sockets are retired (forgotten, or made afresh): close its further stripes, messages and all, and
         forget that it was allowed any (its new first DEALER must be admitted again)."""
         with self._lock:
+            self._due.pop(peer, None)
             self._allowed.pop(peer, None)
             taken = self._take(peer)
         _close(taken, 0.0)

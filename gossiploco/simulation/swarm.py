@@ -41,11 +41,11 @@ from gossiploco.protocol.ring import segment_bounds
 from gossiploco.round_clock import RoundClock
 from gossiploco.simulation.costs import per_peer_stats
 from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_churn, draw_faults, draw_reachability
-from gossiploco.simulation.recovery import Recovery
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
 from gossiploco.simulation.paths import PATHS, Relays
 from gossiploco.simulation.peer import SimPeer, payload_bytes
+from gossiploco.simulation.recovery import Recovery
 from gossiploco.transport.deadlines import AdaptiveDeadlines
 
 

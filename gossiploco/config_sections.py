@@ -73,8 +73,8 @@ class ComputeConfig:
     """Where a network peer's exchange runs (sockets, encryption, the protocol and the collectives' reductions): on,
     in a companion process beside the trainer (``gossiploco.companion``: the training thread shares its interpreter
     with no communication thread, tensors cross in shared memory; a second interpreter: about 150 MiB and 2 s to
-    start); off, on threads of the training process; auto, off until the companion has been measured on a GPU
-    (it has on CPUs: README, "Mix1 beside training")."""
+    start); off, on threads of the training process; auto, off: on an H200 it kept the inner step as it was and
+    made Mix2 about 35% slower (bench/results/gpu.md; on CPUs: README, "Mix1 beside training")."""
     slowdown: float = 1.0
     """A stand-in for a slower machine (network peers, benchmarks and tests of unequal peers): after each inner
     step the peer sleeps slowdown - 1 times what the step took, so its steps take slowdown times as long. 1: off."""

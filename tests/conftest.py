@@ -33,6 +33,29 @@ def assert_three_peers_exchange_exactly(exchanges, run_all) -> None:
     assert all(torch.equal(got[r][m], torch.full((5000 + r,), m, dtype=torch.uint8)) for r in range(3) for m in got[r])
 
 
+def assert_pair_mean_with_a_partner_ahead(exchanges, chunks: int, chunk_elems: int) -> None:
+    """Two exchanges' ``swap_mean(inplace=True)``, the second started first: all its chunks wait in the first's mailbox,
+    so the first averages them into its vector as fast as it can, while its own chunks (views of that vector, sent
+    without copying) may still be queued. Each must be overwritten only after its send left: both sides end with
+    (a + b) / 2 exactly, in their own vectors."""
+    import threading
+
+    values = [torch.randn(chunks * chunk_elems - 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    flats = [v.clone() for v in values]
+    out: dict[int, torch.Tensor] = {}
+    ahead = threading.Thread(target=lambda: out.update({1: exchanges[1].swap_mean("mix2/0", 0, flats[1],
+                                                                                  inplace=True)}))
+    ahead.start()
+    try:
+        assert wait_until(lambda: exchanges[0].inspect(lambda node: node.pending_state()["mailbox_chunks"]) == chunks)
+        out[0] = exchanges[0].swap_mean("mix2/0", 1, flats[0], inplace=True)
+    finally:
+        ahead.join(30)
+    expected = (values[0] + values[1]) / 2
+    for r in range(2):
+        assert out[r].data_ptr() == flats[r].data_ptr() and torch.equal(out[r], expected), f"peer {r}"
+
+
 TINY = {**TINY_OVERRIDES, "workers": 4}
 """``config.TINY_OVERRIDES`` with 4 workers: what the tests scale presets down to."""
 

@@ -182,6 +182,11 @@ def test_exchanges_in_companion_processes_reduce_in_shared_vectors_and_swap():
         pair = [torch.full((10,), 1.0), torch.full((10,), 2.0)]
         got = run_all(exchanges[:2], lambda r, ex: ex.swap("swap/0", 1 - r, pair[r]))
         assert torch.equal(got[0], pair[1]) and torch.equal(got[1], pair[0])
+        shared_pair = [ex.vector(10).copy_(pair[r]) for r, ex in enumerate(exchanges[:2])]
+        means = run_all(exchanges[:2], lambda r, ex: ex.swap_mean("swap/1", 1 - r, shared_pair[r], inplace=True))
+        for r in range(2):  # averaged in the caller's shared vector, returned as a view of it
+            assert means[r].data_ptr() == shared_pair[r].data_ptr() and means[r] is not shared_pair[r]
+            assert torch.equal(means[r], torch.full((10,), 1.5))
         assert exchanges[0].members() == [0, 1, 2] and exchanges[1].connected() == [0, 2]
         exchanges[2].current_round = 4
         assert exchanges[2].current_round == 4

@@ -216,6 +216,25 @@ def test_swap_exchanges_values_between_partners(group):
     assert [o.tolist() for o in out] == [[3.0, 3.5], [0.0, 0.5], [2.0], [1.0]]
 
 
+def test_swap_mean_is_the_pairs_mean_with_the_same_bits_on_both_sides(group):
+    """Gossip's pair mean, against its equation written here: x_i <- (x_i + x_j) / 2 for the pair (i, j), the
+    same float32 bits on both sides (so the pair's sum is kept). ``inplace`` may use the caller's vector and
+    returns a new tensor object either way; without it the input is left as it was."""
+    g = group(4)
+    values = [torch.randn(3, 1001, generator=torch.Generator().manual_seed(r)) for r in range(4)]
+    pairs = {0: 3, 3: 0, 1: 2, 2: 1}
+    for inplace in (False, True):
+        flats = [v.clone() for v in values]
+        out = run_all([lambda r=r: g.exchanges[r].swap_mean(f"m/{inplace}", pairs[r], flats[r], inplace=inplace)
+                       for r in range(4)])
+        for r in range(4):
+            expected = (values[r] + values[pairs[r]]) / 2  # elementwise, in float32
+            assert out[r].shape == (3, 1001) and out[r].dtype == torch.float32 and out[r] is not flats[r]
+            assert torch.equal(out[r], expected) and torch.equal(out[r], out[pairs[r]])
+            if not inplace:
+                assert torch.equal(flats[r], values[r])
+
+
 def test_concurrent_operations_with_different_keys_do_not_mix(group):
     g = group(2)
     fns = []

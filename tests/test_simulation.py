@@ -177,6 +177,23 @@ def test_the_checks_catch_overlapping_groups_and_a_non_mutual_swap():
     assert {v.name for v in checker.violations} == {"agreement.group_mismatch", "agreement.not_mutual"}
 
 
+def test_the_checks_hold_a_pair_mean_to_its_equation():
+    """A finished pair mean must hold (a + b) / 2 of the two inputs, bit for bit: the checker passes the exact one and
+    flags one a single ulp off."""
+    from gossiploco.simulation.invariants import Checker
+
+    checker = Checker(grace_s=1.0, mailbox_bytes=1 << 20)
+    a, b = (torch.randn(7, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    checker.started("mix2/0", 1, a, partner=2)
+    checker.started("mix2/0", 2, b, partner=1)
+    one_ulp_off = torch.nextafter((a + b) / 2, torch.full((7,), 9.0))
+    for out, violations in (((a + b) / 2, set()), (one_ulp_off, {"correctness.swap"})):
+        call = collectives.PairMean("mix2/0", 1, 2, out.clone(), 8, 0.0, 10.0)
+        checker.violations.clear()
+        checker.call_ended(_FakePeer(1), call, 0.0, 1.0, ok=True)
+        assert {v.name for v in checker.violations} == violations
+
+
 def test_the_checks_catch_one_group_in_two_ring_orders():
     """The same members in another ring order are another group (the order is the leader's to decide)."""
     from gossiploco.simulation.invariants import Checker

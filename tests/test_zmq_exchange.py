@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from conftest import assert_three_peers_exchange_exactly, wait_until
+from conftest import assert_pair_mean_with_a_partner_ahead, assert_three_peers_exchange_exactly, wait_until
 from gossiploco.mixing import GlobalMix
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
 from gossiploco.protocol import codec
@@ -81,6 +81,23 @@ def test_swap_size_mismatch_is_a_peer_failure(groups):
     with ThreadPoolExecutor(max_workers=2) as pool:
         a = pool.submit(g.exchanges[0].swap, "s/0", 1, torch.zeros(5))
         b = pool.submit(g.exchanges[1].swap, "s/0", 0, torch.zeros(6))
+        for f in (a, b):
+            with pytest.raises(PeerFailed):
+                f.result(timeout=10)
+
+
+def test_swap_mean_in_place_overwrites_no_chunk_before_its_send_left(groups):
+    """The pair mean sends views of the caller's vector without copying (zmq reads them in place: chunks over
+    pyzmq's copy threshold of 64 KiB) and writes into a chunk only once zmq released its send."""
+    g = groups(2, chunk_bytes=8 << 20)
+    assert_pair_mean_with_a_partner_ahead(g.exchanges, 4, 2 << 20)
+
+
+def test_swap_mean_size_mismatch_is_a_peer_failure(groups):
+    g = groups(2, timeout_s=3.0)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        a = pool.submit(g.exchanges[0].swap_mean, "m/0", 1, torch.zeros(5), inplace=True)
+        b = pool.submit(g.exchanges[1].swap_mean, "m/0", 0, torch.zeros(6), inplace=True)
         for f in (a, b):
             with pytest.raises(PeerFailed):
                 f.result(timeout=10)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import zmq
 
-from conftest import assert_three_peers_exchange_exactly, free_ports, wait_until
+from conftest import (assert_pair_mean_with_a_partner_ahead, assert_three_peers_exchange_exactly, free_ports,
+                      wait_until)
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust
 from gossiploco.transport.sealed import ENVELOPE
@@ -25,11 +26,11 @@ def run_all(fns):
         return [f.result(timeout=60) for f in [pool.submit(fn) for fn in fns]]
 
 
-def _swarm(n: int, sealed_ports=None, key=None):
+def _swarm(n: int, sealed_ports=None, key=None, chunk_bytes: int = CHUNK):
     key = key or SwarmKey.generate()
     endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(n)]
     ports = sealed_ports or [0] * n
-    exchanges = [ZmqExchange(r, endpoints, "sealed", 10.0, chunk_bytes=CHUNK, trust=Trust.static(key, r, n),
+    exchanges = [ZmqExchange(r, endpoints, "sealed", 10.0, chunk_bytes=chunk_bytes, trust=Trust.static(key, r, n),
                              sealed_port=ports[r]) for r in range(n)]
     assert all(ex.wait_connected(10.0) for ex in exchanges)
     return exchanges
@@ -198,6 +199,20 @@ def test_payloads_of_every_size_cross_the_sealed_path_exactly(size):
         values = [torch.randn(size, generator=torch.Generator().manual_seed(r)) for r in range(2)]
         swapped = run_all([lambda r=r: exchanges[r].swap("mix2/0", 1 - r, values[r]) for r in (0, 1)])
         assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
+        flats = [v.clone() for v in values]  # the pair mean, averaged in the callers' vectors as chunks arrive
+        means = run_all([lambda r=r: exchanges[r].swap_mean("mix2/1", 1 - r, flats[r], inplace=True) for r in (0, 1)])
+        assert all(torch.equal(m, (values[0] + values[1]) / 2) for m in means)
+    finally:
+        _close(exchanges)
+
+
+def test_the_pair_mean_over_curvezmq_alone_overwrites_no_chunk_before_it_is_sent():
+    """Without the sealed port the chunks are views read by libzmq's I/O threads (CurveZMQ encrypts there): the
+    pair mean waits for each chunk's send before writing into it."""
+    exchanges = _swarm(2, sealed_ports=[None, None], chunk_bytes=8 << 20)
+    try:
+        assert_pair_mean_with_a_partner_ahead(exchanges, 4, 2 << 20)
+        assert _curve_data(exchanges[0]) >= 4
     finally:
         _close(exchanges)
 

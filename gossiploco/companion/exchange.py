@@ -161,6 +161,12 @@ class CompanionExchange(Exchange, PathControl):
         sent = self._vectors.wire(self._vectors.shared(flat.detach()))
         return self._call("swap", key, partner, sent, timeout_s=self._collective_s())
 
+    def swap_mean(self, key: str, partner: int, flat: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        sent = self._vectors.shared(flat.detach())
+        result = self._call("swap_mean", key, partner, self._vectors.wire(sent), inplace=inplace,
+                            timeout_s=self._collective_s())
+        return sent.view(flat.shape) if result is None else result  # None: averaged in the shared vector sent
+
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
                    sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:
         shared: dict[int, torch.Tensor] = {}  # one copy of a tensor given for several members (an all-gather)

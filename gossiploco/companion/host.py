@@ -29,11 +29,14 @@ from gossiploco.transport.zmq_exchange import ZmqExchange
 log = logging.getLogger(__name__)
 
 CALLS = frozenset({
-    "members", "group", "all_reduce_mean", "swap", "all_to_all", "fetch_state", "add_peer", "forget_peer",
-    "set_grouping", "set_behind_nat", "dial_reverse", "reverse_offers", "connected", "wait_connected",
+    "members", "group", "all_reduce_mean", "swap", "swap_mean", "all_to_all", "fetch_state", "add_peer",
+    "forget_peer", "set_grouping", "set_behind_nat", "dial_reverse", "reverse_offers", "connected", "wait_connected",
     "check_reachable", "protocol_state", "security_counts", "sealed_counts", "join_swarm", "catch_up_if_behind",
     "is_closed", "deadlines_state", "load_deadlines"})
 """Methods of ``ZmqExchange`` the trainer calls (``CompanionExchange``)."""
+IN_PLACE = {"all_reduce_mean": 1, "swap_mean": 2}
+"""The collectives that may leave their result in the vector they were given, and where that vector is among their
+arguments: when they did, in the trainer's shared vector, nothing is sent back."""
 COUNTERS = ("current_round", "round_ends", "bytes_sent", "wire_bytes_sent", "dropped_messages",
             "bytes_received", "malformed_messages", "isolated_mixes")
 """The properties the trainer reads (``("get", name)``), and still reads after the exchange closed (``shut``
@@ -84,7 +87,8 @@ def main(conn: Connection, kwargs: dict, log_level: int) -> None:
         args = tuple({k: vectors.resolve(v) for k, v in a.items()} if isinstance(a, dict) else vectors.resolve(a)
                      for a in args)  # the trainer's shared vectors, named or sent once (``vectors``)
         result = getattr(exchange, name)(*args, **kwargs)
-        if name == "all_reduce_mean" and result.untyped_storage().data_ptr() == args[1].untyped_storage().data_ptr():
+        given = args[IN_PLACE[name]] if name in IN_PLACE else None
+        if given is not None and result.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
             return None  # reduced in the trainer's own (shared) vector: nothing to send back
         return result
 

@@ -7,6 +7,9 @@ by a ``key`` that every participant uses for the same operation (``"mix1/12"``: 
   ``members`` (which includes this peer). Every member receives the same result.
 * ``swap(key, partner, flat)``: send ``flat`` (fp32, or the uint8 bytes of a compressed payload) to
   ``partner`` and receive theirs, of the same size and dtype.
+* ``swap_mean(key, partner, flat)``: the pair's mean ``(flat + partner's) / 2`` of fp32 vectors, the same
+  bits on both sides (gossip's Mix2). By default a ``swap`` and the sum; the ZeroMQ transport computes it as
+  the partner's chunks arrive.
 * ``all_to_all(key, parts, members, sizes, tag)``: send ``parts[m]`` (uint8) to each other member
   ``m`` and receive ``sizes[m]`` bytes from each: the direct sends of the compressed collectives
   (``gossiploco.mixing.compressed``), which do their arithmetic outside the exchange. A member whose
@@ -22,7 +25,7 @@ Contract for implementations:
 * They are thread-safe: Mix1 runs on a background thread while Mix2 or gradient reductions run
   on another, always with different keys.
 * They never modify the input tensor; the result is a new tensor owned by the caller. The one
-  exception is opt-in: ``all_reduce_mean(..., inplace=True)`` means the caller hands ``flat`` over
+  exception is opt-in: ``all_reduce_mean`` or ``swap_mean(..., inplace=True)`` means the caller hands ``flat`` over
   (a temporary it will not read again, such as a packed vector), and the implementation may
   reduce in its memory and return a view of it, saving a parameter-sized copy and buffer.
 * ``bytes_sent`` / ``bytes_received`` count payload bytes this peer put on (or took off) the wire,
@@ -74,6 +77,16 @@ class Exchange(ABC):
     @abstractmethod
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         """Send ``flat`` to ``partner``, return the partner's tensor; blocks until done or the deadline."""
+
+    def swap_mean(self, key: str, partner: int, flat: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """``(flat + partner's flat) / 2`` for fp32 values, computed identically on both sides (IEEE addition
+        commutes, halving is exact), so the pair's sum is kept; blocks as ``swap``. ``inplace``: as for
+        ``all_reduce_mean``. Raises ``PeerFailed`` when the partner's vector has another shape."""
+        theirs = self.swap(key, partner, flat)
+        if theirs.shape != flat.shape:
+            raise PeerFailed(f"{key!r}: partner {partner} sent shape {tuple(theirs.shape)}, "
+                             f"expected {tuple(flat.shape)}")
+        return theirs.add_(flat).div_(2)  # in the received tensor: no further buffer
 
     @abstractmethod
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],

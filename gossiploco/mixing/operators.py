@@ -407,13 +407,10 @@ class GossipMix(Mixer):
         partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, 0
-        theirs = exchange.swap(key, partner, flat)
-        if theirs.shape != flat.shape:
-            raise PeerFailed(f"partner {partner} sent shape {tuple(theirs.shape)}, expected {tuple(flat.shape)}")
-        # (a + b) / 2 is computed identically on both sides (IEEE addition commutes), so the pair's sum is
-        # preserved. It is computed in the received tensor, which the exchange hands over: allocating two
-        # more parameter-sized buffers cost up to 2 s a round for 125m on a 2-core VM (fresh pages).
-        return theirs.add_(flat).div_(2), partner, flat.numel() * 4
+        # (a + b) / 2, computed identically on both sides (IEEE addition commutes), so the pair's sum is kept.
+        # ``flat`` is this call's own packed copy: the exchange may average in it as the partner's chunks
+        # arrive (a fresh receive buffer's pages cost more than the copy into them: ``bench/results/gpu.md``).
+        return exchange.swap_mean(key, partner, flat, inplace=True), partner, flat.numel() * 4
 
     def _combine_weighted(self, flat, weight, round_index, exchange):
         key = self.key(round_index)

@@ -1,5 +1,5 @@
-"""The data calls: a pairwise swap, the ring all-reduce, the all-to-all of the compressed
-collectives, and the state download (plus its upload).
+"""The data calls: a pairwise swap (and the pair mean computed as it arrives), the ring all-reduce, the
+all-to-all of the compressed collectives, and the state download (plus its upload).
 
 Each is a ``DataCall`` (see ``call``): it sends chunks of at most ``chunk_elems`` float32 values (or
 ``4 * chunk_elems`` bytes of a compressed payload) and consumes the chunks it needs in a fixed order,
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import torch
 
@@ -52,18 +53,22 @@ class Swap(DataCall):
         self.per = chunk_size(chunk_elems, mine.dtype)
         self.total = mine.numel()
         self.n_chunks = max(1, math.ceil(self.total / self.per))
-        self.out = torch.empty(self.total, dtype=mine.dtype)
+        self.out = self._receive_into()
         self.got = 0
         self.what = f"swap {key!r} with {partner}"
+
+    def _receive_into(self) -> torch.Tensor:
+        return torch.empty(self.total, dtype=self.mine.dtype)
 
     def expected_senders(self) -> set[int]:
         return {self.partner}
 
     def start(self, node) -> list[Send]:
-        sends = super().start(node)
-        return sends + [Send(self.partner, Data(self.key, c, (self.total, 0, self.partner),
-                                                self.mine[c * self.per:(c + 1) * self.per]))
-                        for c in range(self.n_chunks)]
+        return super().start(node) + [self._chunk(c) for c in range(self.n_chunks)]
+
+    def _chunk(self, c: int) -> Send:
+        values = self.mine[c * self.per:(c + 1) * self.per]
+        return Send(self.partner, Data(self.key, c, (self.total, 0, self.partner), values))
 
     def need(self):
         return (self.partner, self.got) if self.got < self.n_chunks else None
@@ -77,6 +82,40 @@ class Swap(DataCall):
 
     def outcome(self) -> torch.Tensor:
         return self.out
+
+
+class PairMean(Swap):
+    """A swap that leaves the pair's mean ``(mine + theirs) / 2`` in ``mine`` itself: each received chunk is added
+    into this peer's own chunk and halved while it is in cache, so there is no receive buffer (fresh pages cost
+    more than the copy into them) and no second pass over the vector. Both sides compute the same bits (IEEE
+    addition commutes; halving is exact), so the pair's sum is kept. fp32 values only.
+
+    Like the ring's payload, the chunks go out as views of ``mine`` (``Send.segment`` is the chunk's index): a
+    driver that sends without copying waits, before each ``feed``, for the send of the chunk ``overwrites`` names."""
+
+    def __init__(self, key: str, me: int, partner: int, mine: torch.Tensor, chunk_elems: int, began: float,
+                 deadline: float):
+        if mine.dtype != torch.float32 or mine.dim() != 1 or not mine.is_contiguous():
+            raise ValueError(f"a pair mean takes a contiguous 1-d float32 vector, not {mine.dtype} {tuple(mine.shape)}")
+        super().__init__(key, me, partner, mine, chunk_elems, began, deadline)
+        self.what = f"pair mean {key!r} with {partner}"
+
+    def _receive_into(self) -> torch.Tensor:
+        return self.mine
+
+    def _chunk(self, c: int) -> Send:
+        return replace(super()._chunk(c), segment=c)
+
+    def overwrites(self) -> int | None:
+        """The chunk the next ``feed`` writes (its own send must have left), None when done."""
+        return self.got if self.got < self.n_chunks else None
+
+    def feed(self, message: Data) -> list[Send]:
+        part = self.mine[self.got * self.per:(self.got + 1) * self.per]
+        _check(message, self.total, part.numel(), self.what, self.partner)
+        part.add_(message.data).div_(2)
+        self.got += 1
+        return []
 
 
 class RingAllReduce(DataCall):

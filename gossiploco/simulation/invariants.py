@@ -34,7 +34,7 @@ import torch
 
 from gossiploco.protocol.agreement import CONTROL_SEND_S, Follow, Lead
 from gossiploco.protocol import groups
-from gossiploco.protocol.collectives import FetchState, RingAllReduce, Swap
+from gossiploco.protocol.collectives import FetchState, PairMean, RingAllReduce, Swap
 from gossiploco.protocol.node import MAX_KEYS
 from gossiploco.protocol.peer_table import FAILED_GRACE_S
 
@@ -162,7 +162,12 @@ class Checker:
         if theirs != peer:
             self.flag("agreement.not_mutual", now, peer, f"{call.key}: swapped with {partner}, whose partner is {theirs}")
             return
-        if not torch.equal(call.out, self.inputs[call.key][partner].reshape(-1)):
+        theirs = self.inputs[call.key][partner].reshape(-1)
+        if isinstance(call, PairMean):  # the same bits on both sides: (a + b) / 2 elementwise, as a reference
+            expected = (self.inputs[call.key][peer].reshape(-1) + theirs) / 2
+            if not torch.equal(call.out, expected):
+                self.flag("correctness.swap", now, peer, f"{call.key}: the pair mean with {partner} is not (a + b) / 2")
+        elif not torch.equal(call.out, theirs):
             self.flag("correctness.swap", now, peer, f"{call.key}: did not receive partner {partner}'s input")
 
     def _check_bounded(self, sim_peer, now: float) -> None:

@@ -35,7 +35,7 @@ from gossiploco.config_sections import TimeoutConfig
 from gossiploco.errors import ExchangeError
 from gossiploco.mixing.operators import pair_matching
 from gossiploco.protocol import lifecycle
-from gossiploco.protocol.collectives import AllToAll, RingAllReduce, Swap
+from gossiploco.protocol.collectives import AllToAll, PairMean, RingAllReduce
 from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
 from gossiploco.round_clock import RoundClock
@@ -274,9 +274,9 @@ class SimSwarm:
                     return value
                 self.checker.started(key, peer.pid, value, partner)
                 start = peer.now
-                theirs = yield from peer.run_call(Swap(key, peer.pid, partner, value.reshape(-1), peer.node.chunk_elems,
-                                                       start, start + deadline_s))
-                out = (value + theirs) / 2
+                mean = yield from peer.run_call(PairMean(key, peer.pid, partner, value.reshape(-1).clone(),
+                                                         peer.node.chunk_elems, start, start + deadline_s))
+                out = mean.view(value.shape)
             deadlines.observe(key, peer.now - began)
             return out
         except ExchangeError as exc:

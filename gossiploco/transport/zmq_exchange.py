@@ -27,7 +27,7 @@ from gossiploco.mixing.exchange import Exchange
 from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call
-from gossiploco.protocol.collectives import AllToAll, FetchState, RingAllReduce, Swap
+from gossiploco.protocol.collectives import AllToAll, FetchState, PairMean, RingAllReduce, Swap
 from gossiploco.protocol.messages import MAX_PEER_ID, Data
 from gossiploco.reach.paths import PathControl, path_class
 from gossiploco.security.identity import peer_id_of
@@ -121,6 +121,27 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         self.deadlines.observe(key, time.monotonic() - began, path)
         return result.reshape(flat.shape)
 
+    def swap_mean(self, key: str, partner: int, flat: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """The pair's mean of ``flat`` with ``partner``'s (see ``Exchange``), computed as the partner's chunks
+        arrive (``collectives.PairMean``): no receive buffer and no second pass. ``inplace=True`` (a contiguous
+        fp32 CPU ``flat`` the caller no longer needs) leaves the mean in ``flat``'s memory and returns a view."""
+        if partner == self.rank:
+            raise ValueError("cannot swap with oneself")
+        if partner not in self._dealers:
+            raise ValueError(f"partner {partner} is not a known peer")
+        if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
+            acc = flat.detach().view(-1)
+        else:
+            acc = torch.empty(flat.numel(), dtype=torch.float32)
+            acc.copy_(flat.detach().reshape(-1))
+        began = time.monotonic()
+        path = self.path_class([self.rank, partner])
+        call = PairMean(key, self.rank, partner, acc, self._node.chunk_elems, began,
+                        began + self.deadlines.deadline_s(key, path))
+        result = self._run_in_place(call)
+        self.deadlines.observe(key, time.monotonic() - began, path)
+        return result.view(flat.shape)
+
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:
         """Mean of ``flat`` over ``members`` (see ``Exchange``). ``inplace=True`` (for a caller that
@@ -143,11 +164,17 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         path = self.path_class(members)
         call = RingAllReduce(key, self.rank, members, acc, self._node.chunk_elems, began,
                              began + self.deadlines.deadline_s(key, path))
-        # Chunks go out zero-copy (zmq reads them from ``acc``): a segment is overwritten only
-        # after zmq released the sends that read it, and ``acc`` is divided only at the end.
+        result = self._run_in_place(call)  # ``acc`` is divided only at the end
+        self.deadlines.observe(key, time.monotonic() - began, path)
+        return result.view(flat.shape)
+
+    def _run_in_place(self, call: RingAllReduce | PairMean) -> torch.Tensor:
+        """Run a call that sends views of its caller's vector and writes into them (``overwrites``): chunks go
+        out zero-copy (zmq reads them from the vector), and a segment is overwritten only after zmq released the
+        sends that read it."""
         in_flight: dict[int, list[zmq.MessageTracker]] = {}
 
-        def before_feed(ring: Call, _message: Data) -> None:
+        def before_feed(_call: Call, _message: Data) -> None:
             segment = call.overwrites()
             if segment is not None:
                 self._sockets.wait_sent(in_flight.pop(segment, []), call.deadline, call.what)
@@ -156,9 +183,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             for trackers in in_flight.values():
                 self._sockets.wait_sent(trackers, call.deadline, call.what)
 
-        result = self._run(call, in_flight=in_flight, before_feed=before_feed, before_outcome=release_all)
-        self.deadlines.observe(key, time.monotonic() - began, path)
-        return result.view(flat.shape)
+        return self._run(call, in_flight=in_flight, before_feed=before_feed, before_outcome=release_all)
 
     def all_to_all(self, key: str, parts: Mapping[int, torch.Tensor], members: Sequence[int],
                    sizes: Mapping[int, int], tag: int = 0) -> dict[int, torch.Tensor]:

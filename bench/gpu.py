@@ -344,17 +344,24 @@ def main(argv: list[str] | None = None) -> None:
     args.peer_shape = args.peer_shape or ("16x256" if cuda else "4x64")
     peak = args.peak_tflops or detect_peak_tflops(device)
     start = time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write(runs: list[dict]) -> str:
+        """The report so far, written at once: a run stopped at its time limit keeps the parts it finished."""
+        link = link_mbps(runs, args) if runs else None
+        text = render(args, device, peak, rows, ends, runs, link, time.perf_counter() - start)
+        Path(args.out).write_text(text)
+        return text
+
     rows = throughput_rows(args, device, peak)
     ends = end_of_round_rows(args, device) if args.end_of_round else []
-    runs, link = [], None
+    runs: list[dict] = []
+    text = write(runs)
     presets = [p for p in args.presets.split(",") if p]
-    if presets:
-        with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
-            runs = [run_peers(p, args, Path(tmp)) for p in presets]
-        link = link_mbps(runs, args)
-    text = render(args, device, peak, rows, ends, runs, link, time.perf_counter() - start)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        for preset in presets:
+            runs.append(run_peers(preset, args, Path(tmp)))
+            text = write(runs)
     print(text)
 
 

@@ -35,9 +35,9 @@ def assert_three_peers_exchange_exactly(exchanges, run_all) -> None:
 
 def assert_pair_mean_with_a_partner_ahead(exchanges, chunks: int, chunk_elems: int) -> None:
     """Two exchanges' ``swap_mean(inplace=True)``, the second started first: all its chunks wait in the first's mailbox,
-    so the first averages them into its vector as fast as it can, while its own chunks (views of that vector, sent
-    without copying) may still be queued. Each must be overwritten only after its send left: both sides end with
-    (a + b) / 2 exactly, in their own vectors."""
+    so the first averages them into its vector as fast as it can, while its own chunks of that vector may still be
+    queued: both sides end with (a + b) / 2 exactly, in their own vectors (a chunk sent without copying and
+    overwritten before it left would give the partner the average instead)."""
     import threading
 
     values = [torch.randn(chunks * chunk_elems - 3, generator=torch.Generator().manual_seed(r)) for r in range(2)]

@@ -87,8 +87,9 @@ def test_swap_size_mismatch_is_a_peer_failure(groups):
 
 
 def test_swap_mean_in_place_overwrites_no_chunk_before_its_send_left(groups):
-    """The pair mean sends views of the caller's vector without copying (zmq reads them in place: chunks over
-    pyzmq's copy threshold of 64 KiB) and writes into a chunk only once zmq released its send."""
+    """The pair mean averages into the caller's vector while its own chunks of it may still be queued (chunks over
+    pyzmq's 64 KiB copy threshold, which a zero-copy send would read in place): what the partner receives is
+    never the average."""
     g = groups(2, chunk_bytes=8 << 20)
     assert_pair_mean_with_a_partner_ahead(g.exchanges, 4, 2 << 20)
 

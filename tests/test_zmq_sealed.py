@@ -207,8 +207,8 @@ def test_payloads_of_every_size_cross_the_sealed_path_exactly(size):
 
 
 def test_the_pair_mean_over_curvezmq_alone_overwrites_no_chunk_before_it_is_sent():
-    """Without the sealed port the chunks are views read by libzmq's I/O threads (CurveZMQ encrypts there): the
-    pair mean waits for each chunk's send before writing into it."""
+    """Without the sealed port libzmq's I/O threads encrypt the chunks (CurveZMQ) after they are queued: the pair
+    mean's averaging into the caller's vector never reaches what the partner receives."""
     exchanges = _swarm(2, sealed_ports=[None, None], chunk_bytes=8 << 20)
     try:
         assert_pair_mean_with_a_partner_ahead(exchanges, 4, 2 << 20)

@@ -90,8 +90,9 @@ class PairMean(Swap):
     more than the copy into them) and no second pass over the vector. Both sides compute the same bits (IEEE
     addition commutes; halving is exact), so the pair's sum is kept. fp32 values only.
 
-    Like the ring's payload, the chunks go out as views of ``mine`` (``Send.segment`` is the chunk's index): a
-    driver that sends without copying waits, before each ``feed``, for the send of the chunk ``overwrites`` names."""
+    Like the ring's payload, the chunks are views of ``mine`` (``Send.segment`` is the chunk's index): a driver that
+    sends without copying must wait, before each ``feed``, for the send of the chunk ``overwrites`` names (the
+    ZeroMQ driver copies them instead: ``ZmqExchange.swap_mean``)."""
 
     def __init__(self, key: str, me: int, partner: int, mine: torch.Tensor, chunk_elems: int, began: float,
                  deadline: float):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 import zmq
@@ -107,43 +107,39 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         return group
 
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
-        if partner == self.rank:
-            raise ValueError("cannot swap with oneself")
-        if partner not in self._dealers:
-            raise ValueError(f"partner {partner} is not a known peer")
-        began = time.monotonic()
         mine = flat.detach().reshape(-1)
         mine = mine if mine.dtype == torch.uint8 else mine.to(torch.float32)  # a compressed payload, or values
-        path = self.path_class([self.rank, partner])
-        call = Swap(key, self.rank, partner, mine, self._node.chunk_elems, began,
-                    began + self.deadlines.deadline_s(key, path))
-        result = self._run(call)
-        self.deadlines.observe(key, time.monotonic() - began, path)
+        result = self._run_pair(key, partner, lambda began, deadline: Swap(key, self.rank, partner, mine,
+                                                                        self._node.chunk_elems, began, deadline))
         return result.reshape(flat.shape)
 
     def swap_mean(self, key: str, partner: int, flat: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
         """The pair's mean of ``flat`` with ``partner``'s (see ``Exchange``), computed as the partner's chunks
         arrive (``collectives.PairMean``): no receive buffer and no second pass. ``inplace=True`` (a contiguous
         fp32 CPU ``flat`` the caller no longer needs) leaves the mean in ``flat``'s memory and returns a view."""
-        if partner == self.rank:
-            raise ValueError("cannot swap with oneself")
-        if partner not in self._dealers:
-            raise ValueError(f"partner {partner} is not a known peer")
         if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
             acc = flat.detach().view(-1)
         else:
             acc = torch.empty(flat.numel(), dtype=torch.float32)
             acc.copy_(flat.detach().reshape(-1))
-        began = time.monotonic()
-        path = self.path_class([self.rank, partner])
-        call = PairMean(key, self.rank, partner, acc, self._node.chunk_elems, began,
-                        began + self.deadlines.deadline_s(key, path))
         # zmq copies each chunk as it is queued, so ``feed`` may average into it at once. With zero-copy sends (as
         # the ring's) an interrupted peer twice did not exit within its grace, in 19 runs of
         # test_ctrl_c_stops_the_whole_swarm_cleanly (0 in 16 with copies); frames in flight are the suspect.
-        result = self._run(call)
-        self.deadlines.observe(key, time.monotonic() - began, path)
+        result = self._run_pair(key, partner, lambda began, deadline: PairMean(key, self.rank, partner, acc,
+                                                                            self._node.chunk_elems, began, deadline))
         return result.view(flat.shape)
+
+    def _run_pair(self, key: str, partner: int, make: Callable[[float, float], Call]) -> torch.Tensor:
+        """Run the pairwise call ``make(began, deadline)`` with ``partner`` under ``key``'s adaptive deadline."""
+        if partner == self.rank:
+            raise ValueError("cannot swap with oneself")
+        if partner not in self._dealers:
+            raise ValueError(f"partner {partner} is not a known peer")
+        began = time.monotonic()
+        path = self.path_class([self.rank, partner])
+        result = self._run(make(began, began + self.deadlines.deadline_s(key, path)))
+        self.deadlines.observe(key, time.monotonic() - began, path)
+        return result
 
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import replace
 
 import torch
 
@@ -90,9 +89,8 @@ class PairMean(Swap):
     more than the copy into them) and no second pass over the vector. Both sides compute the same bits (IEEE
     addition commutes; halving is exact), so the pair's sum is kept. fp32 values only.
 
-    Like the ring's payload, the chunks are views of ``mine`` (``Send.segment`` is the chunk's index): a driver that
-    sends without copying must wait, before each ``feed``, for the send of the chunk ``overwrites`` names (the
-    ZeroMQ driver copies them instead: ``ZmqExchange.swap_mean``)."""
+    The chunks are views of ``mine``, which ``feed`` overwrites: a driver must copy each as it sends it (the ZeroMQ
+    driver does: ``ZmqExchange.swap_mean``)."""
 
     def __init__(self, key: str, me: int, partner: int, mine: torch.Tensor, chunk_elems: int, began: float,
                  deadline: float):
@@ -103,13 +101,6 @@ class PairMean(Swap):
 
     def _receive_into(self) -> torch.Tensor:
         return self.mine
-
-    def _chunk(self, c: int) -> Send:
-        return replace(super()._chunk(c), segment=c)
-
-    def overwrites(self) -> int | None:
-        """The chunk the next ``feed`` writes (its own send must have left), None when done."""
-        return self.got if self.got < self.n_chunks else None
 
     def feed(self, message: Data) -> list[Send]:
         part = self.mine[self.got * self.per:(self.got + 1) * self.per]

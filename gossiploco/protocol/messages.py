@@ -142,8 +142,8 @@ CONTROL = (Ready, Decision, Leading, Abort)
 
 @dataclass(frozen=True)
 class Send:
-    """Action: send ``message`` to ``peer``. ``segment`` (the ring all-reduce and the pair mean) names the part of
-    the caller's buffer the payload is a view of, for drivers that send without copying."""
+    """Action: send ``message`` to ``peer``. ``segment`` (ring all-reduce only) names the part of the
+    caller's buffer the payload is a view of, for drivers that send without copying."""
 
     peer: int
     message: Message

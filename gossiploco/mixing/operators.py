@@ -409,7 +409,7 @@ class GossipMix(Mixer):
             return flat, None, 0
         # (a + b) / 2, computed identically on both sides (IEEE addition commutes), so the pair's sum is kept.
         # ``flat`` is this call's own packed copy: the exchange may average in it as the partner's chunks
-        # arrive (a fresh receive buffer's pages cost more than the copy into them: ``bench/results/gpu.md``).
+        # arrive (a fresh receive buffer's pages cost more than the copy into them: ``bench/results/gossip-swap.md``).
         return exchange.swap_mean(key, partner, flat, inplace=True), partner, flat.numel() * 4
 
     def _combine_weighted(self, flat, weight, round_index, exchange):

@@ -16,7 +16,9 @@
 2. The end of a round outside the mixes (the pseudo-gradient, the outer step, loading z into the
    model) for the peers' model: ``FactoredDiLoCo.end_round`` with the outer state on the device and
    in host memory, beside the landed path (parameters copied to the host, the outer step tensor by
-   tensor on the CPU). Median of ``--repeats`` rounds.
+   tensor on the CPU). Median of ``--repeats`` rounds. On CUDA also a mix's host round trip (the peers'
+   model packed into a host vector and back to the GPU) through the training process's pinned memory,
+   the companion's registered shared vectors, and the companion's former path (``host_vector_rows``).
 
 3. Four ``gossiploco peer`` processes on the one device (static list on loopback, bf16, monitors off)
    for each preset (``--presets``): per peer, the median over rounds 1.. (round 0 compiles) of the
@@ -191,6 +193,42 @@ def end_of_round_rows(args: argparse.Namespace, device: torch.device) -> list[di
     return rows
 
 
+def host_vector_rows(args: argparse.Namespace, device: torch.device) -> list[dict]:
+    """CUDA only: median seconds of a mix's host round trip for the peers' model (what ``FactoredDiLoCo`` does
+    around Mix2, without the collective): pack the GPU state into a host vector, then the result back to the GPU,
+    to the device's completion. ``in-process``: as ``Exchange.vector`` (the caching allocator's pinned memory);
+    ``companion``: ``SharedVectors.take(device=...)`` (shared memory registered with CUDA); ``companion, landed``:
+    as before that, pinned memory copied into a pageable shared vector (``SharedVectors.shared``), the result back
+    from it."""
+    from gossiploco.companion.vectors import SharedVectors
+    from gossiploco.mixing.packing import pack, unpack
+    from gossiploco.outer_state import to_device
+
+    numel = count_parameters(args.peer_size, VOCAB)
+    sizes = [numel // 8] * 7 + [numel - 7 * (numel // 8)]
+    state = {f"p{i}": torch.randn(n, device=device) for i, n in enumerate(sizes)}
+    names, vectors, rows = list(state), SharedVectors(), []
+    variants = {"in-process": lambda: pack([state], names),  # as ``Exchange.vector`` for a GPU: pinned, cached
+                "companion": lambda: pack([state], names, lambda n, gpu: vectors.take(n, device=gpu)),
+                "companion, landed": lambda: vectors.shared(pack([state], names))}
+    for name, host in variants.items():
+        seconds = []
+        for _ in range(args.repeats + 1):
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            flat = host()
+            back = to_device(unpack(flat, [state], names)[0], device)
+            torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+            assert all(torch.equal(back[n], state[n]) for n in names), f"{name}: the round trip changed values"
+            del flat, back
+        rows.append({"variant": name, "s": statistics.median(seconds[1:]), "params": numel})
+        print(json.dumps(rows[-1]), flush=True)
+    assert vectors.unpinned == 0, "a shared vector could not be registered with CUDA (see the log)"
+    vectors.release()
+    return rows
+
+
 # -- 3. four peers sharing the device ----------------------------------------------------------------
 
 
@@ -251,7 +289,7 @@ def predict(run: dict, mbps: float) -> float:
 
 
 def render(args: argparse.Namespace, device: torch.device, peak: float | None, rows: list[dict], ends: list[dict],
-           runs: list[dict], link: tuple[float, str] | None, wall_s: float) -> str:
+           hosts: list[dict], runs: list[dict], link: tuple[float, str] | None, wall_s: float) -> str:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     lines = ["# GPU benchmark (bench/gpu.py)", "",
              f"Command: `python bench/gpu.py {shlex.join(sys.argv[1:])}` ({wall_s:.0f} s)",
@@ -286,6 +324,16 @@ def render(args: argparse.Namespace, device: torch.device, peak: float | None, r
                   "| path | outer state | ms | landed / this |", "|---|---|---:|---:|"]
         lines += [f"| {e['path']} | {e['state']} | {e['ms']:.1f} | {landed / e['ms']:.2f}x |" for e in ends]
         lines.append("")
+    if hosts:
+        base = hosts[0]["s"]
+        lines += ["## A mix's host round trip", "",
+                  f"`{args.peer_size}` ({hosts[0]['params'] / 1e6:.0f}M fp32 values) packed from the GPU into a host vector "
+                  f"and back, no collective, median of {args.repeats}: in the training process's pinned memory, in the "
+                  "companion's shared vectors registered with CUDA, and as the companion did before (pinned, copied into "
+                  "pageable shared memory, back from there).", "",
+                  "| host vector | s | / in-process |", "|---|---:|---:|"]
+        lines += [f"| {h['variant']} | {h['s']:.3f} | {h['s'] / base:.2f}x |" for h in hosts]
+        lines.append("")
     if runs:
         assert link is not None
         lines += [f"## {args.peers} peers sharing the device", "",
@@ -317,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-end-of-round", dest="end_of_round", action="store_false", help="skip timing the end of a round")
+    ap.add_argument("--no-host-vectors", dest="host_vectors", action="store_false",
+                    help="skip timing a mix's host round trip (CUDA only)")
     ap.add_argument("--presets", default="diloco,globalm1-localm2", help="comma-separated; empty: skip the peers")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--peer-size", default=None, help="default: 125m on CUDA, tiny on a CPU")
@@ -349,12 +399,13 @@ def main(argv: list[str] | None = None) -> None:
     def write(runs: list[dict]) -> str:
         """The report so far, written at once: a run stopped at its time limit keeps the parts it finished."""
         link = link_mbps(runs, args) if runs else None
-        text = render(args, device, peak, rows, ends, runs, link, time.perf_counter() - start)
+        text = render(args, device, peak, rows, ends, hosts, runs, link, time.perf_counter() - start)
         Path(args.out).write_text(text)
         return text
 
     rows = throughput_rows(args, device, peak)
     ends = end_of_round_rows(args, device) if args.end_of_round else []
+    hosts = host_vector_rows(args, device) if args.host_vectors and cuda else []
     runs: list[dict] = []
     text = write(runs)
     presets = [p for p in args.presets.split(",") if p]

@@ -19,6 +19,7 @@ from conftest import tiny_peer_args, wait_until
 from gossiploco.companion.channel import Channel
 from gossiploco.companion.exchange import CompanionExchange
 from gossiploco.companion.vectors import Ref, Register, Registry, SharedVectors
+from gossiploco.mixing.packing import pack
 from gossiploco.errors import CompanionDied, ExchangeBroken, PeerFailed
 from gossiploco.runtime.launch import LocalPeers, free_ports
 from test_peer import ENV, assert_matches_virtual_swarm, reached_round, summary
@@ -113,6 +114,36 @@ def test_kept_vectors_are_reused_once_released_and_named_after_their_first_trip(
     assert vectors.wire(heap) is heap  # not a kept vector: the pickler moves it
     with pytest.raises(ValueError, match="was not sent"):
         Registry().resolve(second)
+
+
+def test_pack_asks_for_a_vector_for_the_device_its_entries_are_on():
+    vectors, asked = SharedVectors(), []
+
+    def vector(numel, device):
+        asked.append((numel, device))
+        return vectors.take(numel, device=device)
+    flat = pack([{"a": torch.ones(2, 3)}, {"a": torch.zeros(2, 3)}], ["a"], vector)
+    assert asked == [(12, None)] and flat.is_shared()  # CPU entries: a plain shared vector, nothing to register
+    assert torch.equal(flat, torch.cat([torch.ones(6), torch.zeros(6)])) and vectors.unpinned == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kept_vectors_for_a_gpu_are_page_locked_and_drained_before_reuse():
+    gpu, numel = torch.device("cuda"), 1 << 22
+    vectors = SharedVectors(keep=1)
+    source = torch.arange(numel, dtype=torch.float32, device=gpu)
+    flat = pack([{"w": source.view(1024, -1)}], ["w"], lambda n, device: vectors.take(n, device=device))
+    assert flat.is_shared() and flat.is_pinned() and vectors.unpinned == 0
+    assert torch.equal(flat, source.cpu())
+    back = flat.to(gpu, non_blocking=True)  # asynchronous: may still read ``flat`` when it is handed out again
+    ptr = flat.data_ptr()
+    del flat
+    again = vectors.take(numel, device=gpu)  # the same kept vector, once the device's queued work is done
+    assert again.data_ptr() == ptr and again.is_pinned()
+    again.zero_()
+    assert torch.equal(back, source)
+    vectors.release()
+    assert not again.is_pinned()
 
 
 def _raised(fn):

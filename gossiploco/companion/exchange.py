@@ -152,10 +152,10 @@ class CompanionExchange(Exchange, PathControl):
         # tensor object: a mixer takes ``flat`` itself back as "nothing was exchanged")
         return sent.view(flat.shape) if result is None else result
 
-    def vector(self, numel: int) -> torch.Tensor:
+    def vector(self, numel: int, device: torch.device | None = None) -> torch.Tensor:
         """An fp32 vector in shared memory, reused once nothing holds it (``vectors``): given to the companion it
-        is neither copied nor sent again (a ``Ref`` names it)."""
-        return self._vectors.take(numel)
+        is neither copied nor sent again (a ``Ref`` names it). Page-locked too for a GPU ``device``."""
+        return self._vectors.take(numel, device=device)
 
     def swap(self, key: str, partner: int, flat: torch.Tensor) -> torch.Tensor:
         sent = self._vectors.wire(self._vectors.shared(flat.detach()))
@@ -200,6 +200,7 @@ class CompanionExchange(Exchange, PathControl):
                 pass
         self._channel.close("the trainer closed the exchange")
         atexit.unregister(self._channel.close)
+        self._vectors.release()
         self._process.join(CLOSE_S)
         if self._process.is_alive():
             log.error("rank %d: the companion process (pid %d) did not exit within %g s; killing it", self.rank,

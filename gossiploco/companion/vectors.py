@@ -11,18 +11,33 @@ vectors of each dtype and size are kept (more in flight at once are made and fre
 Each kept vector has an id (``ident``): the first time one goes to the companion it travels whole (its file
 descriptor, once) and the companion keeps it (``Registry``); afterwards a ``Ref`` (id, offset, shape) names it,
 which pickles in a few bytes and passes no descriptor.
+
+For a trainer whose state is on a GPU (``take(numel, device=cuda)``: what ``pack`` asks for) a kept vector is also
+page-locked: registered with CUDA (``cudaHostRegister``) the first time, kept registered while the pool holds it. The
+copies from the GPU into it and back are then DMA, asynchronous, as from the caching allocator's pinned memory the
+in-process exchange uses; without it the trainer packed into pinned memory, this module copied that into shared
+memory, and the result went back to the GPU from pageable memory (the 0.2-0.4 s Mix2 cost of the companion measured
+on an H200, ``bench/results/gpu.md``). What the caching allocator does for its blocks (an event per asynchronous
+copy, waited for before reuse) is done here by waiting for the device's queued work before a registered vector is
+handed out again: an asynchronous copy from it (a result going back to the GPU) may still be running. A vector
+that cannot be registered stays pageable: logged and counted (``unpinned``), never an error.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
+
 KEEP = 2
 """Vectors kept per dtype and size: Mix1's (held until the outer step) and the next one in flight."""
+PORTABLE = 1
+"""``cudaHostRegisterPortable``: the registration holds for every CUDA context, not only the current device's."""
 
 
 def _use_count(storage: torch.UntypedStorage) -> int | None:
@@ -60,13 +75,23 @@ class SharedVectors:
         self._next = itertools.count()
         self.made = 0
         """Vectors allocated so far (a reuse allocates none)."""
+        self._pinned: dict[int, set[torch.device]] = {}
+        """Registered kept vectors (by id) -> the GPUs they were handed out for (whose queued work may read them)."""
+        self.unpinned = 0
+        """Vectors asked for a GPU that stayed pageable (registration failed, or more in flight than are kept)."""
 
-    def take(self, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """A vector of ``numel`` values of ``dtype`` in shared memory (its contents are whatever was there)."""
+    def take(self, numel: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> torch.Tensor:
+        """A vector of ``numel`` values of ``dtype`` in shared memory (its contents are whatever was there). With a
+        CUDA ``device`` (whose tensors will be copied into it and back) it is page-locked as well; see the module
+        docstring."""
+        gpu = device if device is not None and torch.device(device).type == "cuda" else None
         with self._lock:
             kept = self._pool.setdefault((dtype, numel), [])
-            for _, storage in kept:
+            for ident, storage in kept:
                 if _use_count(storage) == 1:  # only the pool holds it: free to reuse
+                    self._drain(ident)
+                    if gpu is not None:
+                        self._pin(ident, storage, torch.device(gpu))
                     return _view(storage, dtype, numel)
             storage = torch.UntypedStorage._new_shared(numel * dtype.itemsize)
             self.made += 1
@@ -74,7 +99,41 @@ class SharedVectors:
                 ident = next(self._next)
                 kept.append((ident, storage))
                 self._ids[storage.data_ptr()] = (ident, dtype, numel)
+                if gpu is not None:
+                    self._pin(ident, storage, torch.device(gpu))
+            elif gpu is not None:
+                self._unpinned(numel * dtype.itemsize, f"more than {self.keep} vectors of this size are in use")
             return _view(storage, dtype, numel)
+
+    def _pin(self, ident: int, storage: torch.UntypedStorage, gpu: torch.device) -> None:
+        """Register kept vector ``ident`` with CUDA (once) and note ``gpu`` as one that may copy from it."""
+        if ident not in self._pinned:
+            error = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), PORTABLE)
+            if int(error) != 0:
+                self._unpinned(storage.nbytes(), f"cudaHostRegister failed: {error}")
+                return
+            self._pinned[ident] = set()
+        self._pinned[ident].add(gpu)
+
+    def _drain(self, ident: int) -> None:
+        """Before registered vector ``ident`` is handed out again: wait for the work queued on the GPUs it was
+        handed out for (an asynchronous copy from it may still be running; the caching allocator's event)."""
+        for gpu in self._pinned.get(ident, ()):
+            torch.cuda.synchronize(gpu)
+
+    def _unpinned(self, nbytes: int, why: str) -> None:
+        self.unpinned += 1
+        log.warning("a shared vector of %d bytes for a GPU stays pageable (%s): its copies to and from the GPU are "
+                    "synchronous, slower", nbytes, why)
+
+    def release(self) -> None:
+        """Unregister the registered vectors (the exchange closes; views of them stay usable, pageable)."""
+        with self._lock:
+            for ident, storage in ((i, s) for kept in self._pool.values() for i, s in kept):
+                if ident in self._pinned:
+                    self._drain(ident)
+                    torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+            self._pinned.clear()
 
     def wire(self, tensor: torch.Tensor) -> torch.Tensor | Ref | Register:
         """What goes on the pipe for CPU ``tensor``: a ``Ref`` to a kept vector the companion holds, the vector with

@@ -99,10 +99,12 @@ class Exchange(ABC):
     def close(self) -> None:
         """Stop taking part; pending and later calls raise ``ExchangeClosed``. Idempotent."""
 
-    def vector(self, numel: int) -> torch.Tensor:
-        """A new fp32 CPU vector for the caller to fill and give to a collective (``inplace=True``). Where the
-        exchange runs in another process (``companion``) it lies in shared memory, so giving it copies nothing."""
-        return torch.empty(numel, dtype=torch.float32)
+    def vector(self, numel: int, device: torch.device | None = None) -> torch.Tensor:
+        """A new fp32 CPU vector for the caller to fill and give to a collective (``inplace=True``); page-locked
+        when ``device`` is a GPU whose tensors are copied into it and back (DMA, asynchronous). Where the exchange
+        runs in another process (``companion``) it lies in shared memory, so giving it copies nothing."""
+        pinned = device is not None and torch.device(device).type == "cuda"
+        return torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
 
 
 class MemoryHub:

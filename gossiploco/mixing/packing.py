@@ -10,9 +10,10 @@ TensorDict = dict[str, torch.Tensor]
 
 
 def pack(dicts: Sequence[TensorDict], names: Sequence[str],
-         new: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
-    """The selected entries of every dict, flattened into one fp32 CPU vector (made by ``new(numel)`` when given and
-    no entry is on a GPU: ``Exchange.vector``, shared memory where the exchange is in another process).
+         new: Callable[[int, torch.device | None], torch.Tensor] | None = None) -> torch.Tensor:
+    """The selected entries of every dict, flattened into one fp32 CPU vector, made by ``new(numel, gpu)`` when
+    given (``Exchange.vector``: shared memory where the exchange is in another process; ``gpu`` is the GPU the
+    entries are on, or None).
 
     Entries may live on a GPU (the outer state, gossiploco.outer_state): they are copied straight into
     one page-locked vector on the current CUDA stream (DMA, no staging copy), which is waited for once;
@@ -22,8 +23,8 @@ def pack(dicts: Sequence[TensorDict], names: Sequence[str],
         return torch.empty(0)
     gpu = next((p.device for p in parts if p.device.type == "cuda"), None)
     numel = sum(p.numel() for p in parts)
-    if new is not None and gpu is None:
-        flat = new(numel)
+    if new is not None:
+        flat = new(numel, gpu)
     else:
         flat = torch.empty(numel, dtype=torch.float32, pin_memory=gpu is not None)
     offset = 0

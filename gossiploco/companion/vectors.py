@@ -75,8 +75,13 @@ class SharedVectors:
         self._next = itertools.count()
         self.made = 0
         """Vectors allocated so far (a reuse allocates none)."""
-        self._pinned: dict[int, set[torch.device]] = {}
-        """Registered kept vectors (by id) -> the GPUs they were handed out for (whose queued work may read them)."""
+        self._registered: set[int] = set()
+        """Kept vectors (by id) registered with CUDA."""
+        self._refused: set[int] = set()
+        """Kept vectors CUDA would not register (not tried again)."""
+        self._used_by: dict[int, set[torch.device]] = {}
+        """Kept vector id -> the GPUs it was handed out for since it was last drained (whose queued work may still
+        copy from it)."""
         self.unpinned = 0
         """Vectors asked for a GPU that stayed pageable (registration failed, or more in flight than are kept)."""
 
@@ -107,18 +112,21 @@ class SharedVectors:
 
     def _pin(self, ident: int, storage: torch.UntypedStorage, gpu: torch.device) -> None:
         """Register kept vector ``ident`` with CUDA (once) and note ``gpu`` as one that may copy from it."""
-        if ident not in self._pinned:
+        if ident in self._refused:
+            return
+        if ident not in self._registered:
             error = torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), PORTABLE)
-            if int(error) != 0:
+            if int(error) != 0:  # pageable: its copies are synchronous, so nothing to wait for before a reuse
+                self._refused.add(ident)
                 self._unpinned(storage.nbytes(), f"cudaHostRegister failed: {error}")
                 return
-            self._pinned[ident] = set()
-        self._pinned[ident].add(gpu)
+            self._registered.add(ident)
+        self._used_by.setdefault(ident, set()).add(gpu)
 
     def _drain(self, ident: int) -> None:
-        """Before registered vector ``ident`` is handed out again: wait for the work queued on the GPUs it was
-        handed out for (an asynchronous copy from it may still be running; the caching allocator's event)."""
-        for gpu in self._pinned.get(ident, ()):
+        """Before kept vector ``ident`` is handed out again: wait for the work queued on the GPUs it was handed out
+        for since (an asynchronous copy from it may still be running: the caching allocator's event)."""
+        for gpu in self._used_by.pop(ident, ()):
             torch.cuda.synchronize(gpu)
 
     def _unpinned(self, nbytes: int, why: str) -> None:
@@ -130,10 +138,10 @@ class SharedVectors:
         """Unregister the registered vectors (the exchange closes; views of them stay usable, pageable)."""
         with self._lock:
             for ident, storage in ((i, s) for kept in self._pool.values() for i, s in kept):
-                if ident in self._pinned:
-                    self._drain(ident)
+                self._drain(ident)
+                if ident in self._registered:
                     torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
-            self._pinned.clear()
+            self._registered.clear()
 
     def wire(self, tensor: torch.Tensor) -> torch.Tensor | Ref | Register:
         """What goes on the pipe for CPU ``tensor``: a ``Ref`` to a kept vector the companion holds, the vector with

@@ -261,6 +261,13 @@ def run_peers(preset: str, args: argparse.Namespace, out: Path) -> dict:
         med = {k: statistics.median(t[k] for t in rounds) for k in ("s", "compute_s", "mix1_wait_s", "mix2_s", "other_s")}
         med["utilization"] = statistics.median(t["compute_s"] / t["s"] for t in rounds)
         med["other_fraction"] = statistics.median(t["other_s"] / t["s"] for t in rounds)
+        # Mix1's own seconds (from its start on the background thread): above the compute seconds it ran on into
+        # the blocking Mix2, whose time then counts both
+        metrics = peers.peer_dir(rank) / "metrics.jsonl"
+        mix1 = [json.loads(line).get("mix1_s") for line in metrics.read_text().splitlines() if line.strip()] \
+            if metrics.exists() else []
+        mix1 = [v for v in mix1[1:] or mix1 if v is not None]
+        med["mix1_s"] = statistics.median(mix1) if mix1 else None
         per_peer.append(med)
     cfg = load_config(preset, overrides)
     return {"preset": preset, "cfg": cfg, "peers": per_peer, "command": cli,
@@ -341,13 +348,14 @@ def render(args: argparse.Namespace, device: torch.device, peak: float | None, r
                   + (f"inner steps replaced by {args.synthetic_step_ms:g} ms sleeps, " if args.synthetic_step_ms else "") +
                   "monitors off; per peer the median over rounds 1.. (round 0 compiles). Link: "
                   f"{link[0]:,.0f} Mbit/s, from {link[1]}. Predicted: the simulator for the measured step time and link.", "",
-                  "| preset | peer | round s | step ms | utilization | predicted | Mix1 wait s | Mix2 s | other s | other % |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| preset | peer | round s | step ms | utilization | predicted | Mix1 s | Mix1 wait s | Mix2 s | other s | other % |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for run in runs:
             predicted = predict(run, link[0])
             for rank, p in enumerate(run["peers"]):
                 lines.append(f"| {run['preset']} | {rank} | {p['s']:.2f} | {1000 * p['compute_s'] / args.inner_steps:.1f} | "
-                             f"{100 * p['utilization']:.1f}% | {100 * predicted:.1f}% | {p['mix1_wait_s']:.3f} | "
+                             f"{100 * p['utilization']:.1f}% | {100 * predicted:.1f}% | "
+                             f"{'n/a' if p.get('mix1_s') is None else '%.3f' % p['mix1_s']} | {p['mix1_wait_s']:.3f} | "
                              f"{p['mix2_s']:.3f} | {p['other_s']:.3f} | {100 * p['other_fraction']:.2f}% |")
         lines += ["", "Peer command (each of them, plus `--rank I --peers ... --swarm-key ... --out ...`): "
                   f"`gossiploco peer {shlex.join(runs[0]['command'])}` with `--config` set per preset.", ""]

@@ -172,6 +172,7 @@ def test_arrivals_in_a_random_order_give_a_uniform_matching_with_the_stated_rho(
     assert groups.matched_probability(size, 16) == pytest.approx(matched)
 
 
+@pytest.mark.slow  # 1.4-2.7 s: in the slow set, so that the fast subset keeps its margin under 2 minutes
 def test_in_the_simulator_pairing_as_members_come_blocks_far_less_once_rounds_keep_to_a_shared_clock():
     """What ``[groups] pairing = "ready"`` gives and needs, in the seeded simulator (the real protocol; consumer
     links, 1% churn, 20 s rounds whose compute overshoots by up to 2 s, as time-budget rounds do). With rounds on a

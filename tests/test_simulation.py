@@ -343,6 +343,7 @@ def blocking_of(swarm: SimSwarm) -> dict[tuple[int, int], float]:
     return {(p, r): blocking for p, r, _, blocking, _ in swarm.timings}
 
 
+@pytest.mark.slow  # 1.4-2.7 s: in the slow set, so that the fast subset keeps its margin under 2 minutes
 def test_a_late_peer_costs_others_at_most_one_grace_window_and_those_outside_its_groups_nothing():
     """64 peers in buckets of 16 on consumer links; peer 5 computes 10 grace windows longer every round. No other
     peer blocks more than one grace window longer than in the same run without the late peer (a leader goes on

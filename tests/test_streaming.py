@@ -29,8 +29,8 @@ def test_fragments_cover_every_parameter_once_in_runs_of_about_equal_size():
 
 
 @pytest.mark.parametrize("overrides", [
-    {"mix1.fragments": 3},
     # 3 s each: in the slow set, so that the fast subset keeps its margin under 2 minutes
+    pytest.param({"mix1.fragments": 3}, marks=pytest.mark.slow),
     pytest.param({"mix1.fragments": 4, "mix1.fragment_order": "backward"}, marks=pytest.mark.slow),
     pytest.param({"mix1.fragments": 3, "mix1.compression": "4bit"}, marks=pytest.mark.slow),
 ])

@@ -393,6 +393,7 @@ def test_a_discovered_peer_is_probed_and_joins_the_group():
         b.close()
 
 
+@pytest.mark.slow  # 1.4-2.7 s: in the slow set, so that the fast subset keeps its margin under 2 minutes
 def test_an_idle_receiving_thread_sleeps_and_new_work_wakes_it_at_once(monkeypatch):
     """Idle, the receiving thread sleeps in its poll (which covers every connection's monitor: a cost growing with
     the peers) instead of waking ten times a second; a peer added, or a close, wakes it at once. Its idle sleep is

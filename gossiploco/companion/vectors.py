@@ -15,9 +15,9 @@ which pickles in a few bytes and passes no descriptor.
 For a trainer whose state is on a GPU (``take(numel, device=cuda)``: what ``pack`` asks for) a kept vector is also
 page-locked: registered with CUDA (``cudaHostRegister``) the first time, kept registered while the pool holds it. The
 copies from the GPU into it and back are then DMA, asynchronous, as from the caching allocator's pinned memory the
-in-process exchange uses; without it the trainer packed into pinned memory, this module copied that into shared
-memory, and the result went back to the GPU from pageable memory (the 0.2-0.4 s Mix2 cost of the companion measured
-on an H200, ``bench/results/gpu.md``). What the caching allocator does for its blocks (an event per asynchronous
+in-process exchange uses. Before, the trainer packed into pinned memory, this module copied that into shared
+memory, and the result went back to the GPU from pageable memory: the likely cause of the 0.2-0.4 s the companion
+added to Mix2 on an H200 (``bench/results/gpu.md``; not measured on a GPU since). What the caching allocator does for its blocks (an event per asynchronous
 copy, waited for before reuse) is done here by waiting for the device's queued work before a registered vector is
 handed out again: an asynchronous copy from it (a result going back to the GPU) may still be running. A vector
 that cannot be registered stays pageable: logged and counted (``unpinned``), never an error.

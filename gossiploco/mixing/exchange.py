@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.mixing.packing import host_vector
 from gossiploco.protocol import groups
 
 
@@ -103,8 +104,7 @@ class Exchange(ABC):
         """A new fp32 CPU vector for the caller to fill and give to a collective (``inplace=True``); page-locked
         when ``device`` is a GPU whose tensors are copied into it and back (DMA, asynchronous). Where the exchange
         runs in another process (``companion``) it lies in shared memory, so giving it copies nothing."""
-        pinned = device is not None and torch.device(device).type == "cuda"
-        return torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+        return host_vector(numel, device)
 
 
 class MemoryHub:

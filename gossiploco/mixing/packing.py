@@ -23,10 +23,7 @@ def pack(dicts: Sequence[TensorDict], names: Sequence[str],
         return torch.empty(0)
     gpu = next((p.device for p in parts if p.device.type == "cuda"), None)
     numel = sum(p.numel() for p in parts)
-    if new is not None:
-        flat = new(numel, gpu)
-    else:
-        flat = torch.empty(numel, dtype=torch.float32, pin_memory=gpu is not None)
+    flat = (new or host_vector)(numel, gpu)
     offset = 0
     for part in parts:
         flat[offset:offset + part.numel()].copy_(part, non_blocking=gpu is not None)
@@ -34,6 +31,13 @@ def pack(dicts: Sequence[TensorDict], names: Sequence[str],
     if gpu is not None:
         torch.cuda.current_stream(gpu).synchronize()
     return flat
+
+
+def host_vector(numel: int, device: torch.device | None = None) -> torch.Tensor:
+    """A new fp32 CPU vector of ``numel`` values, page-locked when ``device`` is a GPU (copies to it and back are DMA,
+    asynchronous)."""
+    pinned = device is not None and torch.device(device).type == "cuda"
+    return torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
 
 
 def unpack(flat: torch.Tensor, dicts: Sequence[TensorDict], names: Sequence[str]) -> list[TensorDict]:

@@ -189,6 +189,7 @@ def test_ctrl_c_stops_the_whole_swarm_cleanly(tmp_path):
             proc.kill()
     swarm = json.loads((out / "summary.json").read_text())
     assert swarm["interrupted"] and swarm["finished"] == 0
-    assert all(p["exit_code"] == 130 for p in swarm["per_peer"]), swarm["per_peer"]  # each peer left on its SIGINT
+    logs = {p.name: p.read_text(errors="replace")[-4000:] for p in sorted(out.glob("peer-*.log"))}  # stacks of a stuck one
+    assert all(p["exit_code"] == 130 for p in swarm["per_peer"]), (swarm["per_peer"], logs)  # each left on its SIGINT
     leftover = subprocess.run(["pgrep", "-f", str(out)], capture_output=True, text=True).stdout.split()
     assert leftover == [], "no peer process outlives the swarm"

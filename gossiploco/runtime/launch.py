@@ -94,6 +94,8 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 STOP_GRACE_S = 20.0
 """How long ``stop`` waits for interrupted processes to leave before it kills them."""
+STACKS_WAIT_S = 1.0
+"""How long ``stop`` gives a child that did not leave to write its threads' stacks (``dump_stacks``) before the kill."""
 
 
 class Child(Protocol):
@@ -123,13 +125,19 @@ class ProcessGroup:
     """
 
     def __init__(self, *, env: dict[str, str] | None = None, cwd: str | Path | None = None, ctrl_c: bool = False,
-                 grace_s: float = STOP_GRACE_S):
+                 grace_s: float = STOP_GRACE_S, dump_stacks: bool = False):
         """``env``: the environment of every child (default: this process's). ``ctrl_c``: ``stop`` interrupts
-        each child's whole process group, as Ctrl+C in its terminal would, instead of the child alone."""
+        each child's whole process group, as Ctrl+C in its terminal would, instead of the child alone.
+        ``dump_stacks``: the children print their threads' stacks on SIGUSR1 (``gossiploco peer`` does:
+        ``run_lifecycle.dump_stacks_on_sigusr1``), so ``stop`` asks one that did not leave for them, into its log,
+        before it kills it: a peer stuck on its way out says where."""
         self.env = env
         self.cwd = cwd
         self.ctrl_c = ctrl_c
         self.grace_s = grace_s
+        self.dump_stacks = dump_stacks
+        self.killed: list[int] = []
+        """Pids of the children ``stop`` had to kill (they did not leave within the grace window), each logged."""
         self.children: list[Child] = []
 
     def start(self, cmd: Sequence[str], log: Path | None = None, *, env: dict[str, str] | None = None,
@@ -189,14 +197,29 @@ class ProcessGroup:
             try:
                 child.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                signal_group(child.pid, signal.SIGKILL)
-                if child.poll() is None:  # not a group leader after all
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(child.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.wait(timeout=5)
+                self._kill(child, grace_s)
         for child in self.children:
             signal_group(child.pid, signal.SIGKILL)  # what it left in its group (its leader exited or not)
+
+    def _kill(self, child: Child, grace_s: float) -> None:
+        """SIGKILL ``child``'s group. With ``grace_s`` > 0 it did not leave within that long of its SIGINT: first its
+        stacks (``dump_stacks``), and the kill is logged and counted (``killed``)."""
+        stacks = ""
+        if self.dump_stacks and grace_s > 0:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child.pid, signal.SIGUSR1)  # one with no handler yet dies of it: it was to be killed anyway
+                stacks = "; its threads' stacks are in its log"
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=STACKS_WAIT_S)  # the dump is written at once; an exit meanwhile ends the wait
+        if grace_s > 0:
+            log.warning("process %d did not stop within %g s of its SIGINT%s: killed", child.pid, grace_s, stacks)
+            self.killed.append(child.pid)
+        signal_group(child.pid, signal.SIGKILL)
+        if child.poll() is None:  # not a group leader after all
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.wait(timeout=5)
 
     def __enter__(self) -> ProcessGroup:
         return self
@@ -229,7 +252,7 @@ class LocalPeers:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[int, subprocess.Popen] = {}
         """The latest process of each rank started."""
-        self.group = ProcessGroup(env=self.env)
+        self.group = ProcessGroup(env=self.env, dump_stacks=True)
         self.open_run = open_run
         self.niceness = niceness
         self.swarm_key = None if open_run else Path(swarm_key) if swarm_key is not None else self.out_dir / "swarm.key"

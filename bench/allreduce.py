@@ -12,7 +12,11 @@ peers. After the clock stops the result is checked against the exact mean (float
 ranks' regenerated inputs / peers): every element by one peer (the peers split that work), and
 every peer's whole result against it through per-chunk float64 checksums. One untimed warm-up
 repetition precedes the timed ones. Peak RSS (VmHWM, reset through /proc/self/clear_refs after
-gc + malloc_trim just before the barrier) is reported in payload-sized buffers beyond the input.
+gc just before the barrier) is reported in payload-sized buffers beyond the input and what the process
+already held: the steady state of a peer that mixes every round, whose allocator reuses the pages of the
+previous exchange's buffers. ``--trim`` also calls malloc_trim there (as the bench did until 2026-11-27):
+every repetition then starts with those pages given back, so RSS counts all the memory one all-reduce
+touches, but the timing includes faulting fresh pages in (0.15-0.2 s a repetition for 4 x 400 MB here).
 
 hivemind: rank 0 starts a DHT on 127.0.0.1, the others join it; one DecentralizedAverager per
 peer with target_group_size = min_group_size = peers, so all peers form one group. Matchmaking
@@ -328,7 +332,7 @@ def peer_main(rank: int, world: int, cfg: dict, barrier, results, info_q, extra)
                 fill_random(x, rank, rep)
                 barrier.wait(t_wait)
                 peer.prepare(x, rep)
-                base = reset_peak_rss()
+                base = reset_peak_rss(trim=cfg["trim"])
                 barrier.wait(t_wait)
                 threads0 = thread_cpu() if os.environ.get("BENCH_THREADS") else None
                 cpu0, t0 = cpu_seconds(), time.monotonic()
@@ -361,7 +365,7 @@ def bench_group(kinds: list[str], args, attempts: int = 3) -> dict[str, dict]:
         "kinds": kinds, "values": args.values, "reps": args.reps, "warmup": args.warmup, "threads": args.threads,
         "timeout_s": args.timeout, "zmq_impl": args.zmq_impl, "zmq_kwargs": zmq_kwargs(args),
         "hivemind_matchmaking_s": args.hivemind_matchmaking,
-        "close_timeout_s": 15.0, "verify": not args.no_verify,
+        "close_timeout_s": 15.0, "verify": not args.no_verify, "trim": args.trim,
     }
     if any(k.endswith((CURVE_SUFFIX, CURVEZMQ_SUFFIX)) for k in kinds):
         from gossiploco.security.swarm_key import SwarmKey
@@ -636,10 +640,12 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
                     f"{' (gloo: %.2f)' % gloo['extra_rss_max'] if gloo else ''}"
                     f" | {verdict(whole <= TARGET_EXTRA_BUFFERS)} |")
     lines += rows
+    trimmed = " and malloc_trim" if args.trim else (
+        "; no malloc_trim: memory that earlier repetitions freed and malloc kept is reused, not counted")
     lines += [
         "",
         "Peak RSS of the all-reduce alone is VmHWM during it minus VmRSS just before it, per peer, with the input "
-        "tensor already resident (VmHWM reset through /proc/self/clear_refs after gc and malloc_trim), in units of "
+        f"tensor already resident (VmHWM reset through /proc/self/clear_refs after gc{trimmed}), in units of "
         "the payload (4 x values bytes). It counts the result: zmq returns a new tensor (at least 1.0), gloo "
         "reduces in place. For the whole peer, the overlap runs below measure what a Mix1 in flight adds to a "
         "training process's peak (packed vector, the exchange's buffers, the result), to which z and the outer "
@@ -759,6 +765,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-compression", default="none", help="mix1.compression of the overlapped Mix1 (none: fp32)")
     p.add_argument("--overlap-seq", type=int, default=64)
     p.add_argument("--no-verify", action="store_true", help="skip the result check (profiling only)")
+    p.add_argument("--trim", action="store_true",
+                   help="malloc_trim before each repetition (RSS from a trimmed heap; timings then fault in fresh pages)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "allreduce.md")
     p.add_argument("--json", type=Path, default=None, help="also dump the raw numbers here")
     return p.parse_args(argv)

@@ -109,13 +109,15 @@ def proc_status(field: str) -> int:
     return 0
 
 
-def reset_peak_rss() -> int:
-    """Free what can be freed (gc, malloc_trim), reset VmHWM to the current RSS; returns that RSS."""
+def reset_peak_rss(trim: bool = True) -> int:
+    """Free what can be freed (gc; with ``trim`` also malloc_trim, which gives every free page of malloc's heaps back
+    to the system, so the next allocations fault in fresh ones), reset VmHWM to the current RSS; returns that RSS."""
     import ctypes
 
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        if trim:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
     with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

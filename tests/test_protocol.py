@@ -54,6 +54,23 @@ def test_the_ring_gives_every_member_the_mean_eq7(n, total, chunk):
         assert torch.equal(o, out[0])  # each segment was summed once: every member has the same bits
 
 
+@pytest.mark.parametrize("n, total, chunk", [(2, 7, 3), (3, 10_007, 250), (5, 64, 1), (4, 100, 9)])
+def test_the_ring_mean_is_each_segments_float32_sum_in_ring_order_divided_once(n, total, chunk):
+    """Bit for bit: segment k is summed along the ring from member k, ((x_k + x_k+1) + x_k+2) + ..., in float32, and
+    divided by n once, by the member that completes it (the all-gather carries means, not sums)."""
+    values = [torch.randn(total, generator=torch.Generator().manual_seed(10 + r)) for r in range(n)]
+    bounds = [total * k // n for k in range(n + 1)]
+    reference = torch.empty(total)
+    for k in range(n):
+        seg = slice(bounds[k], bounds[k + 1])
+        acc = values[k][seg].clone()
+        for j in range(1, n):
+            acc = acc + values[(k + j) % n][seg]
+        reference[seg] = acc / n
+    for o in _run_ring(values, chunk):
+        assert torch.equal(o, reference)
+
+
 def test_the_ring_schedule_sends_each_segment_once_per_phase():
     n = 5
     for me in range(n):

@@ -11,7 +11,7 @@ with a ``Step``:
   connection change) -- the driver sends ``sends`` (if any), then sleeps until then or until the
   node changes;
 * ``done``: the call succeeded; ``outcome()`` gives its result (called outside the lock, after
-  the driver is done with the memory the call's sends read: the ring divides its sum in there);
+  the driver is done with the memory the call's sends read);
 * ``error``: the call failed (``ExchangeTimeout``, ``PeerFailed``, ``ExchangeClosed``); its
   ``sends`` tell the other participants at once (``Abort``) so they do not wait out a deadline.
 

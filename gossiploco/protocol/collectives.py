@@ -112,6 +112,9 @@ class PairMean(Swap):
 
 class RingAllReduce(DataCall):
     """Mean of ``acc`` over ``members`` by the ring of ``ring``; reduces in ``acc`` itself and returns it divided.
+    Each member divides the segment it completes, chunk by chunk as the last addition leaves it in cache, and the
+    all-gather carries means: the same bits as dividing the whole sum at the end (the sum's bits are the same on
+    every member, and so is one division of them), without that last pass over the vector.
 
     The payload is sent as views of ``acc`` (``Send.segment`` names the segment), so a driver that
     sends without copying must not let ``feed`` overwrite a segment whose send is still queued:
@@ -169,16 +172,21 @@ class RingAllReduce(DataCall):
         _check(message, self.total, part.numel(), self.what, self.left)
         if step.reduce:
             part += message.data
+            if self.step == self.n - 2:  # this segment's sum is complete: its mean, while the chunk is in cache
+                self._divide(part)
         else:
-            part.copy_(message.data)
+            part.copy_(message.data)  # a mean already (its owner divided it)
         self.chunk += 1
         if self.chunk < self.cps:
             return []
         self.step, self.chunk = self.step + 1, 0
         return self._sends(self.step) if self.step < len(self.steps) else []
 
+    def _divide(self, part: torch.Tensor) -> None:
+        part.div_(self.n)
+
     def outcome(self) -> torch.Tensor:
-        return self.acc.div_(self.n)
+        return self.acc  # every segment was divided by its owner before the all-gather: no pass over the whole
 
 
 class AllToAll(DataCall):

@@ -163,7 +163,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         path = self.path_class(members)
         call = RingAllReduce(key, self.rank, members, acc, self._node.chunk_elems, began,
                              began + self.deadlines.deadline_s(key, path))
-        result = self._run_in_place(call)  # ``acc`` is divided only at the end
+        result = self._run_in_place(call)
         self.deadlines.observe(key, time.monotonic() - began, path)
         return result.view(flat.shape)
 

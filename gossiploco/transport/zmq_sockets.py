@@ -50,7 +50,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import MAX_STRIPES, Trust, routing_id
 from gossiploco.protocol import codec
-from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit
+from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit, reuse_freed_memory
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
 from gossiploco.transport.wakeup import Waker, WakingQueue
@@ -91,6 +91,7 @@ class ZmqSockets:
         """Random per process (see the module docstring)."""
         self.heartbeat_ms = HEARTBEAT_TIMEOUT_MS if heartbeat_s is None else max(1, int(1000 * heartbeat_s))
         raise_open_file_limit()
+        reuse_freed_memory()
         self.io_threads = default_io_threads() if io_threads is None else io_threads
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be at least 1, got {self.io_threads}")

@@ -64,10 +64,10 @@ def reuse_freed_memory() -> bool:
     libzmq receives each large message into a buffer of its own (``malloc`` of the message's size), and glibc's
     defaults serve such a buffer from a fresh mapping or give the top of a heap back to the system after a free,
     so the next message's pages were new: the kernel faults in and zeroes one page per 4 KiB before copying the
-    data into it. Measured on this project's 2-core machine (4 peers, in-place all-reduces of one 400 MB tensor back
-    to back; ``bench/results/allreduce.md``, last section): 27,000-37,000 page faults per peer and all-reduce (up to
-    183,000 with one of the two thresholds set alone), about 10 after; the all-reduce 0.87-0.93 s -> 0.75-0.77 s,
-    sealed 1.17-1.19 s -> 1.02-1.03 s. Both thresholds are set: either
+    data into it. Measured on this project's 2-core machine (``bench/page_faults.py``: 4 peers, in-place all-reduces
+    of one 400 MB tensor back to back): 25,800-39,500 page faults per peer and all-reduce (up to 183,000 with one
+    of the two thresholds set alone), 5-8 after; the all-reduce 0.83-0.86 s -> 0.69-0.71 s, sealed 1.10-1.18 s ->
+    0.90-0.97 s. Both thresholds are set: either
     alone turns the other's dynamic adjustment off and faults more than the defaults. The cost: freed memory below
     ``MMAP_THRESHOLD_BYTES`` stays in the process for reuse instead of going back to the system (bounded by the
     peak of such allocations, e.g. the messages in flight), as with any allocator that caches."""

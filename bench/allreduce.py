@@ -16,7 +16,8 @@ gc just before the barrier) is reported in payload-sized buffers beyond the inpu
 already held: the steady state of a peer that mixes every round, whose allocator reuses the pages of the
 previous exchange's buffers. ``--trim`` also calls malloc_trim there (as the bench did until 2026-11-27):
 every repetition then starts with those pages given back, so RSS counts all the memory one all-reduce
-touches, but the timing includes faulting fresh pages in (0.15-0.2 s a repetition for 4 x 400 MB here).
+touches, but the timing includes faulting fresh pages in (0.1-0.13 s of a 0.72-0.75 s plaintext all-reduce
+of 4 x 400 MB here).
 
 hivemind: rank 0 starts a DHT on 127.0.0.1, the others join it; one DecentralizedAverager per
 peer with target_group_size = min_group_size = peers, so all peers form one group. Matchmaking

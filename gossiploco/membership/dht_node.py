@@ -110,7 +110,9 @@ def start_dht(*, initial_peers: Sequence[str], host_maddrs: Sequence[str], annou
     any of ``initial_peers``; the half-started node is shut down first.
     """
     from gossiploco.membership.lifeline import TiedDHT
+    from gossiploco.membership.shared_memory import start_helper
 
+    start_helper()  # before the DHT shares its first tensor: a stop signal then cannot hang torch (shared_memory)
     options: dict[str, Any] = dict(host_maddrs=list(host_maddrs), client_mode=False, startup_timeout=timeout_s)
     if behind_nat:  # nobody can dial this node: a DHT client, reached through its relays (``reach.tunnel``)
         options.update(client_mode=True)

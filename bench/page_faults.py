@@ -4,7 +4,8 @@
 data sealed with AES-GCM, as ``gossiploco peer`` runs), all-reduce one ``--values`` float32 tensor in place
 ``--reps`` times back to back after one warm-up (the input is not regenerated between repetitions: the steady state
 of a peer that mixes every round). Each repetition's time is the slowest peer's; CPU seconds and minor page faults
-are per peer (medians). Two sets of peers alternate ``--rounds`` times: ``reuse`` (the exchange sets glibc's
+are per peer (medians). The peers run under ``testbed.spawned.run_group`` (killed, their process groups
+included, on any error or timeout). Two sets of peers alternate ``--rounds`` times: ``reuse`` (the exchange sets glibc's
 ``M_MMAP_THRESHOLD``/``M_TRIM_THRESHOLD``, ``transport.process_limits.reuse_freed_memory``) and ``defaults``
 (``GLIBC_TUNABLES=glibc.malloc.perturb=0`` in the peers' environment: a no-op setting, which makes the exchange leave
 malloc as glibc sets it). Every wait has a deadline.
@@ -16,21 +17,24 @@ malloc as glibc sets it). Every wait has a deadline.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from gossiploco.runtime.launch import free_ports
+
+from testbed.spawned import become_session_leader, close_within, cpu_seconds, finish, run_group
 
 DEFAULTS_ENV = {"GLIBC_TUNABLES": "glibc.malloc.perturb=0"}
 WAIT_S = 120.0
 
 
-def _peer(rank: int, world: int, endpoints: list[str], sealed: bool, key: str, values: int, reps: int,
-          barrier, results) -> None:
+def _peer(rank: int, world: int, cfg: dict, barrier, results, info_q, extra) -> None:
+    """One peer (``testbed.spawned.run_group``'s target): its repetitions' (seconds, CPU seconds, minor faults)."""
+    become_session_leader()
     try:
         import resource
 
@@ -41,59 +45,47 @@ def _peer(rank: int, world: int, endpoints: list[str], sealed: bool, key: str, v
         from gossiploco.transport.zmq_exchange import ZmqExchange
 
         options = {}
-        if sealed:
+        if cfg["sealed"]:
             from gossiploco.security.swarm_key import SwarmKey
             from gossiploco.security.trust import Trust
 
-            options["trust"] = Trust.static(SwarmKey.parse(key), rank, world)
-        exchange = ZmqExchange(rank, endpoints, "page-faults", WAIT_S, **options)
+            options["trust"] = Trust.static(SwarmKey.parse(cfg["key"]), rank, world)
+        exchange = ZmqExchange(rank, cfg["endpoints"], "page-faults", WAIT_S, **options)
         if not exchange.wait_connected(WAIT_S):
             raise RuntimeError(f"rank {rank}: peers did not connect")
-        x = torch.randn(values)
+        x = torch.randn(cfg["values"])
         rows = []
-        for rep in range(reps + 1):
+        for rep in range(cfg["reps"] + 1):
             barrier.wait(WAIT_S)
-            faults, cpu, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.monotonic()
+            faults, cpu, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, cpu_seconds(), time.monotonic()
             exchange.all_reduce_mean(f"mix1/{rep}", x, list(range(world)), inplace=True)
-            rows.append((time.monotonic() - start, time.process_time() - cpu,
+            rows.append((time.monotonic() - start, cpu_seconds() - cpu,
                          resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults))
         barrier.wait(WAIT_S)
-        exchange.close()
-        results.put((rank, reuse_freed_memory(), rows[1:]))
-    except BaseException as exc:  # noqa: BLE001 - reported by the driver
-        results.put((rank, None, repr(exc)))
+    except BaseException:  # noqa: BLE001 - every failure goes to the driver, which kills the group
+        results.put(("error", rank, traceback.format_exc()))
+        finish(results, 1)
+    results.put(("done", rank, (reuse_freed_memory(), rows[1:])))
+    closed = close_within(exchange.close, 15.0)
+    results.put(("closed", rank, closed))
+    finish(results, 0)
 
 
 def run_set(label: str, env: dict[str, str], args, key: str) -> dict:
     """One set of peers with ``env`` added to their environment: per-repetition times, CPU and faults."""
-    ctx = mp.get_context("spawn")
-    endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(args.peers)]
-    barrier, results = ctx.Barrier(args.peers), ctx.Queue()
+    cfg = {"endpoints": [f"tcp://127.0.0.1:{p}" for p in free_ports(args.peers)], "sealed": args.sealed, "key": key,
+           "values": args.values, "reps": args.reps}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # spawn passes this process's environment on
     try:
-        procs = [ctx.Process(target=_peer, args=(r, args.peers, endpoints, args.sealed, key, args.values, args.reps,
-                                                 barrier, results)) for r in range(args.peers)]
-        for p in procs:
-            p.start()
+        messages = run_group(_peer, args.peers, cfg, WAIT_S * (args.reps + 2), f"page-faults-{label}")
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    got = {}
-    try:
-        for _ in procs:
-            rank, reused, rows = results.get(timeout=WAIT_S * (args.reps + 2))
-            if reused is None:
-                raise RuntimeError(f"{label}: rank {rank} failed: {rows}")
-            got[rank] = (reused, rows)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = {m[1]: m[2] for m in messages if m[0] == "done"}
     walls = [max(got[r][1][i][0] for r in got) for i in range(args.reps)]
     return {"label": label, "reused": sorted({got[r][0] for r in got}), "walls": walls,
             "median_s": statistics.median(walls),

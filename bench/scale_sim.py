@@ -7,12 +7,14 @@ of ``[groups] size`` = 16, ring all-reduce Mix1 on a background task, gossip Mix
 1 Gbit/s, 20 to 100 ms between two peers), compute times within 5% of each other, 1% of the peers crashing in each
 round and coming back 10 s later (join, catch-up), a real run's clock ratios (20 s rounds, 2 s grace window).
 Side by side in the same run: the same swarms with no churn (what membership changes cost), and one group for
-everyone (``--one-group-up-to``: the design before buckets, a global barrier and one ring through every member).
+everyone (``--one-group-up-to``: the design before buckets, a global barrier and one ring through every member), and
+links on demand (``--links-idle-s``: each peer opens a link when it sends and closes it after that long idle, instead
+of a connection to every member; ``SimNetwork.idle_s``), with churn and without.
 
 Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
 compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
-sent, control messages sent (everything but data chunks) and received, and connections (up at the end; opened over
-the run).
+sent, control messages sent (everything but data chunks) and received, and connections (up at the end; the most a
+peer had up at once, median and max over peers; opened over the run).
 Writes ``OUT.json`` and ``OUT.md`` (with this command line).
 """
 
@@ -29,13 +31,14 @@ from pathlib import Path
 from gossiploco.simulation.swarm import simulate_scale
 
 COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_per_round", "messages_per_round",
-           "control_per_round", "control_received_per_round", "connections_live", "connections_opened"]
+           "control_per_round", "control_received_per_round", "connections_live", "connections_peak",
+           "connections_peak_max", "connections_opened"]
 
 
-def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int) -> dict:
+def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int, links_idle_s: float = 0.0) -> dict:
     began = time.perf_counter()
-    result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size)
-    return {"peers": peers, "seed": seed, "churn": churn, "group_size": group_size,
+    result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size, links_idle_s=links_idle_s)
+    return {"peers": peers, "seed": seed, "churn": churn, "group_size": group_size, "links_idle_s": links_idle_s,
             "violations": [str(v) for v in result.violations], "wall_s": round(time.perf_counter() - began, 1),
             "finished": sum(1 for k in result.finished.values() if k >= rounds), **result.stats["per_peer"]}
 
@@ -46,17 +49,20 @@ def summarize(rows: list[dict]) -> dict:
     out["wall_s"] = round(statistics.median(r["wall_s"] for r in rows), 1)
     out["violations"] = sum(len(r["violations"]) for r in rows)
     out["finished"] = min(r["finished"] for r in rows)
+    out["connections_peak_max"] = max(r["connections_peak_max"] for r in rows)
     return out
 
 
 def table(title: str, entries: list[tuple[int, dict]]) -> list[str]:
     lines = [f"### {title}", "", "| M | round s | blocking s (p90) | Mix1 done | bytes/round | msgs/round | control/round | "
-             "control received/round | conns up | conns opened | finished | violations | sim wall s |", "|" + "---|" * 13]
+             "control received/round | conns up | conns peak (max) | conns opened | finished | violations | sim wall s |",
+             "|" + "---|" * 14]
     for m, s in entries:
         lines.append(f"| {m} | {s['round_s']:.2f} | {s['blocking_s']:.2f} ({s['blocking_p90_s']:.2f}) | "
                      f"{s['mix1_completion']:.3f} | {s['bytes_per_round']:.0f} | {s['messages_per_round']:.1f} | "
                      f"{s['control_per_round']:.1f} | {s['control_received_per_round']:.1f} | "
-                     f"{s['connections_live']} | {s['connections_opened']} | "
+                     f"{s['connections_live']} | {s['connections_peak']} ({s['connections_peak_max']}) | "
+                     f"{s['connections_opened']} | "
                      f"{s['finished']}/{m} | {s['violations']} | {s['wall_s']} |")
     return lines + [""]
 
@@ -70,18 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--one-group-up-to", type=int, default=256,
                         help="also run one group for everyone at sizes up to this (0: never)")
+    parser.add_argument("--links-idle-s", type=float, nargs="*", default=[30.0],
+                        help="also run links on demand, closed after this many idle seconds (none: only a full mesh)")
+    parser.add_argument("--only-links", action="store_true", help="run only the links-on-demand variants")
     parser.add_argument("--out", default="bench/results/scale-sim")
     args = parser.parse_args(argv)
-    variants = [("groups of 16, 1% churn", args.churn, args.group_size, args.peers),
-                ("groups of 16, no churn", 0.0, args.group_size, args.peers),
-                ("one group (the former global barrier), 1% churn", args.churn, None,
-                 [m for m in args.peers if m <= args.one_group_up_to])]
+    variants = [] if args.only_links else [
+        ("groups of 16, 1% churn", args.churn, args.group_size, args.peers, 0.0),
+        ("groups of 16, no churn", 0.0, args.group_size, args.peers, 0.0),
+        ("one group (the former global barrier), 1% churn", args.churn, None,
+         [m for m in args.peers if m <= args.one_group_up_to], 0.0)]
+    for idle in args.links_idle_s:
+        variants += [(f"groups of 16, 1% churn, links on demand (closed after {idle:g} s idle)", args.churn,
+                      args.group_size, args.peers, idle),
+                     (f"groups of 16, no churn, links on demand (closed after {idle:g} s idle)", 0.0, args.group_size,
+                      args.peers, idle)]
     results: dict[str, dict[int, dict]] = {}
     rows = []
-    for title, churn, size, sizes in variants:
+    for title, churn, size, sizes, idle in variants:
         results[title] = {}
         for m in sizes:
-            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2)) for seed in range(1, args.seeds + 1)]
+            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2), idle) for seed in range(1, args.seeds + 1)]
             rows += runs
             results[title][m] = summarize(runs)
             print(f"{title}: M={m} {json.dumps(results[title][m])}", flush=True)

@@ -27,7 +27,7 @@ The rules, in the order a peer meets them:
   others are connected or were lost just now (all at once: it was frozen, they dropped it), when a group
   leader is already ``CATCH_UP_LAG`` rounds further, or when a leader left it out as a straggler (it runs
   behind the swarm's clock within the same round number).
-* ``ask_rounds``: a probe to a sample of the connected peers (``ROUND_SAMPLE``); their answers within ``hello_s``
+* ``ask_rounds``: a probe to a sample of the reachable peers (``ROUND_SAMPLE``); their answers within ``hello_s``
   (asking again every ``PROBE_REPEAT_S`` whoever has not answered: a question or its answer can be lost with a
   connection that dropped and came back). Only ``corroborated`` claims count.
 * ``catch_up``: step out of the others' views (they would wait a grace window for this peer at every
@@ -71,11 +71,11 @@ restart). Two, not one: a lone answer's claim is taken as it is (``corroborated`
 asked every poll, the 8 peers a newcomer asked answered 80 polls a round each: most control messages those peers
 sent."""
 ROUND_SAMPLE = 16
-"""``ask_rounds`` with no peers named asks at most this many connected peers (a random sample; all of them in a
+"""``ask_rounds`` with no peers named asks at most this many reachable peers (a random sample; all of them in a
 smaller swarm): where the swarm is needs a few answers, not one from every peer. Asking every peer made each
 peer answer every joiner and every peer that looked for its place, control messages growing with the swarm."""
 PROBE_REPEAT_S = 1.0
-"""``ask_rounds`` asks a connected peer that has not answered again after this long."""
+"""``ask_rounds`` asks a reachable peer that has not answered again after this long."""
 FRESH_ATTEMPTS = 2
 """How many times a fresh process (nothing of its own to go on with) tries a catch-up before giving up."""
 
@@ -161,8 +161,9 @@ class Position:
 
 
 def round_clocks(node: PeerNode) -> tuple[tuple[int, float], ...]:
-    """The round clocks the connected peers last told this one of (``Position.clocks``)."""
-    return tuple(clock for p, clock in sorted(node.peers.round_clocks.items()) if p in node.peers.connected)
+    """The round clocks the reachable peers last told this one of (``Position.clocks``)."""
+    reachable = node.peers.reachable()
+    return tuple(clock for p, clock in sorted(node.peers.round_clocks.items()) if p in reachable)
 
 
 def corroborated(rounds: dict[int, int]) -> dict[int, int]:
@@ -187,32 +188,33 @@ def _wait(node: PeerNode, effect: Wait | Sleep, what: str) -> Program:
 
 
 def wait_connected(node: PeerNode, until: float) -> Program:
-    """Until a connection to every known peer is up, or ``until``; returns whether all are."""
+    """Until every known peer is reachable (a connection up, or an idle member's link that opens on demand), or
+    ``until``; returns whether all are."""
     now = yield Now()
-    while len(node.peers.connected) < len(node.peers.known) - 1 and now < until:
+    while len(node.peers.reachable()) < len(node.peers.known) - 1 and now < until:
         now = yield from _wait(node, Wait(until), "the wait for connections")
-    return len(node.peers.connected) >= len(node.peers.known) - 1
+    return len(node.peers.reachable()) >= len(node.peers.known) - 1
 
 
 def round_sample(node: PeerNode, size: int = ROUND_SAMPLE) -> list[int]:
-    """Up to ``size`` of the connected peers, drawn afresh for each question (keyed by the run's seed, this peer
+    """Up to ``size`` of the reachable peers, drawn afresh for each question (keyed by the run's seed, this peer
     and its question's id, so a simulated run replays)."""
-    connected = sorted(node.peers.connected - {node.rank})
-    if len(connected) <= size:
-        return connected
-    return sorted(random.Random(f"{node.group_seed}/{node.rank}/{node.probe_id}").sample(connected, size))
+    reachable = sorted(node.peers.reachable() - {node.rank})
+    if len(reachable) <= size:
+        return reachable
+    return sorted(random.Random(f"{node.group_seed}/{node.rank}/{node.probe_id}").sample(reachable, size))
 
 
 def ask_rounds(node: PeerNode, s: Settings, peers: list[int] | None = None) -> Program:
-    """The rounds that ``peers`` (default: a ``round_sample`` of the connected peers) report within ``hello_s``,
+    """The rounds that ``peers`` (default: a ``round_sample`` of the reachable peers) report within ``hello_s``,
     less uncorroborated claims."""
     if peers is None:
         peers = round_sample(node)
     now = yield Act(node.announce(PROBE, to=peers))  # a probe: changes no membership, asks for the peers' rounds
     deadline, asked = now + s.hello_s, now
-    want = set(peers) & node.peers.connected
+    want = set(peers) & node.peers.reachable()
     while now < deadline:
-        missing = sorted((want & node.peers.connected) - node.peers.reported.keys())  # one that dropped: not waited for
+        missing = sorted((want & node.peers.reachable()) - node.peers.reported.keys())  # one that dropped: not waited for
         if not missing:
             break
         if now >= asked + PROBE_REPEAT_S:
@@ -327,7 +329,8 @@ def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Pro
             # is left to begin a round, and waiting out ``boundary_s`` for one would only stall this peer
             node.note(f"every peer in round {latest} is gone ({newest_peers}); not waiting for a round boundary")
             return ahead
-        live = [p for p in rotated if p in node.peers.connected]
+        reachable = node.peers.reachable()
+        live = [p for p in rotated if p in reachable]
         start = polls * BOUNDARY_SAMPLE % max(len(live), 1)
         sample = (live[start:] + live[:start])[:BOUNDARY_SAMPLE]  # the live ones, the next few each poll
         polls += 1

@@ -4,6 +4,8 @@ Events (each a method; ``now`` is the driver's clock):
 
 * ``connected(peer, now)`` / ``disconnected(peer, now)``: the carrier's view of a connection
   (for ZeroMQ: a ZMTP handshake, a dropped connection or a missed heartbeat);
+* ``idled(peer, now)``: a carrier that opens links on demand closed one for idleness (``PeerTable``'s
+  ``links_on_demand``): no failure;
 * ``receive(sender, message, now)``: a validated message from ``sender`` (the carrier has
   checked that ``sender`` is who sent it);
 * ``add_peer``, ``announce``, ``leave``: the owner's requests; exchanges are ``Call`` objects run
@@ -25,6 +27,7 @@ out its deadline (the cycle of swaps seen after a leader crash).
 from __future__ import annotations
 
 import logging
+import random
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
@@ -82,11 +85,11 @@ class PeerNode:
 
     def __init__(self, rank: int, known, *, grace_s: float, chunk_elems: int, mailbox_bytes: int,
                  sender_mailbox_bytes: int | None = None,
-                 join_round: int | None = 0):
+                 join_round: int | None = 0, links_on_demand: bool = False):
         self.rank = rank
         self.grace_s = grace_s
         self.chunk_elems = chunk_elems
-        self.peers = PeerTable(rank, known, join_round)
+        self.peers = PeerTable(rank, known, join_round, links_on_demand)
         self.mailbox = Mailbox(mailbox_bytes, sender_mailbox_bytes)
         self.unexpected_chunks = 0
         """Chunks dropped on arrival because no exchange can use them (``_unexpected``)."""
@@ -159,13 +162,19 @@ class PeerNode:
 
     # -- events from the carrier ------------------------------------------------------------------
 
-    def connected(self, peer: int, now: float) -> list[Action]:
+    def connected(self, peer: int, now: float, incarnation: object = None) -> list[Action]:
+        """A link to ``peer`` is up; ``incarnation``: its process, where the carrier tells (``PeerTable.on_connected``)."""
         if peer not in self.peers.known:
             return []
-        if self.peers.on_connected(peer):
+        if self.peers.on_connected(peer, incarnation):
             # A new or returning peer: ask where it stands (its reply carries its join round). Asked
             # once the connection is up, so the question is not lost in a reconnection.
             return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
+        return []
+
+    def idled(self, peer: int, now: float) -> list[Action]:
+        """The carrier closed the idle link to ``peer`` (it opens one again when something is sent): it stays a member."""
+        self.peers.on_idle(peer)
         return []
 
     def disconnected(self, peer: int, now: float) -> list[Action]:
@@ -286,7 +295,8 @@ class PeerNode:
 
     def announce(self, join_round: int, ask_reply: bool = True, caught_up: bool = False,
                  to: list[int] | None = None) -> list[Action]:
-        """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer (or ``to``);
+        """Take part from ``join_round`` (``PROBE``: no change, only ask) and tell every known peer (or ``to``; with
+        links on demand a bounded few, ``PeerTable.news_targets``);
         with ``ask_reply``, ``peers.reported`` then collects the answers (their current rounds) of the peers asked:
         a probe asks every peer it goes to, news of a join round only the peers outside this peer's view (their
         answers re-admit them). The members already in the view owe no answer: asking them made every peer of
@@ -301,8 +311,9 @@ class PeerNode:
         self.probe_id += 1
         question = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
         news = question if join_round == PROBE else Hello(join_round, self.current_round)
-        return [Send(p, news if p in self.peers.joined else question)
-                for p in sorted(self.peers.known if to is None else to) if p != self.rank]
+        if to is None:
+            to = self.peers.news_targets(random.Random(f"{self.group_seed}/{self.rank}/news/{self.probe_id}"))
+        return [Send(p, news if p in self.peers.joined else question) for p in sorted(to) if p != self.rank]
 
     def ask_again(self, peers) -> list[Action]:
         """Repeat this peer's latest question (``announce``) to ``peers`` that have not answered it: a question
@@ -325,6 +336,14 @@ class PeerNode:
             lead = pairing.PairLead if self.pairs_as_ready(key) else agreement.Lead
             return lead(key, candidates, now, self.grace_s, self._buckets(round_index))
         return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
+
+    def links_ahead(self, key: str, round_index: int) -> list[int]:
+        """The peers exchange ``key`` of round ``round_index`` may need a link to, by this peer's view (its bucket):
+        a carrier that opens links on demand opens these ahead (during the inner steps) or keeps them open, so that
+        no handshake falls on the exchange's critical path. Empty for a carrier with every link up, and where this peer takes no part."""
+        if not self.peers.links_on_demand or not self.peers.takes_part(round_index):
+            return []
+        return [p for p in self._bucket(key, round_index) if p != self.rank]
 
     def pairs_as_ready(self, key: str) -> bool:
         """Whether exchange ``key`` pairs its members as they become ready (its label is in ``paired``)."""

@@ -5,13 +5,26 @@ whose join round is at most r and whose connection is up. A peer known from the 
 list) takes part from round 0; one found later is *pending* until it says hello ("I take part
 from round J on"). A peer whose connection drops leaves the view at once and is pending again
 when it comes back, until its hello. Pure state: times are passed in.
+
+**Links on demand** (``links_on_demand``: a carrier with a bounded pool of links, as the simulator's
+``SimNetwork.idle_s``). A member needs no link to stay one: every known peer starts *idle* (presumed alive, no link
+up), the carrier opens a link when something is sent and closes it when nothing went either way for a while
+(``on_idle``: no failure, the peer stays in the view). A link that comes up to an idle member re-admits nobody and
+asks nothing; one that cannot be opened, or drops, is a failure as before (``on_disconnected``). A link from another
+process of the same peer (a new ``incarnation``: it restarted unseen while its link was idle) makes it pending until
+its own news, which a restarted peer sends to every peer it knows (``lifecycle.join``). So nothing here is kept per
+link for peers that never exchanged with this one, and a dead idle member is found when a link to it is next needed.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable
 
+NEWS_SAMPLE = 16
+"""With links on demand, news of a join round goes to this many members drawn at random, besides the peers with a link
+up and those outside the view (``news_targets``)."""
 FAILED_GRACE_S = 0.5
 """A call waiting on a peer whose connection dropped waits this much longer for data already on its way."""
 
@@ -19,8 +32,9 @@ FAILED_GRACE_S = 0.5
 class PeerTable:
     """One peer's view of the others; see the module docstring. Not thread-safe (the node's owner locks)."""
 
-    def __init__(self, rank: int, known: Iterable[int], join_round: int | None):
+    def __init__(self, rank: int, known: Iterable[int], join_round: int | None, links_on_demand: bool = False):
         self.rank = rank
+        self.links_on_demand = links_on_demand
         self.known: set[int] = set(known) | {rank}
         """Every peer with an address (this one included)."""
         self.joined: dict[int, int] = dict.fromkeys(self.known, 0)
@@ -30,6 +44,11 @@ class PeerTable:
         else:
             self.joined[rank] = join_round
         self.connected: set[int] = set()
+        """Peers with a link up."""
+        self.idle: set[int] = set(self.known - {rank}) if links_on_demand else set()
+        """Peers with no link up and presumed alive (``links_on_demand``; module docstring): still members."""
+        self.incarnations: dict[int, object] = {}
+        """peer -> the process its last link came from, where the carrier says (``on_connected``)."""
         self.failed: dict[int, float] = {}
         """peer -> when its connection dropped (cleared on reconnection)."""
         self.lost_at: dict[int, float] = {}
@@ -58,6 +77,8 @@ class PeerTable:
         if peer in self.known:
             return False
         self.known.add(peer)
+        if self.links_on_demand:
+            self.idle.add(peer)
         return True
 
     def forget(self, peer: int) -> bool:
@@ -68,22 +89,60 @@ class PeerTable:
             return False
         self.known.discard(peer)
         self.left.discard(peer)
-        for table in (self.joined, self.failed, self.lost_at, self.reported, self.round_clocks, self.leader_rounds):
+        self.idle.discard(peer)
+        for table in (self.joined, self.incarnations, self.failed, self.lost_at, self.reported, self.round_clocks, self.leader_rounds):
             table.pop(peer, None)
         return True
 
-    def on_connected(self, peer: int) -> bool:
-        """Its connection is up. True when it is pending (the caller probes it for its join round)."""
+    def on_connected(self, peer: int, incarnation: object = None) -> bool:
+        """Its connection is up (from process ``incarnation``, where the carrier says). True when it is pending and
+        the caller should probe it for its join round. An idle member's link re-admits nobody; another process than
+        its last link's (it restarted) makes it pending, left to its own news (``links_on_demand``)."""
+        was_idle = peer in self.idle
+        self.idle.discard(peer)
         self.connected.add(peer)
         self.failed.pop(peer, None)
         self.left.discard(peer)
-        return peer not in self.joined
+        before = self.incarnations.get(peer)
+        if incarnation is not None:
+            self.incarnations[peer] = incarnation
+        if was_idle and before is not None and incarnation is not None and incarnation != before:
+            self.joined.pop(peer, None)  # a restarted process: its news says when it takes part
+            return False
+        return peer not in self.joined and not was_idle
 
-    def on_disconnected(self, peer: int, now: float) -> bool:
-        """Its connection dropped; True if it had been up (it leaves the view, pending until a hello)."""
+    def news_targets(self, draw: random.Random) -> list[int]:
+        """Whom news of this peer's join round goes to: every known peer; with links on demand, the peers with a link
+        up (they may have seen this peer go), those outside the view (their answers re-admit them) and ``NEWS_SAMPLE``
+        other members drawn with ``draw``. The other members keep this peer in their views as they had it (a member
+        that saw its link drop redials it and asks it once it answers): telling every member made each join open a
+        link to every peer of the swarm."""
+        others = self.known - {self.rank}
+        if not self.links_on_demand:
+            return sorted(others)
+        told = self.connected | {p for p in others if p not in self.joined}
+        rest = sorted(others - told)
+        return sorted(told | set(draw.sample(rest, min(NEWS_SAMPLE, len(rest)))))
+
+    def on_idle(self, peer: int) -> bool:
+        """The carrier closed its link for idleness: no failure, it stays a member. True if a link was up."""
         if peer not in self.connected:
             return False
         self.connected.discard(peer)
+        self.idle.add(peer)
+        return True
+
+    def reachable(self) -> set[int]:
+        """Peers this one can send to: a link is up, or an idle member's link opens on demand."""
+        return self.connected | self.idle
+
+    def on_disconnected(self, peer: int, now: float) -> bool:
+        """Its connection dropped, or one to an idle member could not be opened; True if it had been up or idle
+        (it leaves the view, pending until a hello)."""
+        if peer not in self.connected and peer not in self.idle:
+            return False
+        self.connected.discard(peer)
+        self.idle.discard(peer)
         self.failed[peer] = self.lost_at[peer] = now
         self.joined.pop(peer, None)
         return True
@@ -97,7 +156,8 @@ class PeerTable:
     def unreachable(self) -> list[int]:
         """Peers this one knows (discovery found them, or a static list names them) that did not say they leave,
         with no connection up: with none of them in a group, this peer mixes alone because it cannot reach them."""
-        return sorted(p for p in self.known if p != self.rank and p not in self.connected and p not in self.left)
+        return sorted(p for p in self.known
+                      if p != self.rank and p not in self.connected and p not in self.idle and p not in self.left)
 
     def on_join(self, peer: int, join_round: int) -> None:
         self.joined[peer] = join_round
@@ -114,12 +174,12 @@ class PeerTable:
         return sorted(p for p, t in self.lost_at.items() if now - t <= within_s)
 
     def pending(self) -> list[int]:
-        """Connected peers outside the view: they came back and have not said hello yet."""
-        return sorted(p for p in self.connected if p not in self.joined)
+        """Reachable peers outside the view: they came back and have not said hello yet."""
+        return sorted(p for p in self.reachable() if p not in self.joined)
 
     def drop_unconnected(self) -> list[int]:
         """Move peers that never connected to pending (they join with a hello when they come)."""
-        gone = [p for p in self.known if p != self.rank and p not in self.connected and p in self.joined]
+        gone = [p for p in self.known if p != self.rank and p not in self.reachable() and p in self.joined]
         for p in gone:
             del self.joined[p]
         return sorted(gone)

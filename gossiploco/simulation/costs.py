@@ -31,4 +31,6 @@ def per_peer_stats(swarm: SimSwarm) -> dict:
         "control_received_per_round": round(median(swarm.control_received.get(p, 0) / rounds[p]
                                                    for p in swarm.ids), 2),
         "connections_live": median(live.get(p, 0) for p in swarm.ids),
+        "connections_peak": median(swarm.net.peak_links.get(p, 0) for p in swarm.ids),
+        "connections_peak_max": max((swarm.net.peak_links.get(p, 0) for p in swarm.ids), default=0),
         "connections_opened": median(swarm.net.connections_of.get(p, 0) for p in swarm.ids)}

@@ -11,6 +11,14 @@ narrower end's). Each connection takes a path (``paths``): direct,
 reverse, or through a relay, which can go down (dropping every connection through it) and resets
 connections at its limits. Nothing here knows the protocol: it moves opaque messages and reports
 connection changes to ``on_*`` callbacks of whoever owns it.
+
+**Links on demand** (``idle_s`` set; ``None``: the owner connects every pair, a full mesh). A message for a peer
+with no connection waits while one is opened (a connection setup, as above, tried again every ``reconnect_s``); one
+that cannot be opened (the peer does not answer, a partition, no relay) fails after ``heartbeat_s``, as a handshake's
+deadline would: its messages
+are lost and only the sender hears of it (``on_disconnect``), then retries every ``reconnect_s`` like a dropped
+connection. A connection nothing went over for ``idle_s`` either way closes, and both ends hear of it
+(``on_idle``): no failure, nothing in flight lost. ``peak_links`` counts the most connections each peer had up.
 """
 
 from __future__ import annotations
@@ -65,6 +73,16 @@ class SimNetwork:
         """Whether a peer's process runs and answers (set by the owner: not crashed, not frozen)."""
         self.on_connect: Callable[[int, int], None] = lambda a, b: None
         self.on_disconnect: Callable[[int, int], None] = lambda a, b: None
+        self.on_idle: Callable[[int, int], None] = lambda a, b: None
+        self.idle_s: float | None = None
+        """Links on demand, closed after this long idle (module docstring); None: a full mesh."""
+        self._waiting: dict[frozenset, tuple[int, list[tuple[int, int, int, Callable[[], None]]]]] = {}
+        """pair -> (the end that opens it, messages (src, dst, bytes, deliver)) waiting for a link opened on demand."""
+        self._last_use: dict[frozenset, float] = {}
+        """pair -> when the last message went on, or will arrive over, its connection."""
+        self._links: Counter[int] = Counter()
+        self.peak_links: Counter[int] = Counter()
+        """The most connections each peer had up at once."""
         self.note: Callable[[str], None] = lambda text: None
         """Where connection events go in the owner's event log."""
         self.messages = 0
@@ -116,6 +134,14 @@ class SimNetwork:
     def is_up(self, a: int, b: int) -> bool:
         return frozenset((a, b)) in self._up
 
+    def could_connect(self, a: int, b: int) -> bool:
+        """Whether ``a`` and ``b`` have a connection up, or (links on demand) could open one now."""
+        if self.is_up(a, b):
+            return True
+        path = pair_path(a not in self.behind_nat, b not in self.behind_nat)
+        return (self.idle_s is not None and self.answers(a) and self.answers(b) and not self.partitioned(a, b)
+                and (path != RELAYED or self.relays.pick() is not None))
+
     def partitioned(self, a: int, b: int) -> bool:
         return any(f.kind in ("partition", "oneway") and (f.touches(a, b, self.now) or f.touches(b, a, self.now))
                    for f in self.faults)
@@ -145,10 +171,18 @@ class SimNetwork:
             connection.announced = True
             self.paths[connection.path] += 1
             self.connections_of.update((a, b))
+            for end in (a, b):
+                self._links[end] += 1
+                self.peak_links[end] = max(self.peak_links[end], self._links[end])
             via = f" via r{connection.relay}" if connection.relay is not None else ""
             self.note(f"PATH {a}-{b} {connection.path}{via}")
             self.on_connect(a, b)
             self.on_connect(b, a)
+            if self.idle_s is not None:
+                self._last_use[pair] = self.now
+                self.at(self.now + self.idle_s, lambda: self._idle_check(pair, connection))
+                for src, dst, nbytes, deliver in self._waiting.pop(pair, (a, []))[1]:
+                    self.send(src, dst, nbytes, deliver)
         self.at(self.now + SETUP_LATENCIES[connection.path] * self.latency(a, b), come_up)
         if connection.relay is not None and self.relays.time_limit_s is not None:
             self.at(self.now + self.relays.time_limit_s, lambda: self._reset(a, b, connection, "time limit"))
@@ -160,8 +194,12 @@ class SimNetwork:
             if connection is None:
                 return
             if connection.announced:
+                self._links.subtract((a, b))
                 self.on_disconnect(a, b)
                 self.on_disconnect(b, a)
+            elif frozenset((a, b)) in self._waiting:  # a link opened on demand failed before it came up
+                src = self._waiting.pop(frozenset((a, b)))[0]
+                self.on_disconnect(src, b if src == a else a)
             self.at(self.now + self.reconnect_s, lambda: self.try_connect(a, b))
         if after > 0:
             self.at(self.now + after, go)
@@ -174,6 +212,58 @@ class SimNetwork:
             if self.is_up(a, b) and (not self.answers(a) or not self.answers(b) or self.partitioned(a, b)):
                 self.drop(a, b)
         self.at(self.now + self.heartbeat_s, check)
+
+    # -- links on demand ---------------------------------------------------------------------------
+
+    def open_link(self, src: int, dst: int) -> None:
+        """Open a link from ``src`` to ``dst`` ahead of its use (links on demand), unless one is opening; one up is
+        kept (its idle time starts again). ``src`` hears if it cannot come up, as for a message."""
+        pair = frozenset((src, dst))
+        if self.idle_s is None or pair in self._waiting:
+            return
+        if pair in self._up:  # kept for its coming use: its idle time starts again
+            self._last_use[pair] = max(self._last_use.get(pair, 0.0), self.now)
+            return
+        self._waiting[pair] = (src, [])
+        self._dial(src, dst)
+
+    def _dial(self, src: int, dst: int, deadline: float | None = None) -> None:
+        """Open a link from ``src`` to ``dst`` for the messages waiting on it, trying every ``reconnect_s`` (a
+        handshake's retries) until ``heartbeat_s`` from the first try; then tell ``src`` that it could not."""
+        pair = frozenset((src, dst))
+        if pair in self._up or pair not in self._waiting:
+            return  # it came up meanwhile (another dial), or nothing waits any more
+        deadline = self.now + self.heartbeat_s if deadline is None else deadline
+        path = pair_path(src not in self.behind_nat, dst not in self.behind_nat)
+        relay = self.relays.pick() if path == RELAYED else None
+        if self.answers(src) and self.answers(dst) and not self.partitioned(src, dst) and (path != RELAYED or relay is not None):
+            self._open(src, dst, Connection(path, relay))
+            return
+        if self.now + self.reconnect_s < deadline:
+            self.at(self.now + self.reconnect_s, lambda: self._dial(src, dst, deadline))
+            return
+
+        def give_up() -> None:
+            if pair in self._up or self._waiting.pop(pair, None) is None:
+                return
+            self.note(f"LINK {src}-{dst} could not be opened")
+            self.on_disconnect(src, dst)
+            self.at(self.now + self.reconnect_s, lambda: self.try_connect(src, dst))
+        self.at(deadline, give_up)
+
+    def _idle_check(self, pair: frozenset, connection: Connection) -> None:
+        if self._up.get(pair) is not connection:
+            return
+        idle_from = self._last_use.get(pair, self.now)
+        if idle_from + self.idle_s > self.now:
+            self.at(idle_from + self.idle_s, lambda: self._idle_check(pair, connection))
+            return
+        del self._up[pair]
+        a, b = sorted(pair)
+        self._links.subtract((a, b))
+        self.note(f"LINK {a}-{b} closed idle")
+        self.on_idle(a, b)
+        self.on_idle(b, a)
 
     # -- relays ---------------------------------------------------------------------------------
 
@@ -204,8 +294,14 @@ class SimNetwork:
         """Carry a message of ``nbytes`` from ``src`` to ``dst``; ``deliver`` runs on arrival (if it arrives)."""
         pair = frozenset((src, dst))
         connection = self._up.get(pair)
-        if connection is None:
-            return  # no connection: lost
+        if connection is None or (self.idle_s is not None and not connection.announced):
+            if self.idle_s is None:
+                return  # no connection: lost
+            dial = pair not in self._waiting
+            self._waiting.setdefault(pair, (src, []))[1].append((src, dst, nbytes, deliver))
+            if dial and connection is None:
+                self._dial(src, dst)
+            return
         if connection.relay is not None and self.relays.over_data_limit(connection, nbytes):
             self.at(self.now, lambda: self._reset(src, dst, connection, "data limit"))  # not inside the sender's step
             return  # the relay did not carry it
@@ -235,6 +331,8 @@ class SimNetwork:
         if not reorder:  # in order on its connection, like TCP
             arrival = max(arrival, self._last_arrival.get((src, dst), 0.0))
             self._last_arrival[(src, dst)] = arrival
+        if self.idle_s is not None:
+            self._last_use[pair] = max(self._last_use.get(pair, 0.0), arrival + (copies - 1) * latency)
 
         def arrive() -> None:
             if self._up.get(pair) is connection:  # a connection that dropped lost what was in flight

@@ -94,7 +94,8 @@ class SimPeer:
         self.swarm, self.pid, self.incarnation = swarm, pid, incarnation
         s = swarm.settings
         self.node = PeerNode(pid, swarm.ids, grace_s=s.grace_s, chunk_elems=s.chunk_elems,
-                             mailbox_bytes=s.mailbox_bytes, join_round=join_round)
+                             mailbox_bytes=s.mailbox_bytes, join_round=join_round,
+                             links_on_demand=bool(s.links_idle_s))
         self.node.behind_nat = set(s.behind_nat)  # as peers' records tell the runtime's node
         self.node.group_seed, self.node.group_size = swarm.seed, s.group_size  # as ZmqExchange.set_grouping does
         self.node.paired = frozenset({"mix2"} if s.mix2 == "gossip" and s.pairing == "ready" else ())

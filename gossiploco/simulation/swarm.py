@@ -91,6 +91,9 @@ class Settings:
     churn: float = 0.0
     """The chance that a peer crashes in a round (it restarts ``churn_down_s`` later and catches up)."""
     churn_down_s: float = 2.0
+    links_idle_s: float = 0.0
+    """Links on demand (``SimNetwork.idle_s``), each closed after this long idle; 0: every pair connected (a full
+    mesh), as the ZeroMQ transport does."""
 
 
 @dataclass
@@ -111,6 +114,7 @@ class SimSwarm:
         self.rng = random.Random(seed)
         torch.manual_seed(seed)
         self.net = SimNetwork(self.rng, heartbeat_s=settings.heartbeat_s)
+        self.net.idle_s = settings.links_idle_s or None
         self.net.behind_nat = frozenset(settings.behind_nat)
         self.net.relays = Relays(settings.relays, settings.relay_bandwidth_bps, settings.relay_data_limit,
                                  settings.relay_time_limit_s)
@@ -142,7 +146,8 @@ class SimSwarm:
         self.bytes_sent: dict[int, int] = {}
         self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
-        self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now))
+        self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now, self._incarnation(b)))
+        self.net.on_idle = lambda a, b: self._to(a, lambda node: node.idled(b, self.net.now))
         self.net.on_disconnect = lambda a, b: self._to(a, lambda node: node.disconnected(b, self.net.now))
         self.net.note = self.note
 
@@ -151,6 +156,11 @@ class SimSwarm:
             self.log.append(f"{self.net.now:9.4f} {text}")
 
     # -- wiring ---------------------------------------------------------------------------------
+
+    def _incarnation(self, pid: int) -> int | None:
+        """The process at the other end of a link: its incarnation (a carrier that opens links on demand tells it)."""
+        peer = self.peers.get(pid)
+        return peer.incarnation if peer is not None and self.net.idle_s is not None else None
 
     def _to(self, pid: int, handle) -> None:
         peer = self.peers.get(pid)
@@ -181,9 +191,10 @@ class SimSwarm:
         peer = SimPeer(self, pid, incarnation, join_round)
         self.peers[pid] = peer
         self.deadlines[pid] = AdaptiveDeadlines(self.settings.exchange_s, min_s=self.settings.min_exchange_s)
-        for other in self.ids:
-            if other != pid:
-                self.net.try_connect(pid, other)
+        if self.net.idle_s is None:  # a full mesh; links on demand open when something is sent
+            for other in self.ids:
+                if other != pid:
+                    self.net.try_connect(pid, other)
         peer.spawn(self.program(peer, restarted=join_round is None), "main")
 
     # -- the peer program -----------------------------------------------------------------------
@@ -211,7 +222,7 @@ class SimSwarm:
         except ExchangeError as exc:  # the runtime's peer stops with this error
             self.note(f"{peer.pid} stops: {exc}")
             if not any(p != peer.pid and self.peers[p].running and self.finished.get(p, 0) < s.rounds
-                       and self.net.is_up(peer.pid, p) for p in self.peers):
+                       and self.net.could_connect(peer.pid, p) for p in self.peers):
                 self._done_dirty = True
                 # The swarm finished or is gone, or every peer still training is out of this one's reach (their
                 # relay is down): nobody to download a state from, and stopping with that error is the right end
@@ -230,7 +241,14 @@ class SimSwarm:
         end = peer.now + self.inner_s[peer.pid] if clock is None else clock.begin(r, peer.now)  # shared: one deadline
         if clock is not None:  # time-budget rounds on the shared clock, whatever the peer's speed
             peer.node.round_ends = (r, clock.ends_at(r))
-        yield ("sleep", end + random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter))
+        end += random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter)
+        if s.links_idle_s:  # links on demand: Mix2's handshakes at the round's start (a dead member is found long
+            for other in peer.node.links_ahead(f"mix2/{r}", r):  # before Mix2) and half an idle time before it
+                self.net.open_link(peer.pid, other)
+            yield ("sleep", end - s.links_idle_s / 2)
+            for other in peer.node.links_ahead(f"mix2/{r}", r):
+                self.net.open_link(peer.pid, other)
+        yield ("sleep", end)
         computed = peer.now
         delta = torch.randn(s.values, generator=torch.Generator().manual_seed(self.seed * 1000003 + peer.pid * 1009 + r))
         delta_hat = yield from self.mix(peer, "mix2", r, delta, s.mix2)
@@ -386,7 +404,7 @@ class SimSwarm:
                 self.recovery.came_back(pid, net.now, max(self.finished.values(), default=0), fault)
                 peer.thaw()
                 for other in self.ids:
-                    if other != pid:
+                    if other != pid and net.idle_s is None:  # links on demand: those that dropped are redialing
                         net.try_connect(pid, other)
             net.at(fault.start, pause)
             net.at(fault.end, resume)
@@ -450,7 +468,8 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
              max_peers: int = 8) -> SimResult:
     """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
     9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
-    (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), the faults, the
+    (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), links on demand (a
+    third, ``Settings.links_idle_s``), the faults, the
     reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
     draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
@@ -463,6 +482,9 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
     clock = random.Random(f"clock-{seed}")  # a quarter: time-budget rounds on the shared clock (``round_clock``)
     if clock.random() < 0.25:
         settings.round_period, settings.round_jitter = settings.inner_s * clock.uniform(1.5, 3), clock.uniform(0, 0.3)
+    links = random.Random(f"links-{seed}")  # a third: links on demand, closed idle after 0.3 to 3 rounds
+    if links.random() < 1 / 3:
+        settings.links_idle_s = settings.inner_s * links.uniform(0.3, 3.0)
     if mix2 is not None:
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)

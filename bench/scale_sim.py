@@ -35,10 +35,13 @@ COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_
            "connections_peak_max", "connections_opened"]
 
 
-def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int, links_idle_s: float = 0.0) -> dict:
+def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int, links_idle_s: float = 0.0,
+            links_cap: int = 0) -> dict:
     began = time.perf_counter()
-    result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size, links_idle_s=links_idle_s)
+    result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size, links_idle_s=links_idle_s,
+                            links_cap=links_cap)
     return {"peers": peers, "seed": seed, "churn": churn, "group_size": group_size, "links_idle_s": links_idle_s,
+            "links_cap": links_cap,
             "violations": [str(v) for v in result.violations], "wall_s": round(time.perf_counter() - began, 1),
             "finished": sum(1 for k in result.finished.values() if k >= rounds), **result.stats["per_peer"]}
 
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run one group for everyone at sizes up to this (0: never)")
     parser.add_argument("--links-idle-s", type=float, nargs="*", default=[30.0],
                         help="also run links on demand, closed after this many idle seconds (none: only a full mesh)")
+    parser.add_argument("--links-cap", type=int, default=0,
+                        help="links on demand: the most links a peer keeps (SimNetwork.links_cap; 0: no bound)")
     parser.add_argument("--only-links", action="store_true", help="run only the links-on-demand variants")
     parser.add_argument("--out", default="bench/results/scale-sim")
     args = parser.parse_args(argv)
@@ -86,17 +91,20 @@ def main(argv: list[str] | None = None) -> int:
         ("groups of 16, no churn", 0.0, args.group_size, args.peers, 0.0),
         ("one group (the former global barrier), 1% churn", args.churn, None,
          [m for m in args.peers if m <= args.one_group_up_to], 0.0)]
+    variants = [v for v in variants if v[3]]
+    cap = f", at most {args.links_cap} a peer" if args.links_cap else ""
     for idle in args.links_idle_s:
-        variants += [(f"groups of 16, 1% churn, links on demand (closed after {idle:g} s idle)", args.churn,
+        variants += [(f"groups of 16, 1% churn, links on demand (closed after {idle:g} s idle{cap})", args.churn,
                       args.group_size, args.peers, idle),
-                     (f"groups of 16, no churn, links on demand (closed after {idle:g} s idle)", 0.0, args.group_size,
-                      args.peers, idle)]
+                     (f"groups of 16, no churn, links on demand (closed after {idle:g} s idle{cap})", 0.0,
+                      args.group_size, args.peers, idle)]
     results: dict[str, dict[int, dict]] = {}
     rows = []
     for title, churn, size, sizes, idle in variants:
         results[title] = {}
         for m in sizes:
-            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2), idle) for seed in range(1, args.seeds + 1)]
+            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2), idle, args.links_cap if idle else 0)
+                    for seed in range(1, args.seeds + 1)]
             rows += runs
             results[title][m] = summarize(runs)
             print(f"{title}: M={m} {json.dumps(results[title][m])}", flush=True)

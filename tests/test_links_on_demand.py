@@ -133,6 +133,25 @@ def test_a_link_to_a_peer_that_does_not_answer_fails_after_the_handshake_deadlin
     assert net2.is_up(0, 1)  # it redials, as a dropped connection does
 
 
+def test_past_its_cap_a_peer_closes_its_least_recently_used_idle_link_and_never_a_busy_one():
+    from gossiploco.simulation.network import MIN_IDLE_S
+
+    net, events = _network()
+    net.idle_s, net.links_cap = 100.0, 2
+
+    def send_at(t: float, *others: int) -> None:
+        net.at(t, lambda: [net.send(0, other, 10, lambda: None) for other in others])
+    send_at(0.0, 1, 2)
+    send_at(0.1, 2)  # 2 used again: 1 is the least recently used
+    send_at(0.1 + MIN_IDLE_S, 3)
+    net.run_until(0.2 + MIN_IDLE_S)
+    assert [e[:3] for e in events if e[0] == "idle"] == [("idle", 0, 1), ("idle", 1, 0)]
+    assert net.is_up(0, 2) and net.is_up(0, 3) and net.peak_links[0] == 2
+    send_at(0.3 + MIN_IDLE_S, 2, 3, 4)  # both others busy within MIN_IDLE_S: over the cap, none closed
+    net.run_until(0.4 + MIN_IDLE_S)
+    assert net.is_up(0, 2) and net.is_up(0, 3) and net.is_up(0, 4) and net.peak_links[0] == 3
+
+
 # -- whole swarms --------------------------------------------------------------------------------------
 
 @pytest.mark.slow

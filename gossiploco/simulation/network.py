@@ -33,6 +33,10 @@ from dataclasses import dataclass
 from gossiploco.simulation.paths import RELAYED, SETUP_LATENCIES, Connection, Relays, pair_path
 
 
+MIN_IDLE_S = 1.0
+"""Links on demand: a link is closed to make room (``links_cap``) only when nothing went over it for this long."""
+
+
 @dataclass
 class LinkFault:
     """A fault window on the link(s) of ``peers`` (both ends among them; empty: every link) from ``start`` to ``end``."""
@@ -80,7 +84,11 @@ class SimNetwork:
         """pair -> (the end that opens it, messages (src, dst, bytes, deliver)) waiting for a link opened on demand."""
         self._last_use: dict[frozenset, float] = {}
         """pair -> when the last message went on, or will arrive over, its connection."""
+        self.links_cap: int | None = None
+        """Links on demand: the most links a peer keeps; a new one past it closes the peer's least recently used link
+        idle for ``MIN_IDLE_S`` (none such: the peer goes over, until one is). None: no bound but ``idle_s``."""
         self._links: Counter[int] = Counter()
+        self._pairs_of: dict[int, set[frozenset]] = {}
         self.peak_links: Counter[int] = Counter()
         """The most connections each peer had up at once."""
         self.note: Callable[[str], None] = lambda text: None
@@ -173,6 +181,9 @@ class SimNetwork:
             self.connections_of.update((a, b))
             for end in (a, b):
                 self._links[end] += 1
+                self._pairs_of.setdefault(end, set()).add(pair)
+                if self.links_cap is not None and self._links[end] > self.links_cap:
+                    self._evict(end, pair)
                 self.peak_links[end] = max(self.peak_links[end], self._links[end])
             via = f" via r{connection.relay}" if connection.relay is not None else ""
             self.note(f"PATH {a}-{b} {connection.path}{via}")
@@ -194,7 +205,7 @@ class SimNetwork:
             if connection is None:
                 return
             if connection.announced:
-                self._links.subtract((a, b))
+                self._unlink(a, b)
                 self.on_disconnect(a, b)
                 self.on_disconnect(b, a)
             elif frozenset((a, b)) in self._waiting:  # a link opened on demand failed before it came up
@@ -258,12 +269,28 @@ class SimNetwork:
         if idle_from + self.idle_s > self.now:
             self.at(idle_from + self.idle_s, lambda: self._idle_check(pair, connection))
             return
+        self._close_idle(pair)
+
+    def _close_idle(self, pair: frozenset) -> None:
         del self._up[pair]
         a, b = sorted(pair)
-        self._links.subtract((a, b))
+        self._unlink(a, b)
         self.note(f"LINK {a}-{b} closed idle")
         self.on_idle(a, b)
         self.on_idle(b, a)
+
+    def _unlink(self, a: int, b: int) -> None:
+        self._links.subtract((a, b))
+        for end in (a, b):
+            self._pairs_of.get(end, set()).discard(frozenset((a, b)))
+
+    def _evict(self, peer: int, keep: frozenset) -> None:
+        """``peer`` is over ``links_cap``: close its least recently used link idle for ``MIN_IDLE_S``, if any."""
+        idle = [(self._last_use.get(pair, 0.0), sorted(pair)) for pair in self._pairs_of.get(peer, ())
+                if pair != keep and pair not in self._waiting and self._last_use.get(pair, 0.0) + MIN_IDLE_S <= self.now
+                and self._up[pair].announced]
+        if idle:
+            self._close_idle(frozenset(min(idle)[1]))
 
     # -- relays ---------------------------------------------------------------------------------
 

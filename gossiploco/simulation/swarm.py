@@ -94,6 +94,8 @@ class Settings:
     links_idle_s: float = 0.0
     """Links on demand (``SimNetwork.idle_s``), each closed after this long idle; 0: every pair connected (a full
     mesh), as the ZeroMQ transport does."""
+    links_cap: int = 0
+    """Links on demand: the most a peer keeps (``SimNetwork.links_cap``); 0: no bound but the idle time."""
 
 
 @dataclass
@@ -115,6 +117,7 @@ class SimSwarm:
         torch.manual_seed(seed)
         self.net = SimNetwork(self.rng, heartbeat_s=settings.heartbeat_s)
         self.net.idle_s = settings.links_idle_s or None
+        self.net.links_cap = settings.links_cap or None
         self.net.behind_nat = frozenset(settings.behind_nat)
         self.net.relays = Relays(settings.relays, settings.relay_bandwidth_bps, settings.relay_data_limit,
                                  settings.relay_time_limit_s)
@@ -485,6 +488,7 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
     links = random.Random(f"links-{seed}")  # a third: links on demand, closed idle after 0.3 to 3 rounds
     if links.random() < 1 / 3:
         settings.links_idle_s = settings.inner_s * links.uniform(0.3, 3.0)
+        settings.links_cap = links.choice([0, 0, 1, 2, 3])  # small caps: links closed to make room in small swarms
     if mix2 is not None:
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)

@@ -29,7 +29,8 @@ from pathlib import Path
 from gossiploco.protocol import groups
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.simulation.faults import Fault
-from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
+from gossiploco.simulation.runs import SCALE_TIMES
+from gossiploco.simulation.swarm import Settings, SimSwarm
 
 
 

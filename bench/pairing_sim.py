@@ -23,7 +23,7 @@ import time
 from multiprocessing import Pool
 from pathlib import Path
 
-from gossiploco.simulation.swarm import simulate_scale
+from gossiploco.simulation.runs import simulate_scale
 
 COLUMNS = ("blocking_s", "blocking_p90_s", "mix1_completion", "control_per_round")
 VARIANTS = (("bucket", False), ("ready", False), ("bucket", True), ("ready", True))

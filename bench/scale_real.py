@@ -95,6 +95,9 @@ class SwarmSettings:
     a peer's compute ends at its clock's deadline plus an overshoot drawn per peer and round from U(0, overshoot_s)
     (the step in flight), instead of ``inner_s`` from its round's start. Founders anchor at their start line."""
     overshoot_s: float = 0.0
+    links_idle_s: float = 0.0
+    """> 0: links on demand (``[transport] links_idle_s``, ``transport.zmq_links``): a peer makes a member's sockets
+    when it sends to it (its Mix2 bucket's at each round's start, ``link_ahead``) and closes them this long idle."""
 
 
 def inner_seconds(seed: int, rank: int, low: float, high: float) -> float:
@@ -148,7 +151,7 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
     began = time.monotonic()
     exchange = ZmqExchange(rank, settings.endpoints, settings.run_id, t.exchange_s, grace_s=t.grace_s,
                            deadlines=AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor),
-                           heartbeat_s=t.heartbeat_s, trust=trust)
+                           heartbeat_s=t.heartbeat_s, trust=trust, links_idle_s=settings.links_idle_s)
     try:
         exchange.set_grouping(settings.seed, settings.group_size, {"mix2"} if settings.pairing == "ready" else ())
         record["connected_all"] = exchange.wait_connected(settings.connect_s)
@@ -203,6 +206,7 @@ def run_rounds(settings: SwarmSettings, rank: int, exchange, record: dict) -> No
             t_round = time.perf_counter()
             exchange.current_round = r
             pending = pool.submit(timed_mix1, {"z": z.clone()}, r)  # Mix1 launched at the round's start, non-blocking
+            exchange.link_ahead(mix2.key(r), r)  # links on demand: Mix2's links made during compute (as the runtime)
             compute_s = inner_s
             if clock is not None:  # time-budget rounds on the shared clock: train until the clock's deadline
                 deadline = clock.begin(r, time.monotonic())
@@ -263,7 +267,7 @@ def mem_available() -> int:
 def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, inner: tuple[float, float] = (1.0, 2.0),
               group_size: int = 16, seed: int = 0, timeout_s: float | None = None, heartbeat_s: float | None = None,
               grace_s: float | None = None, label: str = "", pairing: str = "bucket", period_s: float = 0.0,
-              overshoot_s: float = 0.0) -> dict:
+              overshoot_s: float = 0.0, links_idle_s: float = 0.0) -> dict:
     """Start ``peers`` peer processes, wait for them (at most ``timeout_s``), stop them; returns the run's
     summary (``summarize``) with every peer's record under ``records``."""
     from gossiploco.runtime.launch import free_ports
@@ -279,7 +283,8 @@ def run_swarm(peers: int, out: Path, *, rounds: int = 8, payload: int = 65536, i
     settings = SwarmSettings(peers, [f"tcp://127.0.0.1:{p}" for p in free_ports(peers)], f"scale-{os.urandom(4).hex()}",
                              str(key), str(out), rounds=rounds, payload=payload, inner_low_s=inner[0],
                              inner_high_s=inner[1], group_size=group_size, seed=seed, heartbeat_s=heartbeat_s,
-                             grace_s=grace_s, pairing=pairing, period_s=period_s, overshoot_s=overshoot_s)
+                             grace_s=grace_s, pairing=pairing, period_s=period_s, overshoot_s=overshoot_s,
+                             links_idle_s=links_idle_s)
     write_json(out / "swarm.json", asdict(settings))
     timeout_s = timeout_s or settings.connect_s * 2 + rounds * (inner[1] + 30) + settings.finish_s
     env = child_env(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -392,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-free-gb", type=float, default=4.0,
                     help="skip an M when MemAvailable is below this plus 0.15 GB per peer")
     ap.add_argument("--label", default="", help="names this run in the results (a repetition, a variant)")
+    ap.add_argument("--links-idle-s", type=float, default=0.0,
+                    help="links on demand, closed after this many idle seconds (0: a full mesh; name it with --label)")
     ap.add_argument("--out", default="runs/scale-real")
     ap.add_argument("--json", default=None, help="write the summaries here (appends to a list keyed by M and size)")
     ap.add_argument("--markdown", default=None, help="write the 'Real processes' section of this file")
@@ -417,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_swarm(m, Path(args.out) / name, rounds=args.rounds, payload=args.payload,
                             inner=(low, high), group_size=args.group_size, seed=args.seed,
                             heartbeat_s=args.heartbeat_s, grace_s=args.grace_s, label=args.label,
-                            pairing=args.pairing, period_s=args.period, overshoot_s=args.overshoot)
+                            pairing=args.pairing, period_s=args.period, overshoot_s=args.overshoot,
+                            links_idle_s=args.links_idle_s)
         print(json.dumps({k: v for k, v in summary.items() if k != "records"}, indent=1), flush=True)
         results.append(summary)
     command = args.record_command or "python -m bench.scale_real " + " ".join(argv if argv is not None else sys.argv[1:])

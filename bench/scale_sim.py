@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from gossiploco.simulation.swarm import simulate_scale
+from gossiploco.simulation.runs import simulate_scale
 
 COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_per_round", "messages_per_round",
            "control_per_round", "control_received_per_round", "connections_live", "connections_peak",

@@ -413,9 +413,15 @@ class TransportConfig:
     """Messages larger than this are rejected unread (must exceed chunk_mb)."""
     ring_order: str = "topology"
     """topology: rings put peers behind NAT between reachable ones (fewer relayed hops); id: by peer id."""
+    links_idle_s: float = 0.0
+    """0: a connection to every member (a full mesh). Above 0: links on demand: a member on a direct path gets this
+    peer's sockets when something is sent to it (Mix2's bucket at the round's start) and loses them after this many
+    seconds with nothing sent either way; members behind NAT keep theirs (``transport.zmq_links``)."""
 
     def check(self, p: str) -> None:
         _positive(f"{p}.chunk_mb", self.chunk_mb)
+        if self.links_idle_s < 0:
+            raise ConfigError(f"{p}.links_idle_s", f"must be 0 (a full mesh) or positive, got {self.links_idle_s}")
         if self.ring_order not in ("topology", "id"):
             raise ConfigError(f"{p}.ring_order", f"must be topology or id, got {self.ring_order!r}")
         if self.max_message_mb <= self.chunk_mb + 1:

@@ -169,6 +169,7 @@ class FactoredDiLoCo:
         if self.cfg.round.budget == "time":
             self.trainer.inner_opt.start_round(r * self.cfg.inner_steps, self.cfg.inner_steps)
         self._launch_mix1()
+        self.exchange.link_ahead(self.mix2.key(r), r)  # links on demand: Mix2's links open during the inner steps
 
     def _launch_mix1(self) -> None:
         """Queue the Mix1 fragments due by now (z does not change during the round: the same result, later)."""

@@ -9,12 +9,13 @@ import statistics
 
 import pytest
 
-from gossiploco.protocol.messages import PROBE, Hello, Send
+from gossiploco.protocol.messages import PROBE, Hello
 from gossiploco.protocol.node import PeerNode
 from gossiploco.protocol.peer_table import NEWS_SAMPLE
 from gossiploco.simulation.faults import Fault
 from gossiploco.simulation.network import SimNetwork
-from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm, simulate_scale
+from gossiploco.simulation.runs import SCALE_TIMES, simulate_scale
+from gossiploco.simulation.swarm import Settings, SimSwarm
 
 
 def _node(peers: int = 8, rank: int = 0, on_demand: bool = True, join_round: int | None = 0) -> PeerNode:
@@ -51,6 +52,17 @@ def test_a_new_process_on_an_idle_members_link_is_pending_until_its_own_news():
     assert 4 not in node.members(0) and node.peers.pending() == [4]
     node.receive(4, Hello(2, 2), 3.1)
     assert 4 in node.members(2) and 4 not in node.members(1)
+
+
+def test_a_pending_peers_question_is_answered_with_a_question_back():
+    node = _node()
+    node.disconnected(6, 0.5)  # out of the view, as a member found later is
+    (reply,) = node.receive(6, Hello(PROBE, 1, ask=3), 1.0)
+    assert reply.message.echo == 3 and reply.message.ask == node.probe_id > 0  # no handshake will ask it: ask now
+    (plain,) = node.receive(2, Hello(PROBE, 1, ask=4), 1.0)
+    assert plain.message.ask == 0  # a member in the view is not asked back
+    (full_mesh,) = _node(on_demand=False).receive(6, Hello(PROBE, 1, ask=3), 1.0)
+    assert full_mesh.message.ask == 0
 
 
 def test_news_of_a_join_goes_to_linked_peers_those_outside_the_view_and_a_bounded_sample():

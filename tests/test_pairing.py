@@ -179,7 +179,7 @@ def test_in_the_simulator_pairing_as_members_come_blocks_far_less_once_rounds_ke
     shared clock, members wait for the next one ready instead of their whole bucket: the blocking time falls to a
     fraction and Mix1 completes as often. Without the shared clock nothing realigns the round starts that
     pairing spreads apart: the next Mix1 leaves the late ones out (why it is not the default)."""
-    from gossiploco.simulation.swarm import simulate_scale
+    from gossiploco.simulation.runs import simulate_scale
 
     def run(pairing: str, period: float) -> dict:
         result = simulate_scale(1, 32, rounds=5, inner_spread=0.0, round_jitter=2.0, round_period=period,

@@ -139,7 +139,7 @@ def test_a_node_answers_with_its_rounds_end_and_the_asker_keeps_it_on_its_own_cl
 def test_in_the_simulator_restarted_peers_take_up_the_swarms_clock_within_an_answers_delivery_time():
     """1% churn and more: every restarted peer adopts the anchor from its answers (the checker flags any adopted
     anchor more than ``ROUND_CLOCK_SLACK_S`` from the running peers' median, and any refusal)."""
-    from gossiploco.simulation import invariants, swarm
+    from gossiploco.simulation import invariants, runs, swarm
 
     adopted: list[float] = []
     original = swarm.SimSwarm.position
@@ -154,7 +154,7 @@ def test_in_the_simulator_restarted_peers_take_up_the_swarms_clock_within_an_ans
 
     swarm.SimSwarm.position = position
     try:
-        result = swarm.simulate_scale(3, 32, rounds=5, churn=0.04, inner_spread=0.0, round_jitter=2.0,
+        result = runs.simulate_scale(3, 32, rounds=5, churn=0.04, inner_spread=0.0, round_jitter=2.0,
                                       round_period=24.0, pairing="ready")
     finally:
         swarm.SimSwarm.position = original

@@ -14,7 +14,8 @@ import torch
 from gossiploco.protocol import collectives
 from gossiploco.simulation import simulate
 from gossiploco.simulation.faults import RELAY_KINDS, Fault
-from gossiploco.simulation.swarm import SCALE_TIMES, Settings, SimSwarm
+from gossiploco.simulation.runs import SCALE_TIMES
+from gossiploco.simulation.swarm import Settings, SimSwarm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -403,7 +404,7 @@ def test_what_one_peer_sends_per_round_stays_flat_from_16_to_128_peers():
     swarm), every peer finishes, and Mix1 completes in nearly every round (a global ring through 128 consumer
     links would not finish within the exchange deadline). Without churn: what membership changes cost over a
     full mesh grows with the swarm (bench/results/scale.md)."""
-    from gossiploco.simulation.swarm import simulate_scale
+    from gossiploco.simulation.runs import simulate_scale
 
     small, large = (simulate_scale(3, m, rounds=4, churn=0.0) for m in (16, 128))
     for result in (small, large):

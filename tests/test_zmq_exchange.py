@@ -669,7 +669,7 @@ def test_striped_data_connections_carry_the_same_exchanges(encrypted):
         assert all(ex.wait_connected(10.0) for ex in exchanges)
         assert_three_peers_exchange_exactly(exchanges, run_all)
         for ex in exchanges:
-            sends = ex.sockets.stripe_sends
+            sends = ex.sockets.further_stripes.sends
             assert len(sends) == 3 and min(sends) > 0, sends
             assert ex.admission.total_rejected == 0
     finally:
@@ -695,13 +695,13 @@ def test_stripes_only_on_direct_paths_once_the_first_handshake_succeeded_and_chu
         ex.add_peer(9, f"tcp://127.0.0.1:{ports[1]}")
         nine.add_peer(0, f"tcp://127.0.0.1:{ports[0]}")
         assert wait_until(lambda: 9 in ex.connected() and 0 in nine.connected(), 10.0)
-        assert ex.sockets.data_connections(9) == 1 and ex.sockets.stripe_sends == [0, 0, 0, 0]  # hellos only so far
+        assert ex.sockets.data_connections(9) == 1 and ex.sockets.further_stripes.sends == [0, 0, 0, 0]  # hellos only so far
         ex.announce(0)
         nine.announce(0)
         mine, theirs = torch.arange(10_000.0), -torch.arange(10_000.0)
         got = run_all([lambda: ex.swap("mix2/0", 9, mine), lambda: nine.swap("mix2/0", 0, theirs)])
         assert torch.equal(got[0], theirs) and torch.equal(got[1], mine)
-        assert ex.sockets.data_connections(9) == 4 and min(ex.sockets.stripe_sends) > 0
+        assert ex.sockets.data_connections(9) == 4 and min(ex.sockets.further_stripes.sends) > 0
         assert [ex.sockets.data_connections(p) for p in (6, 7, 8)] == [1, 1, 1]
     finally:
         ex.close()

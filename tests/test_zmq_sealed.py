@@ -50,7 +50,7 @@ def _all_reduce(exchanges, key: str, seed: int = 0):
 
 def _curve_data(ex) -> int:
     """Data messages this peer sent over CurveZMQ (every stripe)."""
-    return sum(ex.sockets.stripe_sends)
+    return sum(ex.sockets.further_stripes.sends)
 
 
 def _close(exchanges):
@@ -65,7 +65,7 @@ def test_encrypted_peers_send_every_data_chunk_sealed_and_get_the_same_results()
         assert _sealed_up(exchanges, [(s, r) for s in range(3) for r in range(3) if s != r])
         assert_three_peers_exchange_exactly(exchanges, run_all)
         for ex in exchanges:
-            assert ex.sockets.sealed.sent > 0 and _curve_data(ex) == 0, (ex.sockets.sealed.sent, ex.sockets.stripe_sends)
+            assert ex.sockets.sealed.sent > 0 and _curve_data(ex) == 0, (ex.sockets.sealed.sent, ex.sockets.further_stripes.sends)
             assert ex.admission.total_rejected == 0
     finally:
         _close(exchanges)

@@ -69,6 +69,11 @@ class Exchange(ABC):
         right for transports where every view is the same (the in-memory hub)."""
         return self.members(round_index)
 
+    def link_ahead(self, key: str, round_index: int) -> None:
+        """Exchange ``key`` of round ``round_index`` comes later: open the links it will need now (a transport with
+        links on demand, ``PeerNode.links_ahead``), so no handshake falls on its critical path. Default: nothing
+        (every link is up already). Never blocks."""
+
     @abstractmethod
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:

@@ -277,8 +277,10 @@ class PeerNode:
             left = None
             if self.round_ends is not None and self.round_ends[0] == self.current_round:
                 left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
-            return [Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, echo=message.ask,
-                                       ends_in_ms=left))]
+            # With links on demand no handshake makes this peer ask a pending one where it stands: the answer asks back
+            ask = self.probe_id if self.peers.links_on_demand and sender not in self.peers.joined else 0
+            return [Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
+                                       echo=message.ask, ends_in_ms=left))]
         return []
 
     # -- the owner's requests -----------------------------------------------------------------------

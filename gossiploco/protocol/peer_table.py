@@ -96,8 +96,10 @@ class PeerTable:
 
     def on_connected(self, peer: int, incarnation: object = None) -> bool:
         """Its connection is up (from process ``incarnation``, where the carrier says). True when it is pending and
-        the caller should probe it for its join round. An idle member's link re-admits nobody; another process than
-        its last link's (it restarted) makes it pending, left to its own news (``links_on_demand``)."""
+        the caller should probe it for its join round. An idle member's link re-admits nobody and asks nothing;
+        another process than its last link's (it restarted) makes it pending, left to its own news
+        (``links_on_demand``); a link to a peer already pending asks it, as a full mesh's handshake does (its
+        answer to an earlier question may have been lost with a link that was made afresh)."""
         was_idle = peer in self.idle
         self.idle.discard(peer)
         self.connected.add(peer)
@@ -109,7 +111,7 @@ class PeerTable:
         if was_idle and before is not None and incarnation is not None and incarnation != before:
             self.joined.pop(peer, None)  # a restarted process: its news says when it takes part
             return False
-        return peer not in self.joined and not was_idle
+        return peer not in self.joined  # a pending one is asked (an idle member's link asks nothing)
 
     def news_targets(self, draw: random.Random) -> list[int]:
         """Whom news of this peer's join round goes to: every known peer; with links on demand, the peers with a link

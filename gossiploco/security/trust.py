@@ -26,17 +26,22 @@ MAX_STRIPES = 16
 """Most data connections one peer opens to another (``routing_id``'s ``stripe``)."""
 
 
-def routing_id(peer: int, incarnation: str, control: bool, stripe: int = 0) -> bytes:
+def routing_id(peer: int, incarnation: str, control: bool, stripe: int = 0, link: int = 0) -> bytes:
     """``b"<peer>.<incarnation>"`` for a data connection (``/d<stripe>`` appended for the second and later of
-    several data connections to one peer), plus ``b"/control"`` for a control one."""
-    if not 0 <= stripe < MAX_STRIPES or (control and stripe):
-        raise ValueError(f"a data connection's stripe is in 0..{MAX_STRIPES - 1} (control: 0), got {stripe}")
+    several data connections to one peer), plus ``b"/control"`` for a control one. ``link`` > 0: the number of the
+    link made on demand (``transport.zmq_links``), as ``~<link>`` after the incarnation: a link made again is a new
+    connection to the other end's ROUTER, not a takeover of the last one, whose messages not yet read there would
+    then arrive under a routing id of libzmq's own and be refused."""
+    if not 0 <= stripe < MAX_STRIPES or (control and stripe) or link < 0:
+        raise ValueError(f"a data connection's stripe is in 0..{MAX_STRIPES - 1} (control: 0), got {stripe}; "
+                         f"a link number is at least 0, got {link}")
     suffix = "/control" if control else f"/d{stripe}" if stripe else ""
-    return f"{peer}.{incarnation}{suffix}".encode()
+    return f"{peer}.{incarnation}{f'~{link}' if link else ''}{suffix}".encode()
 
 
 def parse_routing_id(identity: bytes) -> tuple[int, bytes, bool] | None:
-    """(peer, incarnation, is control) of a routing id made by ``routing_id``; None for anything else."""
+    """(peer, incarnation, is control) of a routing id made by ``routing_id`` (its link number dropped); None for
+    anything else."""
     if len(identity) > MAX_ROUTING_ID:
         return None
     control = identity.endswith(b"/control")
@@ -46,6 +51,9 @@ def parse_routing_id(identity: bytes) -> tuple[int, bytes, bool] | None:
         if slash and not (stripe.isdigit() and not stripe.startswith(b"0") and int(stripe) < MAX_STRIPES):
             return None
     head, dot, incarnation = body.partition(b".")
+    incarnation, tilde, link = incarnation.partition(b"~")
+    if tilde and not (link.isdigit() and not link.startswith(b"0")):
+        return None
     if not dot or not head.isdigit() or not incarnation.isalnum():
         return None
     return int(head), incarnation, control

@@ -18,8 +18,8 @@ gossip may pair members as they come (``pairing``), and peers may churn (``churn
 with that probability); the per-peer costs of a run (round and blocking time, Mix1 completion, bytes, messages,
 connections) are in ``SimResult.stats["per_peer"]`` (``costs``).
 
-``simulate(seed, ...)`` returns a ``SimResult`` with the violations and, if asked, the event log;
-the same arguments give the same result, bit for bit. ``simulate_scale`` is the scaling curve's run
+``runs.simulate(seed, ...)`` returns a ``SimResult`` with the violations and, if asked, the event log;
+the same arguments give the same result, bit for bit. ``runs.simulate_scale`` is the scaling curve's run
 (``bench/scale_sim.py``).
 """
 
@@ -40,7 +40,7 @@ from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
 from gossiploco.round_clock import RoundClock
 from gossiploco.simulation.costs import per_peer_stats
-from gossiploco.simulation.faults import RELAY_KINDS, Fault, draw_churn, draw_faults, draw_reachability
+from gossiploco.simulation.faults import RELAY_KINDS, Fault
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
 from gossiploco.simulation.paths import PATHS, Relays
@@ -465,50 +465,3 @@ class SimSwarm:
                             self.crashed, len(alive), s.rounds,
                             window_s=3 * (s.inner_s + 2 * s.grace_s + 1.0),  # about 2 rounds after, and its own
                             aftermath_s=s.exchange_s + 2 * s.grace_s + 1.0)  # until the exchanges it hit time out
-
-
-def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = False, mix2: str | None = None,
-             max_peers: int = 8) -> SimResult:
-    """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
-    9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
-    (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), links on demand (a
-    third, ``Settings.links_idle_s``), the faults, the
-    reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
-    draws stay the same)."""
-    rng = random.Random(f"schedule-{seed}")
-    settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
-    scale = random.Random(f"scale-{seed}")  # its own stream: the schedule's draws stay what they were
-    if peers is None and max_peers > 8 and scale.random() < 0.125:
-        settings.peers = scale.randint(9, max_peers)
-    settings.group_size = scale.choice([2, 3, 4, 16, 16, 16])
-    settings.pairing = random.Random(f"pairing-{seed}").choice(["ready", "bucket"])  # its own stream, as above
-    clock = random.Random(f"clock-{seed}")  # a quarter: time-budget rounds on the shared clock (``round_clock``)
-    if clock.random() < 0.25:
-        settings.round_period, settings.round_jitter = settings.inner_s * clock.uniform(1.5, 3), clock.uniform(0, 0.3)
-    links = random.Random(f"links-{seed}")  # a third: links on demand, closed idle after 0.3 to 3 rounds
-    if links.random() < 1 / 3:
-        settings.links_idle_s = settings.inner_s * links.uniform(0.3, 3.0)
-        settings.links_cap = links.choice([0, 0, 1, 2, 3])  # small caps: links closed to make room in small swarms
-    if mix2 is not None:
-        settings.mix2 = mix2
-    faults = draw_faults(rng, settings)
-    settings, relay_faults = draw_reachability(rng, settings)
-    return SimSwarm(seed, settings, log=log).run(faults + relay_faults)
-
-
-SCALE_TIMES = {"inner_s": 20.0, "grace_s": 2.0, "exchange_s": 30.0, "min_exchange_s": 5.0, "hello_s": 2.0,
-               "heartbeat_s": 5.0, "churn_down_s": 10.0}
-"""A scaling run's clock, in the ratios of a real run's (``[timeouts]``: grace 10 s, exchanges of minutes at most,
-rounds of minutes): 20 s of inner steps, a 2 s grace window. The chaos seeds' 1 s rounds would make a 60 ms ring
-step a large share of a round, which no real run has."""
-
-
-def simulate_scale(seed: int, peers: int, *, rounds: int = 5, group_size: int = 16, churn: float = 0.01,
-                   links: str = "consumer", inner_spread: float = 0.05, mix2: str = "gossip", **overrides) -> SimResult:
-    """A scaling run (``bench/scale_sim.py``): ``peers`` peers on consumer links, compute times within
-    ``inner_spread`` of each other (time-budget rounds end together up to such a jitter), each peer crashing in a
-    round with probability ``churn`` and coming back ``churn_down_s`` later; no other fault."""
-    settings = Settings(peers=peers, rounds=rounds, group_size=group_size, churn=churn, links=links,
-                        inner_spread=inner_spread, mix2=mix2, **{**SCALE_TIMES, **overrides})
-    faults = draw_churn(random.Random(f"churn-{seed}"), settings)
-    return SimSwarm(seed, settings).run(faults)

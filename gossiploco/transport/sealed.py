@@ -54,6 +54,10 @@ MAX_FRAMES = 64
 """Most sealed frames in one message (a data message has a header and a few tensors)."""
 KEEP_KEYS = 2
 """Keys an ``Opener`` keeps per sender: the newest and the one before it."""
+LINKS_KEEP_KEYS = 8
+"""The same with links on demand (``zmq_links``), where each idle link made again issues a key: a message sealed by
+a sender under a key several link cycles old (queued behind a slow receiver) still opens. Each key keeps its own
+replay window, and every key is still fresh per link: no nonce is reused."""
 WINDOW = 4096
 """How far below the highest counter seen a message may still arrive (out of order) and be accepted once."""
 _PORT = struct.Struct(">H")
@@ -89,17 +93,21 @@ class _OpenKey:
 class Opener:
     """The keys this peer issued to its senders, and the opening of what they seal; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = KEEP_KEYS) -> None:
+        if keep < 2:
+            raise ValueError(f"an opener keeps at least 2 keys per sender, got {keep}")
+        self.keep = keep
+        """Keys kept per sender (``KEEP_KEYS``; more where links are made afresh often: ``LINKS_KEEP_KEYS``)."""
         self._keys: dict[bytes, _OpenKey] = {}
         self._by_peer: dict[int, list[bytes]] = {}  # peer -> its key ids, oldest first
 
     def issue(self, peer: int) -> tuple[bytes, bytes]:
-        """A fresh (key id, key) for ``peer`` to seal what it sends here; forgets its keys beyond ``KEEP_KEYS``."""
+        """A fresh (key id, key) for ``peer`` to seal what it sends here; forgets its keys beyond ``keep``."""
         key_id, key = os.urandom(KEY_ID_BYTES), AESGCM.generate_key(bit_length=8 * KEY_BYTES)
         ids = self._by_peer.setdefault(peer, [])
         ids.append(key_id)
         self._keys[key_id] = _OpenKey(peer, AESGCM(key))
-        while len(ids) > KEEP_KEYS:
+        while len(ids) > self.keep:
             del self._keys[ids.pop(0)]
         return key_id, key
 

@@ -60,7 +60,7 @@ class ZmqDriver:
                  grace_s: float = 10.0, *, bind: str | None = None, join_round: int | None = 0,
                  heartbeat_s: float | None = None, trust: Trust | None = None, sender_mailbox_bytes: int | None = None,
                  fault: SendHook | None = None, io_threads: int | None = None, stripes: int | None = None,
-                 sealed_port: int | None = 0):
+                 sealed_port: int | None = 0, links_idle_s: float = 0.0):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -87,7 +87,7 @@ class ZmqDriver:
         self._cond = threading.Condition()  # guards the node (and ``admission``)
         self._node = PeerNode(rank, endpoints, grace_s=grace_s, chunk_elems=max(1, chunk_bytes // _FLOAT_BYTES),
                               mailbox_bytes=mailbox_bytes, sender_mailbox_bytes=sender_mailbox_bytes,
-                              join_round=join_round)
+                              join_round=join_round, links_on_demand=links_idle_s > 0)
         self._closed = False
         self._close_lock = threading.Lock()
         if sealed_port is not None and not 0 <= sealed_port < 65536:
@@ -95,7 +95,7 @@ class ZmqDriver:
         bind = bind or self.endpoints[rank]
         self._sockets = ZmqSockets(rank, bind, self.endpoints[rank], heartbeat_s=heartbeat_s,
                                    max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust,
-                                   io_threads=io_threads, stripes=stripes,
+                                   io_threads=io_threads, stripes=stripes, links_idle_s=links_idle_s,
                                    sealed_bind=None if sealed_port is None else f"{bind.rpartition(':')[0]}:{sealed_port}")
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers
@@ -202,12 +202,14 @@ class ZmqDriver:
 
     def security_counts(self) -> dict[str, dict[str, int]]:
         """Connections the ZAP handler refused and messages the receiver rejected, by reason; state requests
-        refused by the requester's limit (``protocol.state_limit``), by requester."""
+        refused by the requester's limit (``protocol.state_limit``), by requester; with links on demand, their counts
+        (``zmq_links``: parked members, links made on demand and closed idle; None with a full mesh)."""
         with self._cond:
             rejected = dict(self.admission.rejected)
             state = {str(p): n for p, n in self._node.state_limit.refused.items()}
+        links = self._sockets.links
         return {"refused_connections": self._sockets.refused_connections(), "rejected_messages": rejected,
-                "refused_state_requests": state}
+                "refused_state_requests": state, "links_on_demand": None if links is None else links.counts()}
 
     def sealed_counts(self) -> dict[str, object]:
         """The sealed data path (``zmq_sealed``): this peer's sealed port (None: none), the data messages it sent

@@ -70,7 +70,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
                  join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None,
                  sender_mailbox_bytes: int | None = None, fault: SendHook | None = None, io_threads: int | None = None,
-                 stripes: int | None = None, sealed_port: int | None = 0):
+                 stripes: int | None = None, sealed_port: int | None = 0, links_idle_s: float = 0.0):
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self._scatter_began: dict[str, float] = {}
         """Start of each compressed mean's first phase, by key (``all_to_all``)."""
@@ -78,9 +78,21 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         super().__init__(rank, endpoints, run_id, timeout_s, max_message_bytes, chunk_bytes, mailbox_bytes, grace_s,
                          bind=bind, join_round=join_round, heartbeat_s=heartbeat_s, trust=trust,
                          sender_mailbox_bytes=sender_mailbox_bytes, fault=fault, io_threads=io_threads,
-                         stripes=stripes, sealed_port=sealed_port)
+                         stripes=stripes, sealed_port=sealed_port, links_idle_s=links_idle_s)
 
     # -- the Exchange interface ------------------------------------------------------------------
+
+    def link_ahead(self, key: str, round_index: int) -> None:
+        if self._sockets.links is None:
+            return
+        with self._cond:
+            peers = self._node.links_ahead(key, round_index)
+        for peer in peers:
+            self._sockets.open_link(peer)
+
+    def _knows(self, peer: int) -> bool:
+        """Whether ``peer`` has sockets, or is a member parked until something is sent to it (links on demand)."""
+        return peer in self._dealers or (self._sockets.links is not None and self._sockets.links.tracks(peer))
 
     @property
     def isolated_mixes(self) -> int:
@@ -133,7 +145,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         """Run the pairwise call ``make(began, deadline)`` with ``partner`` under ``key``'s adaptive deadline."""
         if partner == self.rank:
             raise ValueError("cannot swap with oneself")
-        if partner not in self._dealers:
+        if not self._knows(partner):
             raise ValueError(f"partner {partner} is not a known peer")
         began = time.monotonic()
         path = self.path_class([self.rank, partner])
@@ -149,7 +161,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         members = list(dict.fromkeys(members))  # the agreed order is the ring's (``agreement.ring_order``)
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
-        if any(m != self.rank and m not in self._dealers for m in members):
+        if any(m != self.rank and not self._knows(m) for m in members):
             # a group it cannot run is a failed exchange, never a crash
             raise PeerFailed(f"{key!r}: members {members} include peers this peer does not know (known: {self.known()})")
         if inplace and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
@@ -190,7 +202,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not among members {members}")
         others = [m for m in members if m != self.rank]
-        if any(m not in self._dealers for m in others):
+        if any(not self._knows(m) for m in others):
             # a group it cannot run is a failed exchange, never a crash
             raise PeerFailed(f"{key!r}: members {members} include peers this peer does not know (known: {self.known()})")
         if not others:
@@ -249,10 +261,12 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             if old == endpoint and was_listening == listen:
                 return False
             self.endpoints[peer] = endpoint
-            self._node.add_peer(peer)
+            new = self._node.add_peer(peer)
             where = self._sockets.bound.rsplit(":", 1)[0] + ":0" if listen else None
             if old is None:
                 self._sockets.connect(peer, endpoint, key, listen=where, relayed=relayed)
+            if new and self._sockets.links is not None:  # no handshake will ask it where it stands: ask now
+                self._dispatch(self._node.ask_again([peer]))
         if old is not None:
             self._sockets.reattach(peer, old, endpoint, where, relayed=relayed)
             log.info("rank %d: peer %d moved from %s to %s%s", self.rank, peer, old, endpoint,

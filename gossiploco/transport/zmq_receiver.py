@@ -123,6 +123,8 @@ class Receiver:
                 self.sockets.retry_refused(time.monotonic(), self.endpoints())
             if sealed is not None:
                 sealed.dial_pending()
+            if self.sockets.links is not None:
+                self._links_due()
             self.polls += 1
             for sock, _ in poller.poll(POLL_MS if self._timed_work() else IDLE_POLL_MS):
                 if sock == waker.fd:
@@ -166,6 +168,16 @@ class Receiver:
                 pass
             self.redialed += 1
             self._connect_router(endpoint)
+
+    def _links_due(self) -> None:
+        """Links on demand (``zmq_links``): close idle links (the node hears ``idled``: no failure) and report links
+        opened on demand whose handshake never came (``disconnected``: libzmq goes on dialing them)."""
+        idle, unanswered = self.sockets.links.due()
+        for peer in idle:
+            if self.sockets.close_idle(peer):
+                self.feed(lambda node, now, peer=peer: node.idled(peer, now))
+        for peer in unanswered:
+            self.feed(lambda node, now, peer=peer: node.disconnected(peer, now))
 
     def _drain_router_monitor(self) -> None:
         """Count the ROUTER's failed handshakes, and schedule a redial of a wanted reverse endpoint whose connection
@@ -245,6 +257,8 @@ class Receiver:
         message = from_wire(header, tensors)
         sender = header.sender
         incarnation = self.admission.identify(routing, sender, message, authenticated_as)
+        if self.sockets.links is not None:
+            self.sockets.links.used(sender)
         if self.sockets.handshakes.pending and self.sockets.handshakes.hurry(sender, time.monotonic()):
             log.info("rank %d: peer %d refused this peer's handshake but has admitted it since (it sent a message): "
                      "connecting again now", self.rank, sender)
@@ -270,13 +284,21 @@ class Receiver:
             except zmq.Again:
                 break
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and first_data:
+                if self.sockets.links is not None:
+                    self.sockets.links.link_up(peer)
                 self.sockets.handshakes.succeeded(peer)
                 self.sockets.connect_stripes(peer)
                 self._offer_key(peer)
                 self.feed(lambda node, now: node.connected(peer, now))
+            elif event["event"] == zmq.EVENT_CONNECTED:  # monitored with links on demand only
+                self.sockets.links.answered(peer)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if self.sockets.links is not None and not self.sockets.links.link_down(peer):
+                    continue  # a link on demand that never came up (a handshake too slow for the other end): redialed
                 self.feed(lambda node, now: node.disconnected(peer, now))
             elif event["event"] & HANDSHAKE_FAILURES:  # libzmq gives up on the connection, so we retry ourselves
+                if self.sockets.links is not None:
+                    self.sockets.links.answered(peer)
                 delay = self.sockets.refused_by(peer, time.monotonic())
                 refusals = self.sockets.handshakes.refusals(peer)
                 if refusals in (4, 16, 64):  # the first few are expected while a peer joins

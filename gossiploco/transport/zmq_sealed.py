@@ -38,7 +38,7 @@ import zmq
 
 from gossiploco.errors import ExchangeTimeout, PeerFailed
 from gossiploco.transport.retry import HandshakeBackoff
-from gossiploco.transport.sealed import MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
+from gossiploco.transport.sealed import KEEP_KEYS, LINKS_KEEP_KEYS, MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 from gossiploco.transport.zmq_auth import SEALED_DOMAIN
 from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, GaveUp, close_leaving_monitor, close_monitored,
                                             heartbeat, send_until)
@@ -130,7 +130,7 @@ class SealedLinks:
 
     def __init__(self, ctx: zmq.Context, rank: int, routing: bytes, bind: str | None, *, max_frame_bytes: int,
                  heartbeat_ms: int, sndhwm: int, monitors_out, monitors_retired=None,
-                 wake: Callable[[], None] = lambda: None):
+                 wake: Callable[[], None] = lambda: None, links_on_demand: bool = False):
         self.ctx = ctx
         self.rank = rank
         self.routing = routing
@@ -143,7 +143,7 @@ class SealedLinks:
         queue of its own, for an owner that never forgets a peer)."""
         self.wake = wake
         """Wakes the receiving thread when a dial or a forgotten peer waits for it (``transport.wakeup``)."""
-        self.opener = Opener()
+        self.opener = Opener(LINKS_KEEP_KEYS if links_on_demand else KEEP_KEYS)  # keys issued per link made
         self.sealer = Sealer()
         self.router: zmq.Socket | None = None
         self.port: int | None = None

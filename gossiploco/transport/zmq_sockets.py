@@ -15,10 +15,10 @@ connection per peer caps what a peer sends to another at one core's XSalsa20-Pol
 threads. The further ones are a bounded pool (``zmq_stripes``): made at the first chunk to a peer that admitted this
 one (``connect_stripes``: the first one's handshake succeeded), kept for the peers chunks went to most recently. A
 data call's chunks carry their index and wait in the receiver's mailbox until consumed, so the order they arrive in
-does not matter. The first data DEALER
-has a monitor (liveness is the peer's, not a connection's); the control DEALER has one for failed handshakes only
-(``control_monitors``); a reverse or relayed path uses the first data DEALER alone (a relay's slots and link are
-shared).
+does not matter. The first data DEALER has a monitor (liveness is the peer's, not a connection's); the control
+DEALER has one for failed handshakes only (``control_monitors``); a reverse or relayed path uses the first data
+DEALER alone (a relay's slots and link are shared). With ``links_idle_s`` (``zmq_links``) a member on a direct path
+gets its sockets only when something is sent to it, and loses them when its link is idle.
 
 Sealed data (``trust``; ``zmq_sealed``): a peer also binds a NULL-mechanism ROUTER, its sealed port, and each peer
 dialing it directly sends its data messages there sealed with AES-256-GCM (keys offered over CurveZMQ) once that
@@ -53,6 +53,7 @@ from gossiploco.protocol import codec
 from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit, reuse_freed_memory
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
+from gossiploco.transport.zmq_links import LinksOnDemand
 from gossiploco.transport.wakeup import Waker, WakingQueue
 from gossiploco.transport.zmq_sealed import SealedLinks
 from gossiploco.transport.zmq_stripes import Stripes
@@ -84,7 +85,7 @@ class ZmqSockets:
 
     def __init__(self, rank: int, bind: str, advertised: str, *, heartbeat_s: float | None, max_message_bytes: int,
                  chunk_bytes: int, trust: Trust | None, io_threads: int | None = None, stripes: int | None = None,
-                 sealed_bind: str | None = None):
+                 sealed_bind: str | None = None, links_idle_s: float = 0.0):
         self.rank = rank
         self.trust = trust
         self.incarnation = uuid.uuid4().hex[:12]
@@ -188,6 +189,7 @@ class ZmqSockets:
         """Monitors of sockets closed since the receiving thread last looked (it stops polling and closes them)."""
         self._keys: dict[int, bytes | None] = {}  # peer -> the server key its DEALERs were made with
         self._changing = threading.RLock()  # one change of a peer's sockets at a time: connect, reattach, forget
+        self.links = LinksOnDemand(links_idle_s, self.heartbeat_ms / 1000) if links_idle_s else None  # zmq_links
         self.sealed: SealedLinks | None = None
         """With ``trust``: data chunks sealed with AES-GCM on directly dialed paths (``zmq_sealed``); this peer's
         own sealed port is bound at ``sealed_bind`` (None: none, and this peer offers no key)."""
@@ -197,7 +199,7 @@ class ZmqSockets:
                                           max_frame_bytes=max_message_bytes + codec.MAX_HEADER_BYTES,
                                           heartbeat_ms=self.heartbeat_ms, sndhwm=self.sndhwm,
                                           monitors_out=self.new_monitors, monitors_retired=self.retired_monitors,
-                                          wake=self.waker.wake)
+                                          wake=self.waker.wake, links_on_demand=self.links is not None)
             except zmq.ZMQError as exc:
                 self.router.close(linger=0)
                 self.router_monitor.close(linger=0)
@@ -206,10 +208,11 @@ class ZmqSockets:
                 self.ctx.term()
                 raise ExchangeError(f"rank {rank}: cannot bind the sealed port {sealed_bind}: {exc}") from exc
 
-    def _client(self, server_key: bytes | None, control: bool, incarnation: str | None = None, stripe: int = 0) -> zmq.Socket:
+    def _client(self, server_key: bytes | None, control: bool, incarnation: str | None = None, stripe: int = 0,
+                link: int = 0) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, incarnation or self.incarnation, control, stripe))
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self.rank, incarnation or self.incarnation, control, stripe, link))
         if self.trust is not None:
             if server_key is None:
                 sock.close(linger=0)
@@ -217,14 +220,10 @@ class ZmqSockets:
             secure_client(sock, self.trust, server_key)
         return sock
 
-    @property
-    def stripe_sends(self) -> list[int]:
-        """Data messages queued on each stripe so far (all peers together; for tests and diagnostics)."""
-        return self.further_stripes.sends
-
     def _stripe(self, peer: int, stripe: int, endpoint: str) -> zmq.Socket:
         """A further data DEALER (stripe ``stripe``) to ``peer``, dialing ``endpoint`` (``zmq_stripes``)."""
-        dealer = self._client(self._keys[peer], control=False, stripe=stripe)
+        link = self.links.number(peer) if self.links is not None else 0
+        dealer = self._client(self._keys[peer], control=False, stripe=stripe, link=link)
         dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
         heartbeat(dealer, self.heartbeat_ms)
         dealer.connect(endpoint)
@@ -241,20 +240,44 @@ class ZmqSockets:
         best, so a chunk takes longer than on a direct link: its heartbeat timeout is
         ``RELAYED_HEARTBEAT_FACTOR`` times longer (see ``HEARTBEAT_TIMEOUT_MS``)."""
         with self._changing:
-            self._connect(peer, endpoint, server_key, listen, relayed)
+            if self.links is None or listen is not None or relayed:
+                return self._connect(peer, endpoint, server_key, listen, relayed)
+            if self.auth is not None and server_key is not None:  # links on demand: parked until something is sent
+                self.auth.allow(server_key, peer)
+            self._keys[peer] = server_key
+            self.links.park(peer, endpoint)
+
+    def open_link(self, peer: int) -> None:
+        """Links on demand: make ``peer``'s sockets if it is parked (``zmq_links``); record the use either way."""
+        with self._changing:
+            if (endpoint := self.links.open(peer)) is not None:
+                self._connect(peer, endpoint, self._keys[peer], None, False)
+
+    def close_idle(self, peer: int) -> bool:
+        """Links on demand: close ``peer``'s idle direct link and park it (the receiving thread's). True if closed."""
+        with self._changing:
+            if peer not in self.dealers or (endpoint := self._direct.get(peer)) is None:
+                return False
+            self._retire(peer)
+            self.links.park(peer, endpoint, idle=True)
+            if self.sealed is not None:  # its sealed DEALER hangs up too (its keys are kept)
+                self.sealed.redial(peer, None)
+        return True
 
     def _connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None, relayed: bool) -> None:
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
         self._keys[peer] = server_key
-        dealer = self._client(server_key, control=False)
+        link = self.links.number(peer) if self.links is not None else 0  # each link made on demand: routing ids anew
+        dealer = self._client(server_key, control=False, link=link)
         dealer.setsockopt(zmq.SNDHWM, self.sndhwm)
         heartbeat(dealer, self.heartbeat_ms * (RELAYED_HEARTBEAT_FACTOR if relayed else 1))
         # "Connected" means the ZMTP handshake succeeded: a frozen process's kernel still accepts
         # TCP connections, but only a live peer completes the handshake. The first data connection speaks for all.
-        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES)
+        monitor = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILURES
+                                            | (zmq.EVENT_CONNECTED if self.links is not None else 0))
         monitor.setsockopt(zmq.LINGER, 0)
-        control = self._client(server_key, control=True)
+        control = self._client(server_key, control=True, link=link)
         control_monitor = control.get_monitor_socket(HANDSHAKE_FAILURES)
         control_monitor.setsockopt(zmq.LINGER, 0)
         self.dealers[peer] = (dealer, threading.Lock())
@@ -316,6 +339,8 @@ class ZmqSockets:
         Messages still queued toward ``old`` are dropped, as a disconnect drops them."""
         with self._changing:
             if peer not in self.dealers:
+                if self.links is not None and self.links.forget(peer):  # parked: again if direct, else linked for good
+                    self.connect(peer, new, self._keys[peer], listen, bool(relayed))
                 return
             relayed = self._relayed[peer] if relayed is None else relayed
             key = self._keys[peer]
@@ -327,9 +352,10 @@ class ZmqSockets:
         ZAP handler included): it left the run, and nothing this peer does may keep growing with every peer that
         ever came and went. True if it was known. ``connect`` makes it anew should it come back. Any thread."""
         with self._changing:
-            if peer not in self.dealers:
+            if peer not in self.dealers and not (self.links is not None and self.links.forget(peer)):
                 return False
-            self._retire(peer)
+            if peer in self.dealers:
+                self._retire(peer)
             self._keys.pop(peer, None)
             if self.auth is not None:  # its connections are refused from now on, as a stranger's
                 self.auth.revoke(peer)
@@ -372,6 +398,8 @@ class ZmqSockets:
         the payload; with ``zero_copy`` it reads it in place until the returned tracker is done. ``chunk``: a data
         chunk, which takes the further stripes in turn (``zmq_stripes``); other data messages (hellos, state
         requests) take the first data DEALER."""
+        if self.links is not None:
+            self.open_link(peer)
         sockets = self.controls if control else self.dealers
         if peer not in sockets:
             raise PeerFailed(f"{what}: {peer} is not a known peer")

@@ -1,0 +1,137 @@
+"""Links on demand for the ZeroMQ transport: which directly dialed peers have their sockets made, and when to close
+them (``ZmqSockets`` with ``links_idle_s``; the protocol core's side is ``PeerTable``'s ``links_on_demand``).
+
+A full mesh makes every member's DEALERs (data, control, sealed data) when the member is found, and keeps them: 15
+file descriptors and a ZMTP heartbeat per member. With links on demand a member on a direct path is *parked*: its
+endpoint and key are known, its key is admitted, and no socket is made until something is sent to it (``open``).
+Its sockets are closed again (``due``'s idle list) once nothing was sent to it or received from it for ``idle_s``
+and its link is up; the node hears ``idled`` (no failure, it stays a member). A link opened on demand whose
+TCP connection is not taken within ``handshake_s`` (a process gone: refused; a machine gone: no answer) is reported
+once (``due``'s unanswered list): the node hears ``disconnected``, and libzmq goes on dialing it, as it does a dropped
+connection. A connection taken, or a refused handshake (the member has not admitted this peer yet, as when it has
+not read this peer's record), is an answer: not reported; a handshake that never completes is dropped by the other
+end's ``HANDSHAKE_IVL`` and dialed again, no failure either (``link_down``). A frozen member behind an idle link is so
+found only by the deadline of an exchange with it, where a full mesh's heartbeat finds it. Reverse and relayed paths are not
+parked: a member behind NAT cannot be dialed when wanted.
+
+Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class LinksOnDemand:
+    """See the module docstring."""
+
+    def __init__(self, idle_s: float, handshake_s: float):
+        if idle_s <= 0 or handshake_s <= 0:
+            raise ValueError(f"idle_s and handshake_s must be positive, got {idle_s} and {handshake_s}")
+        self.idle_s, self.handshake_s = idle_s, handshake_s
+        self._lock = threading.Lock()
+        self._parked: dict[int, str] = {}  # peer -> its endpoint: no sockets
+        self._last_use: dict[int, float] = {}  # peer with sockets made on demand -> its last message either way
+        self._opened: dict[int, float] = {}  # peer -> when its sockets were made, until its first handshake
+        self._up: set[int] = set()  # peers whose link is up (handshake done, no drop since)
+        self._members: set[int] = set()  # every peer parked once and not forgotten, whether its sockets exist or not
+        self._numbers: dict[int, int] = {}  # peer -> how many links were made to it on demand
+        self.opened = 0
+        """Links opened on demand so far."""
+        self.closed_idle = 0
+        """Links closed for idleness so far."""
+
+    def park(self, peer: int, endpoint: str, idle: bool = False) -> None:
+        """``peer`` is a member on a direct path at ``endpoint`` with no sockets (found, or its link closed ``idle``)."""
+        with self._lock:
+            self.closed_idle += idle
+            self._members.add(peer)
+            self._parked[peer] = endpoint
+            self._last_use.pop(peer, None)
+            self._opened.pop(peer, None)
+            self._up.discard(peer)
+
+    def parked(self, peer: int) -> str | None:
+        """``peer``'s endpoint while it is parked; None otherwise."""
+        with self._lock:
+            return self._parked.get(peer)
+
+    def tracks(self, peer: int) -> bool:
+        """Whether ``peer`` is on demand here (parked, or its sockets made on demand), until ``forget``."""
+        with self._lock:
+            return peer in self._members
+
+    def open(self, peer: int, now: float | None = None) -> str | None:
+        """Something is to be sent to ``peer``: its endpoint if it is parked (the caller makes its sockets now), else
+        None (its sockets exist, or it is not on demand); either way its use is recorded."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            endpoint = self._parked.pop(peer, None)
+            if endpoint is not None:
+                self._opened[peer] = now
+                self._numbers[peer] = self._numbers.get(peer, 0) + 1
+                self.opened += 1
+            if endpoint is not None or peer in self._last_use:
+                self._last_use[peer] = now
+            return endpoint
+
+    def used(self, peer: int, now: float | None = None) -> None:
+        """A message went to or came from ``peer``."""
+        with self._lock:
+            if peer in self._last_use:
+                self._last_use[peer] = time.monotonic() if now is None else now
+
+    def number(self, peer: int) -> int:
+        """The number of ``peer``'s latest link made on demand (0: none), which its sockets' routing ids carry
+        (``security.trust.routing_id``)."""
+        with self._lock:
+            return self._numbers.get(peer, 0)
+
+    def link_up(self, peer: int) -> None:
+        with self._lock:
+            self._opened.pop(peer, None)
+            if peer in self._last_use:
+                self._up.add(peer)
+
+    def link_down(self, peer: int) -> bool:
+        """``peer``'s link dropped; False for a link on demand that never came up (the other end dropped a handshake
+        that took too long, as a peer busy starting makes it: libzmq dials again, and it is no failure)."""
+        with self._lock:
+            if peer in self._members and peer not in self._up:
+                return False
+            self._up.discard(peer)
+            return True
+
+    def answered(self, peer: int) -> None:
+        """``peer``'s end took the TCP connection, or refused the handshake (it has not admitted this peer yet): it
+        answers, so it is not reported unanswered (a slow handshake, a peer busy starting, is waited for as a full
+        mesh waits for it; the refusal's own retries, ``retry.HandshakeBackoff``, go on)."""
+        with self._lock:
+            self._opened.pop(peer, None)
+
+    def forget(self, peer: int) -> bool:
+        """Drop all that is kept of ``peer``; True if it was parked."""
+        with self._lock:
+            self._last_use.pop(peer, None)
+            self._opened.pop(peer, None)
+            self._up.discard(peer)
+            self._members.discard(peer)
+            self._numbers.pop(peer, None)
+            return self._parked.pop(peer, None) is not None
+
+    def due(self, now: float | None = None) -> tuple[list[int], list[int]]:
+        """(peers whose link is up and idle for ``idle_s``: close them; peers opened on demand whose handshake has not
+        succeeded within ``handshake_s``: report them, once)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            idle = sorted(p for p in self._up if now - self._last_use[p] >= self.idle_s)
+            unanswered = sorted(p for p, t in self._opened.items() if now - t >= self.handshake_s)
+            for peer in unanswered:
+                del self._opened[peer]
+            return idle, unanswered
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"parked": len(self._parked), "linked": len(self._last_use), "up": len(self._up),
+                    "opened": self.opened, "closed_idle": self.closed_idle}

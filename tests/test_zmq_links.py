@@ -1,0 +1,188 @@
+"""Links on demand over the real ZeroMQ transport (``ZmqExchange(links_idle_s=...)``, ``transport.zmq_links``):
+CurveZMQ and sealed data on loopback, real sockets and threads. No socket to a member until something is sent to it,
+exchanges that open what they need, idle links closed without a failure and opened again, and a member that died
+behind an idle link found by the first send to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import wait_until
+from gossiploco.config import ConfigError, RunConfig
+from gossiploco.errors import ExchangeError, PeerFailed
+from gossiploco.security.swarm_key import SwarmKey
+from gossiploco.security.trust import Trust
+from gossiploco.transport.zmq_exchange import ZmqExchange
+from gossiploco.transport.zmq_links import LinksOnDemand
+from tests.test_exchange import free_ports, run_all
+
+IDLE_S = 1.5
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def swarm():
+    made: list[ZmqExchange] = []
+
+    def make(world: int, idle_s: float = IDLE_S, heartbeat_s: float = 2.0) -> list[ZmqExchange]:
+        key = SwarmKey.generate()
+        for attempt in range(5):
+            endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(world)]
+            try:
+                for r in range(world):
+                    made.append(ZmqExchange(r, endpoints, "links-test", 10.0, trust=Trust.static(key, r, world),
+                                            heartbeat_s=heartbeat_s, links_idle_s=idle_s, grace_s=1.0))
+                return made[-world:]
+            except ExchangeError:
+                for ex in made:
+                    ex.close()
+                made.clear()
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
+
+    try:
+        yield make
+    finally:
+        for ex in made:
+            ex.close()
+
+
+def _links(ex: ZmqExchange) -> dict[str, int]:
+    return ex.sockets.links.counts()
+
+
+def test_members_need_no_socket_and_an_exchange_opens_only_what_it_uses(swarm):
+    peers = swarm(4)
+    assert all(ex.sockets.dealers == {} for ex in peers)  # nothing dialed at start
+    assert all(ex.members(0) == [0, 1, 2, 3] for ex in peers)  # yet every peer is a member
+    values = [torch.full((1000,), float(r)) for r in range(4)]
+    out = run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2, 3]) for r in range(4)])
+    assert all(torch.equal(o, torch.full((1000,), 1.5)) for o in out)
+    swapped = run_all([lambda: peers[0].swap("mix2/0", 1, values[0]), lambda: peers[1].swap("mix2/0", 0, values[1])])
+    assert torch.equal(swapped[0], values[1]) and torch.equal(swapped[1], values[0])
+    # a ring sends to its next member only: peer 2 never sent anything to peer 0
+    assert 0 not in peers[2].sockets.dealers and 3 in peers[2].sockets.dealers
+
+
+def test_idle_links_close_without_a_failure_and_open_again(swarm):
+    peers = swarm(3)
+    values = [torch.full((500,), float(r)) for r in range(3)]
+    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    assert wait_until(lambda: all(ex.connected() for ex in peers), 5.0)
+    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)  # closed when idle
+    assert all(ex.members(1) == [0, 1, 2] for ex in peers)  # no failure: still members
+    assert all(ex.connected() == [] and _links(ex)["closed_idle"] >= 1 for ex in peers)
+    assert all(not ex.inspect(lambda node: node.peers.failed) for ex in peers)
+    out = run_all([lambda r=r: peers[r].all_reduce_mean("mix1/1", values[r], [0, 1, 2]) for r in range(3)])
+    assert all(torch.equal(o, torch.full((500,), 1.0)) for o in out)  # opened again on demand
+    assert all(_links(ex)["opened"] >= 2 for ex in peers)
+
+
+def test_a_member_dead_behind_an_idle_link_is_found_by_the_next_send_to_it(swarm):
+    peers = swarm(3, heartbeat_s=1.0)
+    values = [torch.full((200,), float(r)) for r in range(3)]
+    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    peers[2].close()  # nobody holds a link to it: nobody sees it go
+    time.sleep(0.2)
+    assert peers[0].members(1) == [0, 1, 2]
+    began = time.monotonic()
+    with pytest.raises(PeerFailed):
+        peers[0].swap("mix2/1", 2, values[0])  # its link cannot be opened within the handshake deadline
+    assert time.monotonic() - began < 10.0
+    assert wait_until(lambda: 2 not in peers[0].members(1), 3.0)
+    assert peers[1].members(1) == [0, 1, 2]  # peer 1 never needed it, and still counts it
+
+
+def test_members_found_later_are_asked_where_they_stand_without_a_handshake_to_ask_them():
+    """Discovery (``add_peer``) parks a member found later; a probe, and an answer that asks back, tell each the
+    other's join round, so both views hold both though neither made a socket for the other up front."""
+    key = SwarmKey.generate()
+    for attempt in range(5):
+        endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+        try:
+            peers = [ZmqExchange(r, {r: endpoints[r]}, "links-test", 10.0, trust=Trust.static(key, r, 2),
+                                 links_idle_s=IDLE_S, heartbeat_s=2.0) for r in range(2)]
+            break
+        except ExchangeError:
+            if attempt == 4:
+                raise
+    try:
+        trust = Trust.static(key, 0, 2)
+        assert peers[0].add_peer(1, peers[1].bound, trust.key_of(1))
+        assert peers[0].members(0) == [0]  # pending until it says where it stands
+        time.sleep(0.3)  # peer 1 does not know peer 0 yet: the probe is dropped there
+        assert peers[1].add_peer(0, peers[0].bound, trust.key_of(0))
+        assert wait_until(lambda: peers[0].members(0) == [0, 1] and peers[1].members(0) == [0, 1], 10.0)
+    finally:
+        for ex in peers:
+            ex.close()
+
+
+def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
+    links = LinksOnDemand(idle_s=5.0, handshake_s=2.0)
+    links.park(1, "tcp://a:1")
+    links.park(2, "tcp://a:2")
+    assert links.open(1, now=0.0) == "tcp://a:1" and links.open(1, now=0.5) is None
+    assert links.open(2, now=0.0) == "tcp://a:2"
+    links.link_up(1)
+    assert links.due(now=1.0) == ([], [])
+    assert links.due(now=2.0) == ([], [2]) and links.due(now=2.5) == ([], [])  # peer 2: reported once
+    links.used(1, now=3.0)
+    assert links.due(now=7.9) == ([], []) and links.due(now=8.0) == ([1], [])
+    links.park(1, "tcp://a:1")
+    assert links.counts()["parked"] == 1 and links.parked(1) == "tcp://a:1"
+    assert links.forget(1) and links.parked(1) is None and not links.forget(1)
+
+
+def test_a_link_made_again_has_routing_ids_of_its_own_that_name_the_same_process():
+    from gossiploco.security.trust import parse_routing_id, routing_id
+
+    first, again = routing_id(7, "abc123", False, link=1), routing_id(7, "abc123", False, link=2)
+    assert first != again and first == b"7.abc123~1" and routing_id(7, "abc123", True, link=2) == b"7.abc123~2/control"
+    assert parse_routing_id(first) == parse_routing_id(again) == parse_routing_id(b"7.abc123") == (7, b"abc123", False)
+    assert parse_routing_id(routing_id(7, "abc123", False, stripe=3, link=4)) == (7, b"abc123", False)
+    for bad in (b"7.abc123~", b"7.abc123~0", b"7.abc123~x", b"7.abc~1~2"):
+        assert parse_routing_id(bad) is None, bad
+
+
+def test_the_setting_is_zero_for_a_full_mesh_or_a_positive_idle_time():
+    cfg = RunConfig()
+    assert cfg.transport.links_idle_s == 0.0
+    cfg.transport.links_idle_s = -1.0
+    with pytest.raises(ConfigError, match="links_idle_s"):
+        cfg.transport.check("transport")
+
+
+@pytest.mark.slow  # a real swarm: DHT, peer processes, training (25-60 s)
+@pytest.mark.timeout(240)
+def test_a_swarm_on_links_on_demand_trains_to_the_end_opening_and_closing_links(tmp_path):
+    """``gossiploco swarm`` with ``transport.links_idle_s`` = 0.5 s (rounds take longer): 4 real peers find each other
+    through the DHT, are parked, open links as their exchanges need them and close them when idle, many times
+    each, and every peer finishes every round with no failed mix and no warning."""
+    from test_peer import ENV
+
+    out = tmp_path / "swarm"
+    proc = subprocess.run([sys.executable, "-m", "gossiploco", "swarm", "--peers", "4", "--rounds", "4", "--inner-steps",
+                           "60", "--model", "tiny", "--set", "data.max_corpus_mb=2.0", "--set",
+                           "transport.links_idle_s=0.5", "--out", str(out)], capture_output=True, text=True,
+                          env={**os.environ, **ENV}, timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    swarm = json.loads((out / "summary.json").read_text())
+    assert swarm["finished"] == 4 and not swarm["interrupted"]
+    for rank in range(4):
+        assert "WARN" not in (out / f"peer-{rank}.log").read_text()
+        peer = json.loads((out / f"peer-{rank}" / "summary.json").read_text())
+        links = peer["security"]["links_on_demand"]
+        assert links["opened"] >= 3 and links["closed_idle"] >= 1, links

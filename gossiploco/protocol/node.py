@@ -163,7 +163,8 @@ class PeerNode:
     # -- events from the carrier ------------------------------------------------------------------
 
     def connected(self, peer: int, now: float, incarnation: object = None) -> list[Action]:
-        """A link to ``peer`` is up; ``incarnation``: its process, where the carrier tells (``PeerTable.on_connected``)."""
+        """A link to ``peer`` is up; ``incarnation``: its process, where the carrier tells it
+        (``PeerTable.on_connected``)."""
         if peer not in self.peers.known:
             return []
         if self.peers.on_connected(peer, incarnation):
@@ -173,7 +174,8 @@ class PeerNode:
         return []
 
     def idled(self, peer: int, now: float) -> list[Action]:
-        """The carrier closed the idle link to ``peer`` (it opens one again when something is sent): it stays a member."""
+        """The carrier closed the idle link to ``peer`` (it opens one again when something is sent): it stays a
+        member."""
         self.peers.on_idle(peer)
         return []
 
@@ -342,7 +344,8 @@ class PeerNode:
     def links_ahead(self, key: str, round_index: int) -> list[int]:
         """The peers exchange ``key`` of round ``round_index`` may need a link to, by this peer's view (its bucket):
         a carrier that opens links on demand opens these ahead (during the inner steps) or keeps them open, so that
-        no handshake falls on the exchange's critical path. Empty for a carrier with every link up, and where this peer takes no part."""
+        no handshake falls on the exchange's critical path. Empty for a carrier with every link up, and where this
+        peer takes no part."""
         if not self.peers.links_on_demand or not self.peers.takes_part(round_index):
             return []
         return [p for p in self._bucket(key, round_index) if p != self.rank]

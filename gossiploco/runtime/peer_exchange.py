@@ -37,6 +37,6 @@ def open_exchange(cfg: RunConfig, rank: int, known: Sequence[str] | Mapping[int,
         deadlines=AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor),
         max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk, bind=bind,
         join_round=None, heartbeat_s=t.heartbeat_s, trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
-        sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault, sealed_port=None if sealed_port == -1 else sealed_port,
-        links_idle_s=cfg.transport.links_idle_s)
+        sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault,
+        sealed_port=None if sealed_port == -1 else sealed_port, links_idle_s=cfg.transport.links_idle_s)
     return CompanionExchange(**settings) if companion else ZmqExchange(**settings)

@@ -247,7 +247,8 @@ class SimNetwork:
         deadline = self.now + self.heartbeat_s if deadline is None else deadline
         path = pair_path(src not in self.behind_nat, dst not in self.behind_nat)
         relay = self.relays.pick() if path == RELAYED else None
-        if self.answers(src) and self.answers(dst) and not self.partitioned(src, dst) and (path != RELAYED or relay is not None):
+        if (self.answers(src) and self.answers(dst) and not self.partitioned(src, dst)
+                and (path != RELAYED or relay is not None)):
             self._open(src, dst, Connection(path, relay))
             return
         if self.now + self.reconnect_s < deadline:

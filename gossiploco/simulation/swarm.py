@@ -149,7 +149,8 @@ class SimSwarm:
         self.bytes_sent: dict[int, int] = {}
         self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
-        self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now, self._incarnation(b)))
+        self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now,
+                                                                                   self._incarnation(b)))
         self.net.on_idle = lambda a, b: self._to(a, lambda node: node.idled(b, self.net.now))
         self.net.on_disconnect = lambda a, b: self._to(a, lambda node: node.disconnected(b, self.net.now))
         self.net.note = self.note

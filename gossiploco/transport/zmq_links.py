@@ -11,8 +11,8 @@ once (``due``'s unanswered list): the node hears ``disconnected``, and libzmq go
 connection. A connection taken, or a refused handshake (the member has not admitted this peer yet, as when it has
 not read this peer's record), is an answer: not reported; a handshake that never completes is dropped by the other
 end's ``HANDSHAKE_IVL`` and dialed again, no failure either (``link_down``). A frozen member behind an idle link is so
-found only by the deadline of an exchange with it, where a full mesh's heartbeat finds it. Reverse and relayed paths are not
-parked: a member behind NAT cannot be dialed when wanted.
+found only by the deadline of an exchange with it, where a full mesh's heartbeat finds it. Reverse and relayed
+paths are not parked: a member behind NAT cannot be dialed when wanted.
 
 Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
 """

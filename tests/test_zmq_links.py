@@ -140,10 +140,12 @@ def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
     assert links.due(now=1.0) == ([], [])
     assert links.due(now=2.0) == ([], [2]) and links.due(now=2.5) == ([], [])  # peer 2: reported once
     links.used(1, now=3.0)
-    assert links.due(now=7.9) == ([], []) and links.due(now=8.0) == ([1], [])
+    assert links.due(now=7.7) == ([], []) and links.due(now=8.0) == ([1], [])
+    assert links.due(now=8.1) == ([], [])  # looked at most every CHECK_S
     links.park(1, "tcp://a:1")
-    assert links.counts()["parked"] == 1 and links.parked(1) == "tcp://a:1"
-    assert links.forget(1) and links.parked(1) is None and not links.forget(1)
+    assert links.counts()["parked"] == 1 and links.tracks(1) and links.open(1, now=9.0) == "tcp://a:1"
+    links.park(1, "tcp://a:1")
+    assert links.forget(1) and not links.tracks(1) and not links.forget(1)
 
 
 def test_a_link_made_again_has_routing_ids_of_its_own_that_name_the_same_process():

@@ -23,6 +23,10 @@ import threading
 import time
 
 
+CHECK_S = 0.25
+"""``due`` looks at the links at most this often (it is asked after every poll of the receiving thread)."""
+
+
 class LinksOnDemand:
     """See the module docstring."""
 
@@ -37,6 +41,7 @@ class LinksOnDemand:
         self._up: set[int] = set()  # peers whose link is up (handshake done, no drop since)
         self._members: set[int] = set()  # every peer parked once and not forgotten, whether its sockets exist or not
         self._numbers: dict[int, int] = {}  # peer -> how many links were made to it on demand
+        self._checked_at = -CHECK_S
         self.opened = 0
         """Links opened on demand so far."""
         self.closed_idle = 0
@@ -51,11 +56,6 @@ class LinksOnDemand:
             self._last_use.pop(peer, None)
             self._opened.pop(peer, None)
             self._up.discard(peer)
-
-    def parked(self, peer: int) -> str | None:
-        """``peer``'s endpoint while it is parked; None otherwise."""
-        with self._lock:
-            return self._parked.get(peer)
 
     def tracks(self, peer: int) -> bool:
         """Whether ``peer`` is on demand here (parked, or its sockets made on demand), until ``forget``."""
@@ -125,6 +125,9 @@ class LinksOnDemand:
         succeeded within ``handshake_s``: report them, once)."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            if now - self._checked_at < CHECK_S:  # the receiving thread asks after every poll: look 4 times a second
+                return [], []
+            self._checked_at = now
             idle = sorted(p for p in self._up if now - self._last_use[p] >= self.idle_s)
             unanswered = sorted(p for p, t in self._opened.items() if now - t >= self.handshake_s)
             for peer in unanswered:

@@ -171,7 +171,7 @@ class Receiver:
 
     def _links_due(self) -> None:
         """Links on demand (``zmq_links``): close idle links (the node hears ``idled``: no failure) and report links
-        opened on demand whose handshake never came (``disconnected``: libzmq goes on dialing them)."""
+        opened on demand whose TCP connection was never taken (``disconnected``: libzmq goes on dialing them)."""
         idle, unanswered = self.sockets.links.due()
         for peer in idle:
             if self.sockets.close_idle(peer):

@@ -234,6 +234,20 @@ def test_exchanges_in_companion_processes_reduce_in_shared_vectors_and_swap():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+def test_a_companion_on_links_on_demand_opens_the_links_its_trainer_asks_for_ahead():
+    exchanges = start_companions(2, links_idle_s=30.0)
+    try:
+        links = exchanges[0].security_counts()["links_on_demand"]
+        assert links["opened"] == 0 and links["parked"] == 1  # no socket to its member yet
+        exchanges[0].link_ahead("mix2/0", 0)  # what ``factored.begin_round`` asks at each round's start
+        assert wait_until(lambda: exchanges[0].security_counts()["links_on_demand"]["up"] == 1, 10.0)
+    finally:
+        for ex in exchanges:
+            ex.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
 def test_a_killed_companion_fails_its_trainers_calls_at_once_never_a_hang():
     exchanges = start_companions(2)
     try:

@@ -143,6 +143,9 @@ class CompanionExchange(Exchange, PathControl):
     def group(self, key: str, round_index: int) -> list[int]:
         return self._call("group", key, round_index, timeout_s=self._collective_s())
 
+    def link_ahead(self, key: str, round_index: int) -> None:
+        self._call("link_ahead", key, round_index)
+
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:
         sent = self._vectors.shared(flat.detach())  # ``flat`` itself when it is a vector from ``vector``

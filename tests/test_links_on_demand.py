@@ -65,6 +65,16 @@ def test_a_pending_peers_question_is_answered_with_a_question_back():
     assert full_mesh.message.ask == 0
 
 
+def test_a_restart_the_carrier_reports_makes_the_member_pending_and_asked():
+    node = _node()
+    (probe,) = node.restarted(3, 1.0)
+    assert 3 not in node.members(0) and node.peers.pending() == [3]
+    assert probe.peer == 3 and probe.message.join_round == PROBE and probe.message.ask == node.probe_id
+    node.receive(3, Hello(4, 4), 1.1)  # its news
+    assert 3 in node.members(4) and 3 not in node.members(3)
+    assert node.restarted(0, 1.2) == [] and node.restarted(99, 1.2) == []  # itself, or a peer it does not know
+
+
 def test_news_of_a_join_goes_to_linked_peers_those_outside_the_view_and_a_bounded_sample():
     node = _node(peers=200, join_round=None)
     node.connected(7, 0.5)

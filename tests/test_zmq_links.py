@@ -105,6 +105,30 @@ def test_a_member_dead_behind_an_idle_link_is_found_by_the_next_send_to_it(swarm
     assert peers[1].members(1) == [0, 1, 2]  # peer 1 never needed it, and still counts it
 
 
+def test_a_member_restarted_behind_an_idle_link_is_admitted_as_its_new_process(swarm):
+    """Nobody held a link to peer 1 when it restarted, so nobody saw its old process go: its new process must be
+    taken for a restart (pending until it says where it stands), not refused as another process claiming it while
+    its link is up (which is what a full mesh may assume)."""
+    peers = swarm(2)
+    values = [torch.full((100,), float(r)) for r in range(2)]
+    run_all([lambda r=r: peers[r].swap("mix2/0", 1 - r, values[r]) for r in range(2)])
+    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    endpoint, trust = peers[1].bound, peers[1].trust
+    peers[1].close()
+    for attempt in range(20):  # its port, freed a moment ago
+        try:
+            peers[1] = ZmqExchange(1, {0: peers[0].bound, 1: endpoint}, "links-test", 10.0, trust=trust, join_round=None,
+                                   heartbeat_s=2.0, links_idle_s=IDLE_S, grace_s=1.0)
+            break
+        except ExchangeError:
+            time.sleep(0.1)
+    peers[1].announce(3)  # the new process takes part from round 3, and says so
+    assert wait_until(lambda: peers[0].members(3) == [0, 1] and peers[0].members(2) == [0], 10.0), peers[0].members(3)
+    got = run_all([lambda r=r: peers[r].swap("mix2/3", 1 - r, values[r]) for r in range(2)])
+    assert torch.equal(got[0], values[1]) and torch.equal(got[1], values[0])
+    assert peers[0].security_counts()["rejected_messages"] == {}
+
+
 def test_members_found_later_are_asked_where_they_stand_without_a_handshake_to_ask_them():
     """Discovery (``add_peer``) parks a member found later; a probe, and an answer that asks back, tell each the
     other's join round, so both views hold both though neither made a socket for the other up front."""

@@ -179,6 +179,15 @@ class PeerNode:
         self.peers.on_idle(peer)
         return []
 
+    def restarted(self, peer: int, now: float) -> list[Action]:
+        """The carrier admitted a new process of ``peer`` while no link to it was up (links on demand): pending until
+        its news, and asked where it stands (its news may go to others only)."""
+        if peer not in self.peers.known or peer == self.rank:
+            return []
+        self.peers.on_restart(peer)
+        self.note(f"peer {peer} restarted (a new process of it spoke)", routine=True)
+        return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
+
     def disconnected(self, peer: int, now: float) -> list[Action]:
         if self.peers.on_disconnected(peer, now) and peer not in self._left:
             self.note(f"lost the connection to peer {peer}")

@@ -128,6 +128,12 @@ class PeerTable:
         rest = sorted(others - told)
         return sorted(told | set(draw.sample(rest, min(NEWS_SAMPLE, len(rest)))))
 
+    def on_restart(self, peer: int) -> None:
+        """A new process of ``peer`` spoke while no link to it was up (links on demand: none saw the old one go): it
+        is pending until it says when it takes part."""
+        self.joined.pop(peer, None)
+        self.reported.pop(peer, None)
+
     def on_idle(self, peer: int) -> bool:
         """The carrier closed its link for idleness: no failure, it stays a member. True if a link was up."""
         if peer not in self.connected:

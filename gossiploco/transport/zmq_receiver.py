@@ -264,10 +264,15 @@ class Receiver:
                      "connecting again now", self.rank, sender)
 
         def event(node: PeerNode, now: float) -> list:
-            note = self.admission.pin(sender, incarnation, node.peers.lost_at.get(sender, -math.inf), now)
-            if note is not None:
-                node.note(note, routine=True)
-            return node.receive(sender, message, now)
+            lost = node.peers.lost_at.get(sender, -math.inf)
+            unseen = node.peers.links_on_demand and sender not in node.peers.connected
+            if unseen:  # no link up that would have seen its last process go: another one is a restart
+                lost = now
+            note = self.admission.pin(sender, incarnation, lost, now)
+            if note is None:
+                return node.receive(sender, message, now)
+            node.note(note, routine=True)
+            return (node.restarted(sender, now) if unseen else []) + node.receive(sender, message, now)
 
         self.feed(event)
 

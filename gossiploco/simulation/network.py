@@ -144,11 +144,7 @@ class SimNetwork:
 
     def could_connect(self, a: int, b: int) -> bool:
         """Whether ``a`` and ``b`` have a connection up, or (links on demand) could open one now."""
-        if self.is_up(a, b):
-            return True
-        path = pair_path(a not in self.behind_nat, b not in self.behind_nat)
-        return (self.idle_s is not None and self.answers(a) and self.answers(b) and not self.partitioned(a, b)
-                and (path != RELAYED or self.relays.pick() is not None))
+        return self.is_up(a, b) or (self.idle_s is not None and self._connection(a, b) is not None)
 
     def partitioned(self, a: int, b: int) -> bool:
         return any(f.kind in ("partition", "oneway") and (f.touches(a, b, self.now) or f.touches(b, a, self.now))
@@ -160,12 +156,20 @@ class SimNetwork:
         pair = frozenset((a, b))
         if pair in self._up:
             return
+        connection = self._connection(a, b)
+        if connection is not None:
+            self._open(a, b, connection)
+        else:
+            self.at(self.now + self.reconnect_s, lambda: self.try_connect(a, b))
+
+    def _connection(self, a: int, b: int) -> Connection | None:
+        """A new connection between ``a`` and ``b`` if both run, nothing separates them and their path is open (a
+        relayed one needs a live relay); None otherwise."""
         path = pair_path(a not in self.behind_nat, b not in self.behind_nat)
         relay = self.relays.pick() if path == RELAYED else None
         if self.answers(a) and self.answers(b) and not self.partitioned(a, b) and (path != RELAYED or relay is not None):
-            self._open(a, b, Connection(path, relay))
-        else:
-            self.at(self.now + self.reconnect_s, lambda: self.try_connect(a, b))
+            return Connection(path, relay)
+        return None
 
     def _open(self, a: int, b: int, connection: Connection) -> None:
         """Open ``connection`` between ``a`` and ``b``: it comes up, and both ends hear of it, once its
@@ -245,11 +249,9 @@ class SimNetwork:
         if pair in self._up or pair not in self._waiting:
             return  # it came up meanwhile (another dial), or nothing waits any more
         deadline = self.now + self.heartbeat_s if deadline is None else deadline
-        path = pair_path(src not in self.behind_nat, dst not in self.behind_nat)
-        relay = self.relays.pick() if path == RELAYED else None
-        if (self.answers(src) and self.answers(dst) and not self.partitioned(src, dst)
-                and (path != RELAYED or relay is not None)):
-            self._open(src, dst, Connection(path, relay))
+        connection = self._connection(src, dst)
+        if connection is not None:
+            self._open(src, dst, connection)
             return
         if self.now + self.reconnect_s < deadline:
             self.at(self.now + self.reconnect_s, lambda: self._dial(src, dst, deadline))

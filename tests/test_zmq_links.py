@@ -105,6 +105,42 @@ def test_a_member_dead_behind_an_idle_link_is_found_by_the_next_send_to_it(swarm
     assert peers[1].members(1) == [0, 1, 2]  # peer 1 never needed it, and still counts it
 
 
+def test_a_member_frozen_behind_an_idle_link_is_found_by_the_next_send_to_it_before_any_exchange_deadline(swarm):
+    """A frozen process: its kernel takes TCP connections (a listening socket nobody reads, here, on its port) and
+    nothing in it answers a handshake. The send to it fails with ``PeerFailed`` (not the exchange's deadline) and the
+    member leaves the view, as a full mesh's heartbeat would have it."""
+    import socket
+
+    from gossiploco.transport.zmq_links import PATIENCE
+
+    heartbeat_s = 1.0
+    peers = swarm(3, heartbeat_s=heartbeat_s)
+    values = [torch.full((200,), float(r)) for r in range(3)]
+    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    host, port = peers[2].bound.removeprefix("tcp://").rsplit(":", 1)
+    peers[2].close()
+    frozen = socket.socket()
+    frozen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for attempt in range(50):  # its port, freed a moment ago
+        try:
+            frozen.bind((host, int(port)))
+            break
+        except OSError:
+            time.sleep(0.1)
+    frozen.listen(64)
+    try:
+        began = time.monotonic()
+        with pytest.raises(PeerFailed):
+            peers[0].swap("mix2/1", 2, values[0])  # the exchange's own deadline is 10 s, and would raise a timeout
+        taken = time.monotonic() - began
+        assert taken < 10.0 and taken >= PATIENCE * heartbeat_s * 0.9, taken
+        assert wait_until(lambda: 2 not in peers[0].members(1), 3.0)
+        assert _links(peers[0])["frozen"] == 1
+    finally:
+        frozen.close()
+
+
 def test_a_member_restarted_behind_an_idle_link_is_admitted_as_its_new_process(swarm):
     """Nobody held a link to peer 1 when it restarted, so nobody saw its old process go: its new process must be
     taken for a restart (pending until it says where it stands), not refused as another process claiming it while
@@ -170,6 +206,29 @@ def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
     assert links.counts()["parked"] == 1 and links.tracks(1) and links.open(1, now=9.0) == "tcp://a:1"
     links.park(1, "tcp://a:1")
     assert links.forget(1) and not links.tracks(1) and not links.forget(1)
+
+
+def test_a_connection_taken_whose_handshake_never_ends_is_reported_once_and_a_refusal_never():
+    """A frozen process's kernel takes the connection and nothing answers: reported after ``PATIENCE`` handshake
+    deadlines from the taking, once a link opened; a refused handshake is a live process's answer."""
+    from gossiploco.transport.zmq_links import PATIENCE
+
+    links = LinksOnDemand(idle_s=100.0, handshake_s=2.0)
+    for peer in (1, 2, 3):
+        links.park(peer, f"tcp://a:{peer}")
+        links.open(peer, now=0.0)
+        links.answered(peer, now=1.0)  # TCP taken: not "unanswered" at 2 s
+    links.answered(2, refused=True, now=1.5)  # peer 2's process refused the handshake: alive
+    links.link_up(3)
+    assert links.due(now=2.0) == ([], [])
+    assert links.due(now=1.0 + PATIENCE * 2.0 - 0.3) == ([], [])  # (due looks every CHECK_S)
+    assert links.due(now=1.0 + PATIENCE * 2.0) == ([], [1])
+    links.answered(1, now=8.0)  # libzmq dialed again and the kernel took it again: no second report
+    assert links.due(now=30.0) == ([], []) and links.counts()["frozen"] == 1
+    links.park(1, "tcp://a:1")
+    links.open(1, now=40.0)  # a link opened anew is watched anew
+    links.answered(1, now=40.0)
+    assert links.due(now=40.0 + PATIENCE * 2.0) == ([], [1]) and links.counts()["frozen"] == 2
 
 
 def test_a_link_made_again_has_routing_ids_of_its_own_that_name_the_same_process():

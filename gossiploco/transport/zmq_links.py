@@ -6,12 +6,15 @@ file descriptors and a ZMTP heartbeat per member. With links on demand a member 
 endpoint and key are known, its key is admitted, and no socket is made until something is sent to it (``open``).
 Its sockets are closed again (``due``'s idle list) once nothing was sent to it or received from it for ``idle_s``
 and its link is up; the node hears ``idled`` (no failure, it stays a member). A link opened on demand whose
-TCP connection is not taken within ``handshake_s`` (a process gone: refused; a machine gone: no answer) is reported
-once (``due``'s unanswered list): the node hears ``disconnected``, and libzmq goes on dialing it, as it does a dropped
-connection. A connection taken, or a refused handshake (the member has not admitted this peer yet, as when it has
-not read this peer's record), is an answer: not reported; a handshake that never completes is dropped by the other
-end's ``HANDSHAKE_IVL`` and dialed again, no failure either (``link_down``). A frozen member behind an idle link is so
-found only by the deadline of an exchange with it, where a full mesh's heartbeat finds it. Reverse and relayed
+TCP connection is not taken within ``handshake_s`` (a process gone: refused; a machine gone: no answer), or whose
+connection is taken but whose handshake neither succeeds nor is refused within ``PATIENCE`` handshake deadlines (a
+frozen process: its kernel takes connections, nothing in it answers), is reported once (``due``'s unanswered list):
+the node hears ``disconnected``, as a full mesh's heartbeat would tell it, and libzmq goes on dialing it, as it does a
+dropped connection; a link that comes up later is ``connected`` again. A refused handshake (the member has not
+admitted this peer yet, as when it has not read this peer's record) is an answer from a live process: not reported.
+A handshake slower than one deadline but within ``PATIENCE`` of them (a peer busy starting: its ZAP handler is Python)
+is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``).
+Reverse and relayed
 paths are not parked: a member behind NAT cannot be dialed when wanted.
 
 Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
@@ -25,6 +28,10 @@ import time
 
 CHECK_S = 0.25
 """``due`` looks at the links at most this often (it is asked after every poll of the receiving thread)."""
+PATIENCE = 3
+"""A connection taken whose handshake has neither succeeded nor been refused within this many handshake deadlines
+(15 s by default) is reported: its process is frozen. A full mesh's heartbeat finds one within 6.7 s; a peer busy
+starting (its ZAP handler runs in Python) gets this much longer."""
 
 
 class LinksOnDemand:
@@ -37,7 +44,8 @@ class LinksOnDemand:
         self._lock = threading.Lock()
         self._parked: dict[int, str] = {}  # peer -> its endpoint: no sockets
         self._last_use: dict[int, float] = {}  # peer with sockets made on demand -> its last message either way
-        self._opened: dict[int, float] = {}  # peer -> when its sockets were made, until its first handshake
+        self._opened: dict[int, float] = {}  # peer -> when its sockets were made, until its TCP connection is taken
+        self._answering: dict[int, float] = {}  # peer -> when its TCP connection was taken, until its handshake ends
         self._up: set[int] = set()  # peers whose link is up (handshake done, no drop since)
         self._members: set[int] = set()  # every peer parked once and not forgotten, whether its sockets exist or not
         self._numbers: dict[int, int] = {}  # peer -> how many links were made to it on demand
@@ -46,6 +54,8 @@ class LinksOnDemand:
         """Links opened on demand so far."""
         self.closed_idle = 0
         """Links closed for idleness so far."""
+        self.frozen = 0
+        """Links reported because their connection was taken and their handshake never ended (a frozen process)."""
 
     def park(self, peer: int, endpoint: str, idle: bool = False) -> None:
         """``peer`` is a member on a direct path at ``endpoint`` with no sockets (found, or its link closed ``idle``)."""
@@ -55,6 +65,7 @@ class LinksOnDemand:
             self._parked[peer] = endpoint
             self._last_use.pop(peer, None)
             self._opened.pop(peer, None)
+            self._answering.pop(peer, None)
             self._up.discard(peer)
 
     def tracks(self, peer: int) -> bool:
@@ -70,6 +81,7 @@ class LinksOnDemand:
             endpoint = self._parked.pop(peer, None)
             if endpoint is not None:
                 self._opened[peer] = now
+                self._answering.pop(peer, None)
                 self._numbers[peer] = self._numbers.get(peer, 0) + 1
                 self.opened += 1
             if endpoint is not None or peer in self._last_use:
@@ -91,6 +103,7 @@ class LinksOnDemand:
     def link_up(self, peer: int) -> None:
         with self._lock:
             self._opened.pop(peer, None)
+            self._answering.pop(peer, None)
             if peer in self._last_use:
                 self._up.add(peer)
 
@@ -103,38 +116,50 @@ class LinksOnDemand:
             self._up.discard(peer)
             return True
 
-    def answered(self, peer: int) -> None:
-        """``peer``'s end took the TCP connection, or refused the handshake (it has not admitted this peer yet): it
-        answers, so it is not reported unanswered (a slow handshake, a peer busy starting, is waited for as a full
-        mesh waits for it; the refusal's own retries, ``retry.HandshakeBackoff``, go on)."""
+    def answered(self, peer: int, refused: bool = False, now: float | None = None) -> None:
+        """``peer``'s end took the TCP connection (its handshake is then waited for up to ``PATIENCE`` handshake
+        deadlines from the first time since the link was opened), or ``refused`` the handshake (it has not admitted
+        this peer yet): a live process, not reported (the refusal's own retries, ``retry.HandshakeBackoff``, go on)."""
+        now = time.monotonic() if now is None else now
         with self._lock:
-            self._opened.pop(peer, None)
+            taken = self._opened.pop(peer, None) is not None
+            if refused:
+                self._answering.pop(peer, None)
+            elif taken:
+                self._answering[peer] = now
 
     def forget(self, peer: int) -> bool:
         """Drop all that is kept of ``peer``; True if it was parked."""
         with self._lock:
             self._last_use.pop(peer, None)
             self._opened.pop(peer, None)
+            self._answering.pop(peer, None)
             self._up.discard(peer)
             self._members.discard(peer)
             self._numbers.pop(peer, None)
             return self._parked.pop(peer, None) is not None
 
     def due(self, now: float | None = None) -> tuple[list[int], list[int]]:
-        """(peers whose link is up and idle for ``idle_s``: close them; peers opened on demand whose handshake has not
-        succeeded within ``handshake_s``: report them, once)."""
+        """(peers whose link is up and idle for ``idle_s``: close them; peers opened on demand whose TCP connection was
+        not taken within ``handshake_s``, or whose handshake neither succeeded nor was refused within ``PATIENCE``
+        handshake deadlines of its being taken: report them, once a link opened)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if now - self._checked_at < CHECK_S:  # the receiving thread asks after every poll: look 4 times a second
                 return [], []
             self._checked_at = now
             idle = sorted(p for p in self._up if now - self._last_use[p] >= self.idle_s)
-            unanswered = sorted(p for p, t in self._opened.items() if now - t >= self.handshake_s)
+            unanswered = [p for p, t in self._opened.items() if now - t >= self.handshake_s]
+            frozen = [p for p, t in self._answering.items() if now - t >= PATIENCE * self.handshake_s]
             for peer in unanswered:
                 del self._opened[peer]
-            return idle, unanswered
+            for peer in frozen:
+                del self._answering[peer]
+                self.frozen += 1
+            return idle, sorted(unanswered + frozen)
 
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {"parked": len(self._parked), "linked": len(self._last_use), "up": len(self._up),
-                    "opened": self.opened, "closed_idle": self.closed_idle}
+                    "opened": self.opened, "closed_idle": self.closed_idle,
+                    "frozen": self.frozen}

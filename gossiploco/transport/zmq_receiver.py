@@ -171,7 +171,8 @@ class Receiver:
 
     def _links_due(self) -> None:
         """Links on demand (``zmq_links``): close idle links (the node hears ``idled``: no failure) and report links
-        opened on demand whose TCP connection was never taken (``disconnected``: libzmq goes on dialing them)."""
+        opened on demand whose TCP connection was never taken, or whose handshake never ended (``disconnected``:
+        libzmq goes on dialing them)."""
         idle, unanswered = self.sockets.links.due()
         for peer in idle:
             if self.sockets.close_idle(peer):
@@ -303,7 +304,7 @@ class Receiver:
                 self.feed(lambda node, now: node.disconnected(peer, now))
             elif event["event"] & HANDSHAKE_FAILURES:  # libzmq gives up on the connection, so we retry ourselves
                 if self.sockets.links is not None:
-                    self.sockets.links.answered(peer)
+                    self.sockets.links.answered(peer, refused=True)
                 delay = self.sockets.refused_by(peer, time.monotonic())
                 refusals = self.sockets.handshakes.refusals(peer)
                 if refusals in (4, 16, 64):  # the first few are expected while a peer joins

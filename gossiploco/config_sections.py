@@ -353,7 +353,12 @@ class TimeoutConfig:
     heartbeat_s: float = 5.0
     """Liveness: a peer whose connection answers no heartbeat for this long is dropped (a frozen process, a dead machine). Must exceed the time one transport.chunk_mb chunk takes on the slowest link (4 MiB: 0.7 s at 50 Mbit/s, 5 s at 7 Mbit/s)."""
     discovery_s: float = 2.0
-    """How often a DHT-joined peer looks up the run's peers and refreshes its own announcement."""
+    """How often a DHT-joined peer refreshes its own announcement and, in a run of up to discovery_records_per_s x
+    discovery_s members, reads the run's peers (gossiploco.membership.read_pacing)."""
+    discovery_records_per_s: float = 32.0
+    """A running peer reads the run's records (every member's, each time) at most this many a second on average:
+    every discovery_s up to 64 members by default, every M / this many seconds beyond (31 s at 1,000 peers), and
+    discovery_s after the last read when a key of no member knocked (a newcomer whose record it has not read)."""
     announce_ttl_s: float = 20.0
     """Lifetime of a peer's DHT announcement; a peer that stops refreshing it (crashed) disappears after this."""
     reverse_s: float = 20.0
@@ -362,7 +367,7 @@ class TimeoutConfig:
 
     def check(self, p: str) -> None:
         for name in ("exchange_s", "startup_s", "hello_s", "grace_s", "min_exchange_s", "heartbeat_s", "discovery_s",
-                     "announce_ttl_s", "reverse_s"):
+                     "discovery_records_per_s", "announce_ttl_s", "reverse_s"):
             _positive(f"{p}.{name}", getattr(self, name))
         if self.adaptive_factor < 1:
             raise ConfigError(f"{p}.adaptive_factor", f"must be at least 1, got {self.adaptive_factor}")

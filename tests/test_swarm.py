@@ -29,8 +29,11 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
     # late, was left out of the next round's exchanges as a straggler and (by design) caught up again.
     # Mix1 compressed against its reference (the last mean): the newcomer, which holds none, must cost the others
     # no failed Mix1 (its groups differ from the ones their references were made by, so everyone sends fp32 once).
+    # Directory reads paced as a swarm of 3,000 would pace them (one a minute: ``read_pacing``), so the founders read
+    # the newcomer's record in time only because its refused connections knock.
     args = tiny_peer_args("globalm1-localm2", rounds=30, inner_steps=72,
-                          **{"monitor.every": 0, "timeouts.startup_s": 3.0, "mix1.compression": "4bit"})
+                          **{"monitor.every": 0, "timeouts.startup_s": 3.0, "mix1.compression": "4bit",
+                             "timeouts.discovery_records_per_s": 0.05})
     with LocalPeers(4, tmp_path, args, env=ENV, join=bootstrap.address, swarm_key=bootstrap.swarm_key) as peers:
         peers.start([0, 1, 2])  # they wait 3 s for a fourth, then start without it
         assert wait_until(lambda: reached_round(peers, 0, 2), 120), peers.log(0)[-2000:]
@@ -48,6 +51,7 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
         assert records(peers, rank)[-1]["members"] == 4
     for rank in range(3):  # the newcomer never blocked the others, nor failed their compressed Mix1
         assert summary(peers, rank)["mix1_failures"] + summary(peers, rank)["mix2_failures"] <= 2
+        assert summary(peers, rank)["directory_reads"]["knocked"] >= 1, summary(peers, rank)["directory_reads"]
         assert "(another reference)" not in peers.log(rank), peers.log(rank)[-3000:]
 
 

@@ -15,6 +15,7 @@ from functools import partial
 from gossiploco.config import RunConfig
 from gossiploco.errors import DirectoryClosed, ExchangeError
 from gossiploco.membership.directory import Directory
+from gossiploco.membership.read_pacing import ReadPacing
 from gossiploco.membership.record import PeerRecord
 from gossiploco.reach.paths import Reach
 from gossiploco.runtime.path_planner import PathPlanner
@@ -22,6 +23,7 @@ from gossiploco.reach.tunnel import serve_tunnel
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.runtime.waiting_line import WaitingReport
 from gossiploco.security.trust import Trust
+from gossiploco.transport.zmq_auth import STRANGER_REFUSAL
 from gossiploco.transport.zmq_exchange import ZmqExchange
 
 log = logging.getLogger("gossiploco.runtime.peer")
@@ -51,6 +53,8 @@ class Discovery:
         self.tokens = tokens
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.pacing = ReadPacing(cfg.timeouts.discovery_s, cfg.timeouts.discovery_records_per_s)
+        """When the loop reads the run's records again (``membership.read_pacing``)."""
 
     def discover_at_start(self) -> float:
         """Check this peer's settings match the run going in the swarm (``RunMismatch`` if not) and that it
@@ -132,13 +136,20 @@ class Discovery:
             self.directory.publish_now()
         return records
 
+    def _knocks(self) -> int:
+        """Connections refused so far because their key was of no member (``read_pacing``: a newcomer knocking)."""
+        return self.exchange.security_counts()["refused_connections"].get(STRANGER_REFUSAL, 0)
+
     def _loop(self) -> None:
-        """Every ``timeouts.discovery_s``: find new peers, publish this one's round and tokens."""
+        """Every ``timeouts.discovery_s``: publish this one's round and tokens; find new peers when the records are due
+        again (``read_pacing``: at most ``discovery_records_per_s`` records a second, sooner when a newcomer knocks)."""
         ticks = 0
         while not self._stop.wait(self.cfg.timeouts.discovery_s):
             ticks += 1
             try:
-                self.sync_peers()
+                now, knocks = time.monotonic(), self._knocks()
+                if self.pacing.due(now, knocks):
+                    self.pacing.read(now, len(self.sync_peers()), knocks)
                 self.directory.update(round=max(self.exchange.current_round, -1), tokens=self.tokens())
                 if ticks % RUN_WATCH_EVERY == 0:
                     self.watch_runs()

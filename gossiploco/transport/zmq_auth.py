@@ -38,6 +38,9 @@ EXPECTED_REFUSALS = 8
 MAX_MEMBER_ADDRESSES = 4096
 """Addresses remembered as members' (the newest kept): those the sealed port admits."""
 SEALED_REFUSAL = "sealed port: address of no member"
+STRANGER_REFUSAL = "key of no member"
+"""A CurveZMQ key this peer has not admitted: a stranger, another run, or a member whose record it has not read yet
+(``membership.read_pacing`` reads the directory sooner when one knocks)."""
 
 
 class SwarmAuthenticator(ThreadAuthenticator):
@@ -117,8 +120,8 @@ class SwarmAuthenticator(ThreadAuthenticator):
         with self._lock:
             if key in self._members:
                 return True
-            self.refused["key of no member"] += 1
-            count = self.refused["key of no member"]
+            self.refused[STRANGER_REFUSAL] += 1
+            count = self.refused[STRANGER_REFUSAL]
             now = time.monotonic()
             if now - self._last_log >= LOG_EVERY_S:
                 self._last_log = now

@@ -20,7 +20,7 @@ from gossiploco.data import load_corpus, validation_batches
 from gossiploco.model import build_model
 from gossiploco.runtime.launch import LocalPeers
 from testbed.overrides import set_args
-from test_peer import ENV, assert_exit, reached_round, records, summary
+from test_peer import ENV, reached_round, records, summary
 
 pytestmark = pytest.mark.slow  # real peer processes and DHT nodes
 

@@ -407,6 +407,31 @@ def test_the_planner_connects_each_pair_by_its_path_and_publishes_offers_only_wh
     assert behind.order_rings is False and nat_planner.summary()["paths"] == {"direct": 2}
 
 
+def test_a_peer_behind_nat_awaits_each_reachable_members_offer_until_it_is_read_or_the_reverse_wait_is_over():
+    """What makes its paced directory reads come every period again (``membership.read_pacing``): an offer of a
+    reverse connection is learnt from the offering member's record only."""
+    from gossiploco.membership.record import PeerRecord
+
+    now = [0.0]
+    records = {1: PeerRecord(1, "tcp://10.0.0.1:7000", 0, 0), 2: PeerRecord(2, "tcp://10.0.0.2:7000", 0, 0)}
+    behind = MemoryPaths(3)
+    planner = PathPlanner(3, Reach(reachable=False), behind, run_in_node=None, reverse_wait_s=20.0,
+                          clock=lambda: now[0])
+    planner.sync(records)
+    assert planner.awaiting_offers()  # neither has offered yet
+    now[0] = 5.0
+    offered = {**records, 1: PeerRecord(1, "tcp://10.0.0.1:7000", 0, 0, reverse=((3, 41001, 41002),))}
+    planner.sync(offered)
+    assert planner.awaiting_offers()  # peer 2's is still awaited
+    now[0] = 20.0
+    assert not planner.awaiting_offers()  # peer 2 relays to this peer by now: nothing more to wait for
+    planner.sync(offered)
+    assert not planner.awaiting_offers()  # not awaited anew (until it is forgotten and found again)
+    reachable = PathPlanner(1, Reach(reachable=True), MemoryPaths(1), run_in_node=None)
+    reachable.sync(records)
+    assert not reachable.awaiting_offers()
+
+
 def test_the_planner_forgets_a_peer_whose_record_is_gone_unless_it_is_still_connected():
     """A peer that left (tombstone) or died (record expired) is forgotten with its tunnel, so what a peer keeps
     is bounded by the run's members now; a connected one is kept (a read that missed its record)."""

@@ -32,7 +32,7 @@ def test_records_read_a_second_stay_within_the_bound_and_small_runs_read_every_p
         assert len(times) == hour / 2.0 + 1  # every tick: what a small run always did
     else:  # members / gap records a second: at most 32, and no fewer than a tick's rounding makes it
         assert all(members / 32.0 <= gap < members / 32.0 + 2.0 for gap in gaps), gaps[:5]
-    assert pacing.knocked_reads == 0
+    assert pacing.early_reads == 0
 
 
 def test_a_knock_brings_the_next_read_to_one_period_after_the_last_and_no_sooner():
@@ -45,7 +45,7 @@ def test_a_knock_brings_the_next_read_to_one_period_after_the_last_and_no_sooner
     pacing.read(2.0, 1000, 1)
     assert not pacing.due(4.0, 1) and not pacing.due(33.0, 1)  # the same knock does not count twice
     assert pacing.due(33.25, 1)
-    assert pacing.reads == 2 and pacing.knocked_reads == 1
+    assert pacing.reads == 2 and pacing.early_reads == 1
 
 
 def test_a_stranger_knocking_all_the_time_gets_a_read_every_period_never_more():
@@ -63,3 +63,11 @@ def test_the_setting_is_checked():
         cfg.timeouts.check("timeouts")
     with pytest.raises(ValueError):
         ReadPacing(every_s=2.0, records_per_s=0.0)
+
+
+def test_an_awaited_offer_makes_reads_due_every_period_while_it_is_awaited():
+    pacing = ReadPacing(every_s=2.0, records_per_s=32.0)
+    pacing.read(0.0, 1000, 0)
+    assert not pacing.due(2.0, 0) and pacing.due(2.0, 0, urgent=True) and not pacing.due(1.9, 0, urgent=True)
+    pacing.read(2.0, 1000, 0)
+    assert pacing.counts() == {"reads": 2, "early": 1}

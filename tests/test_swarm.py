@@ -51,7 +51,7 @@ def test_a_peer_that_joins_at_round_k_catches_up_and_ends_in_consensus(tmp_path,
         assert records(peers, rank)[-1]["members"] == 4
     for rank in range(3):  # the newcomer never blocked the others, nor failed their compressed Mix1
         assert summary(peers, rank)["mix1_failures"] + summary(peers, rank)["mix2_failures"] <= 2
-        assert summary(peers, rank)["directory_reads"]["knocked"] >= 1, summary(peers, rank)["directory_reads"]
+        assert summary(peers, rank)["directory_reads"]["early"] >= 1, summary(peers, rank)["directory_reads"]
         assert "(another reference)" not in peers.log(rank), peers.log(rank)[-3000:]
 
 

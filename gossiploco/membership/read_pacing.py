@@ -9,9 +9,11 @@ average: every ``discovery_s`` while the run has up to ``records_per_s x discove
 nothing changes for smaller swarms), every ``M / records_per_s`` seconds beyond (31 s at 1,000 peers).
 
 What must not wait that long is a newcomer: its connections are refused until this peer has read its record (its
-key is admitted from it, ``transport.zmq_auth``). So a refused key of no member (``knocked``) makes the next read
+key is admitted from it, ``transport.zmq_auth``). So a refused key of no member (``knocks``) makes the next read
 due ``discovery_s`` after the last one, as before. A stranger knocking all the time thus gets reads every
-``discovery_s``, what every peer did before, never more.
+``discovery_s``, what every peer did before, never more. So does a peer behind NAT waiting for a reachable
+member's offer of a reverse connection, which it learns from that member's record (``urgent``:
+``PathPlanner.awaiting_offers``, for at most the reverse connection's wait).
 
 Pure bookkeeping: times are given (``time.monotonic``), one thread.
 """
@@ -32,30 +34,31 @@ class ReadPacing:
         self._knocks_seen = 0  # the refusals counter as of the last read
         self.reads = 0
         """Reads so far."""
-        self.knocked_reads = 0
-        """Reads made early because a key of no member knocked."""
+        self.early_reads = 0
+        """Reads made before ``interval_s`` had passed: a key of no member knocked, or an offer was awaited."""
 
     def interval_s(self, records: int) -> float:
         """Seconds between reads when the run has ``records`` members and nobody knocks."""
         return max(self.every_s, records / self.records_per_s)
 
-    def due(self, now: float, knocks: int) -> bool:
+    def due(self, now: float, knocks: int, urgent: bool = False) -> bool:
         """Whether to read now. ``knocks``: how many connections from keys of no member were refused so far (a
-        counter that only grows)."""
+        counter that only grows); ``urgent``: something is awaited from the records (a reverse connection's offer)."""
         if self._last_read is None:
             return True
         waited = now - self._last_read
         if waited >= self.interval_s(self._records):
             return True
-        return knocks > self._knocks_seen and waited >= self.every_s
+        return (urgent or knocks > self._knocks_seen) and waited >= self.every_s
 
     def read(self, now: float, records: int, knocks: int) -> None:
         """A read was made at ``now`` and returned ``records`` records; ``knocks`` as ``due`` was given."""
         if self._last_read is not None and now - self._last_read < self.interval_s(self._records):
-            self.knocked_reads += 1
+            self.early_reads += 1
         self._last_read, self._records, self._knocks_seen = now, records, knocks
         self.reads += 1
 
     def counts(self) -> dict[str, int]:
-        """What a peer's summary says of its reads: how many, and how many a knock brought forward."""
-        return {"reads": self.reads, "knocked": self.knocked_reads}
+        """What a peer's summary says of its reads: how many, and how many a knock or an awaited offer brought
+        forward."""
+        return {"reads": self.reads, "early": self.early_reads}

@@ -43,6 +43,7 @@ class PathPlanner:
         self.rank, self.reach, self.exchange, self.run_in_node = rank, reach, exchange, run_in_node
         self.reverse_wait_s, self.clock = reverse_wait_s, clock
         self._reverse_since: dict[int, float] = {}  # peer -> when its reverse connection was offered; -1: it came up
+        self._offer_awaited: dict[int, float] = {}  # behind NAT: reachable peer -> since when no offer of it was read
         self.fell_back: set[int] = set()
         """Peers whose reverse connection never came up: relayed instead."""
         self.topology_ring = topology_ring
@@ -75,6 +76,10 @@ class PathPlanner:
                 self.paths[peer] = path
             if path == DIRECT and not self.reach.reachable:
                 self._dial_offer(peer, record)
+                if record.reverse_for(self.rank) is None:
+                    self._offer_awaited.setdefault(peer, self.clock())
+                else:
+                    self._offer_awaited.pop(peer, None)
         self._forget_gone(records)
         self.exchange.set_behind_nat({peer for peer, record in records.items() if not record.reachable},
                                      order_rings=self.topology_ring)
@@ -83,6 +88,13 @@ class PathPlanner:
             self.published = offers
             return offers
         return None
+
+    def awaiting_offers(self) -> bool:
+        """Behind NAT: whether a reachable member's offer of a reverse connection is awaited (not in its record at the
+        last read), for at most ``reverse_wait_s`` since it was first awaited (then that member relays
+        to this peer instead): the records are worth reading again soon (``membership.read_pacing``)."""
+        now = self.clock()
+        return any(now - since < self.reverse_wait_s for since in self._offer_awaited.values())
 
     def _forget_gone(self, records: dict[int, PeerRecord]) -> None:
         """Forget the peers this planner connected whose record has been gone for ``forget_after_s`` (a tombstone: it
@@ -101,6 +113,7 @@ class PathPlanner:
             del self._missing_since[peer]
             path = self.paths.pop(peer)
             self._reverse_since.pop(peer, None)
+            self._offer_awaited.pop(peer, None)
             self.fell_back.discard(peer)
             tunnel = self._tunnels.pop(peer, None)
             if tunnel is not None and self.run_in_node is not None:

@@ -127,9 +127,10 @@ class Discovery:
         for warning in self.runs.warnings(self.directory.runs(), members=set(self.directory.peers())):
             log.warning("rank %d: %s", self.rank, warning)
 
-    def sync_peers(self) -> dict[int, PeerRecord]:
-        """The run's announced peers; connects to new ones (or ones that moved)."""
-        records = self.directory.peers()
+    def sync_peers(self, records: dict[int, PeerRecord] | None = None) -> dict[int, PeerRecord]:
+        """The run's announced peers (read now, or ``records`` as last read); connects to new ones (or ones that
+        moved), and runs the paths' timers (a reverse connection that did not come up in time is relayed)."""
+        records = self.directory.peers() if records is None else records
         offers = self.paths.sync(records)
         if offers is not None:  # reverse connections for peers behind NAT: they dial the ports in our record
             self.directory.update(reverse=offers)
@@ -142,14 +143,18 @@ class Discovery:
 
     def _loop(self) -> None:
         """Every ``timeouts.discovery_s``: publish this one's round and tokens; find new peers when the records are due
-        again (``read_pacing``: at most ``discovery_records_per_s`` records a second, sooner when a newcomer knocks)."""
-        ticks = 0
+        again (``read_pacing``: at most ``discovery_records_per_s`` records a second, sooner when a newcomer knocks or
+        an offer of a reverse connection is awaited), else run the paths over the records last read."""
+        ticks, records = 0, None
         while not self._stop.wait(self.cfg.timeouts.discovery_s):
             ticks += 1
             try:
                 now, knocks = time.monotonic(), self._knocks()
-                if self.pacing.due(now, knocks):
-                    self.pacing.read(now, len(self.sync_peers()), knocks)
+                if records is None or self.pacing.due(now, knocks, urgent=self.paths.awaiting_offers()):
+                    records = self.sync_peers()
+                    self.pacing.read(now, len(records), knocks)
+                else:
+                    self.sync_peers(records)
                 self.directory.update(round=max(self.exchange.current_round, -1), tokens=self.tokens())
                 if ticks % RUN_WATCH_EVERY == 0:
                     self.watch_runs()

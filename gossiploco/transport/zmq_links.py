@@ -13,9 +13,8 @@ the node hears ``disconnected``, as a full mesh's heartbeat would tell it, and l
 dropped connection; a link that comes up later is ``connected`` again. A refused handshake (the member has not
 admitted this peer yet, as when it has not read this peer's record) is an answer from a live process: not reported.
 A handshake slower than one deadline but within ``PATIENCE`` of them (a peer busy starting: its ZAP handler is Python)
-is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``).
-Reverse and relayed
-paths are not parked: a member behind NAT cannot be dialed when wanted.
+is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``). Reverse
+and relayed paths are not parked: a member behind NAT cannot be dialed when wanted.
 
 Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
 """
@@ -161,5 +160,4 @@ class LinksOnDemand:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {"parked": len(self._parked), "linked": len(self._last_use), "up": len(self._up),
-                    "opened": self.opened, "closed_idle": self.closed_idle,
-                    "frozen": self.frozen}
+                    "opened": self.opened, "closed_idle": self.closed_idle, "frozen": self.frozen}

@@ -242,9 +242,7 @@ class ZmqSockets:
         with self._changing:
             if self.links is None or listen is not None or relayed:
                 return self._connect(peer, endpoint, server_key, listen, relayed)
-            if self.auth is not None and server_key is not None:  # links on demand: parked until something is sent
-                self.auth.allow(server_key, peer)
-            self._keys[peer] = server_key
+            self._admit(peer, server_key)  # links on demand: parked until something is sent
             self.links.park(peer, endpoint)
 
     def open_link(self, peer: int) -> None:
@@ -264,10 +262,14 @@ class ZmqSockets:
                 self.sealed.redial(peer, None)
         return True
 
-    def _connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None, relayed: bool) -> None:
+    def _admit(self, peer: int, server_key: bytes | None) -> None:
+        """Let ``peer``'s key in (ZAP) and keep it for the DEALERs made to it."""
         if self.auth is not None and server_key is not None:
             self.auth.allow(server_key, peer)
         self._keys[peer] = server_key
+
+    def _connect(self, peer: int, endpoint: str, server_key: bytes | None, listen: str | None, relayed: bool) -> None:
+        self._admit(peer, server_key)
         link = self.links.number(peer) if self.links is not None else 0  # each link made on demand: routing ids anew
         dealer = self._client(server_key, control=False, link=link)
         dealer.setsockopt(zmq.SNDHWM, self.sndhwm)

@@ -89,6 +89,22 @@ def test_idle_links_close_without_a_failure_and_open_again(swarm):
     assert all(_links(ex)["opened"] >= 2 for ex in peers)
 
 
+def test_a_peer_leaving_tells_those_whose_links_to_it_are_up_though_its_own_to_them_are_closed(swarm, caplog):
+    """Each end closes its own idle links: after a ring 0 -> 1 -> 2 -> 0 peer 0 holds a link to 1 only, while peer 2
+    holds one to 0. Peer 0 leaving tells peer 2 too (it heard from 2 lately), so 2 sees a goodbye, not a lost link."""
+    peers = swarm(3)
+    values = [torch.full((300,), float(r)) for r in range(3)]
+    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    assert wait_until(lambda: 0 in peers[2].connected(), 5.0)
+    assert 2 not in peers[0].sockets.dealers  # peer 0 never sent to peer 2
+    assert 2 in peers[0].sockets.links.lately()
+    peers[0].leave(linger_s=1.0)
+    assert wait_until(lambda: all(0 not in peers[r].members(1) for r in (1, 2)), 5.0)
+    assert all(peers[r].inspect(lambda node: 0 in node.peers.left) for r in (1, 2))  # a goodbye heard
+    peers[2].close()  # its notes are logged
+    assert "lost the connection to peer 0" not in caplog.text
+
+
 def test_a_member_dead_behind_an_idle_link_is_found_by_the_next_send_to_it(swarm):
     peers = swarm(3, heartbeat_s=1.0)
     values = [torch.full((200,), float(r)) for r in range(3)]
@@ -206,6 +222,18 @@ def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
     assert links.counts()["parked"] == 1 and links.tracks(1) and links.open(1, now=9.0) == "tcp://a:1"
     links.park(1, "tcp://a:1")
     assert links.forget(1) and not links.tracks(1) and not links.forget(1)
+
+
+def test_the_peers_contacted_lately_are_kept_as_long_as_their_own_links_may_stay_up_and_no_longer():
+    links = LinksOnDemand(idle_s=1.0, handshake_s=2.0)
+    links.park(1, "tcp://a:1")
+    assert links.open(1, now=0.0) == "tcp://a:1"  # sent to
+    links.used(2, now=0.5)  # heard from a peer whose own link here is up, though this peer's to it is parked
+    assert links.lately(now=1.0) == [1, 2]
+    assert links.lately(now=0.5 + links.lately_s) == [2] and links.lately(now=1.0 + links.lately_s) == []
+    assert links.counts()["lately"] == 2
+    links.due(now=10.0)
+    assert links.counts()["lately"] == 0  # pruned: as many as the peer's recent contacts, never the swarm
 
 
 def test_a_connection_taken_whose_handshake_never_ends_is_reported_once_and_a_refusal_never():

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
@@ -334,10 +335,12 @@ class PeerNode:
         hello = Hello(PROBE, self.current_round, ask=self.probe_id)
         return [Send(p, hello) for p in peers if p != self.rank]
 
-    def leave(self) -> list[Action]:
-        """Messages telling every connected peer that this one leaves now."""
+    def leave(self, also: Iterable[int] = ()) -> list[Action]:
+        """Messages telling every connected peer that this one leaves now, and the known peers ``also`` (with links on
+        demand: those whose own links to this peer may be up while this peer's to them were closed idle)."""
         hello = Hello(LEAVING, self.current_round)
-        return [Send(p, hello) for p in sorted(self.peers.connected)]
+        told = self.peers.connected | (set(also) & self.peers.known)
+        return [Send(p, hello) for p in sorted(told - {self.rank})]
 
     def group_call(self, key: str, round_index: int, now: float) -> agreement.Lead | agreement.Follow | None:
         """The agreement call for ``key`` of round ``round_index``; None when this peer takes no part in that round."""

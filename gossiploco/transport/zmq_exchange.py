@@ -336,15 +336,20 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             self._dispatch(self._node.announce(join_round, ask_reply, caught_up))
 
     def leave(self, linger_s: float = 0.5) -> None:
-        """Leave gracefully: tell every connected peer (they drop this one at once), then ``close``.
-        Best effort, bounded by ``CONTROL_SEND_S`` per peer."""
+        """Leave gracefully: tell every connected peer (they drop this one at once), and with links on demand every
+        peer heard from or sent to lately (its link here may be up), then ``close``. Best effort, bounded by
+        ``CONTROL_SEND_S`` per peer."""
+        lately = [] if self._sockets.links is None else self._sockets.links.lately()
         with self._cond:
-            sends = [] if self._closed else self._node.leave()
+            sends = [] if self._closed else self._node.leave(also=lately)
         for send in sends:
             try:
                 self._send(send, time.monotonic() + CONTROL_SEND_S, "leave")
             except ExchangeError:
                 pass
+        if lately:  # a goodbye on a link opened just now goes once its handshake is done: closing first would drop the
+            told = {send.peer for send in sends}  # others' links here before it reached them (a lost link, to them)
+            self._wait_for(lambda: told <= self._node.peers.connected, CONTROL_SEND_S)
         self.close(linger_s=linger_s)
 
     def known(self) -> list[int]:

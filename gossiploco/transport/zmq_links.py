@@ -48,6 +48,7 @@ class LinksOnDemand:
         self._up: set[int] = set()  # peers whose link is up (handshake done, no drop since)
         self._members: set[int] = set()  # every peer parked once and not forgotten, whether its sockets exist or not
         self._numbers: dict[int, int] = {}  # peer -> how many links were made to it on demand
+        self._contact: dict[int, float] = {}  # peer -> its last message either way, kept for ``lately_s`` (``lately``)
         self._checked_at = -CHECK_S
         self.opened = 0
         """Links opened on demand so far."""
@@ -85,13 +86,29 @@ class LinksOnDemand:
                 self.opened += 1
             if endpoint is not None or peer in self._last_use:
                 self._last_use[peer] = now
+            self._contact[peer] = now
             return endpoint
 
     def used(self, peer: int, now: float | None = None) -> None:
         """A message went to or came from ``peer``."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             if peer in self._last_use:
-                self._last_use[peer] = time.monotonic() if now is None else now
+                self._last_use[peer] = now
+            self._contact[peer] = now
+
+    @property
+    def lately_s(self) -> float:
+        """How long after the last message either way ``peer``'s own link to this peer may still be up: its idle
+        timer started at most then (a message crossing slowly starts it later: twice ``idle_s`` covers that)."""
+        return 2 * self.idle_s + 4 * CHECK_S
+
+    def lately(self, now: float | None = None) -> list[int]:
+        """The peers a message went to or came from within ``lately_s``: their links to this peer may be up although
+        this peer's to them were closed (each end closes its own idle links), so a peer leaving tells them too."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return sorted(p for p, t in self._contact.items() if now - t <= self.lately_s)
 
     def number(self, peer: int) -> int:
         """The number of ``peer``'s latest link made on demand (0: none), which its sockets' routing ids carry
@@ -136,6 +153,7 @@ class LinksOnDemand:
             self._up.discard(peer)
             self._members.discard(peer)
             self._numbers.pop(peer, None)
+            self._contact.pop(peer, None)
             return self._parked.pop(peer, None) is not None
 
     def due(self, now: float | None = None) -> tuple[list[int], list[int]]:
@@ -147,6 +165,8 @@ class LinksOnDemand:
             if now - self._checked_at < CHECK_S:  # the receiving thread asks after every poll: look 4 times a second
                 return [], []
             self._checked_at = now
+            for peer in [p for p, t in self._contact.items() if now - t > self.lately_s]:
+                del self._contact[peer]  # kept no longer than needed: as many as this peer's recent contacts
             idle = sorted(p for p in self._up if now - self._last_use[p] >= self.idle_s)
             unanswered = [p for p, t in self._opened.items() if now - t >= self.handshake_s]
             frozen = [p for p, t in self._answering.items() if now - t >= PATIENCE * self.handshake_s]
@@ -160,4 +180,5 @@ class LinksOnDemand:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {"parked": len(self._parked), "linked": len(self._last_use), "up": len(self._up),
-                    "opened": self.opened, "closed_idle": self.closed_idle, "frozen": self.frozen}
+                    "opened": self.opened, "closed_idle": self.closed_idle, "frozen": self.frozen,
+                    "lately": len(self._contact)}

@@ -301,6 +301,7 @@ class Receiver:
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 if self.sockets.links is not None and not self.sockets.links.link_down(peer):
                     continue  # a link on demand that never came up (a handshake too slow for the other end): redialed
+                self._drain_router()  # a goodbye already here is heard first: the peer left, it was not lost
                 self.feed(lambda node, now: node.disconnected(peer, now))
             elif event["event"] & HANDSHAKE_FAILURES:  # libzmq gives up on the connection, so we retry ourselves
                 if self.sockets.links is not None:

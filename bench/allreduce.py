@@ -758,7 +758,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stripes", type=int, default=0, help="ZmqExchange stripes: data connections per peer (0: its default, the I/O threads)")
     p.add_argument("--hivemind-matchmaking", type=float, default=2.0, help="hivemind min_matchmaking_time (s)")
     p.add_argument("--overlap", default="pinned,process,shared,companion,companion-shared",
-                   help="comma-separated modes (pinned, process, shared, companion, companion-shared) or none")
+                   help="comma-separated modes (pinned, process, shared, companion, companion-shared, companion-nice, "
+                        "companion-shared-nice) or none")
+    p.add_argument("--companion-niceness", type=int, default=19,
+                   help="the companion's niceness in the companion-nice and companion-shared-nice modes")
     p.add_argument("--overlap-models", default="125m,small")
     p.add_argument("--overlap-steps", type=int, default=0, help="steps per phase (0: per-model default)")
     p.add_argument("--overlap-cycles", type=int, default=0, help="quiet/Mix1 phase pairs (0: per-model default)")

@@ -20,7 +20,8 @@ training thread on CPU 0, everything else on CPU 1), ``process`` (the same place
 exchange in processes of its own: isolates the GIL), ``shared`` (both peers train, nothing
 pinned), and ``companion`` and ``companion-shared``: ``pinned`` and ``shared`` with each training peer's exchange in
 its companion process (``compute.companion``: the ``CompanionExchange`` a peer runs; the companion inherits the
-communication CPU where pinned). Per step the training thread's CPU time and run-queue wait are recorded, so the extra
+communication CPU where pinned); ``companion-nice`` and ``companion-shared-nice``: the same with the companion at
+``--companion-niceness`` (``compute.companion_niceness``). Per step the training thread's CPU time and run-queue wait are recorded, so the extra
 wall time splits into computing, waiting for a core and being blocked (GIL, locks, faults).
 The peak RSS of each training process is read per phase (VmHWM, reset between phases).
 """
@@ -66,7 +67,9 @@ def roles(mode: str) -> list[tuple[bool, bool]]:
             "shared": [(True, True), (True, True)],
             "process": [(False, True), (False, True), (True, False)],
             "companion": [(True, True), (False, True)],
-            "companion-shared": [(True, True), (True, True)]}[mode]
+            "companion-shared": [(True, True), (True, True)],
+            "companion-nice": [(True, True), (False, True)],
+            "companion-shared-nice": [(True, True), (True, True)]}[mode]
 
 
 def overlap_peer(rank: int, world: int, cfg: dict, barrier, results, info_q, extra) -> None:
@@ -92,7 +95,7 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
     mode = cfg["mode"]
     trains, communicates = roles(mode)[rank]
     comm_ranks = [r for r, (_, c) in enumerate(roles(mode)) if c]
-    pin = mode in ("pinned", "process", "companion")
+    pin = mode in ("pinned", "process", "companion", "companion-nice")
     ncpu = os.cpu_count() or 1
     train_cpus, comm_cpus = {0}, set(range(1, ncpu)) or {0}
     if pin:
@@ -104,8 +107,9 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
         if trains and mode.startswith("companion"):  # the peer's exchange in its companion process, as a peer runs it
             from gossiploco.companion.exchange import CompanionExchange
 
+            niceness = cfg["companion_niceness"] if mode.endswith("-nice") else 0
             ex = CompanionExchange(rank=comm_ranks.index(rank), endpoints=cfg["endpoints"], run_id=cfg["run_id"],
-                                   timeout_s=t_wait)
+                                   timeout_s=t_wait, niceness=niceness)
         else:
             ex = load_impl(cfg["zmq_impl"])(comm_ranks.index(rank), cfg["endpoints"], cfg["run_id"], t_wait)
         holder.append(ex)
@@ -262,7 +266,8 @@ def run_overlap(model: str, mode: str, args) -> dict:
         "model": model, "mode": mode, "batch": args.overlap_batch, "seq": args.overlap_seq,
         "steps": args.overlap_steps or DEFAULT_STEPS.get(model, 10),
         "cycles": args.overlap_cycles or DEFAULT_CYCLES.get(model, 2),
-        "warmup_steps": 2, "seed": 0, "timeout_s": args.timeout, "compression": args.overlap_compression, "zmq_impl": args.zmq_impl, "close_timeout_s": 15.0,
+        "warmup_steps": 2, "seed": 0, "timeout_s": args.timeout, "compression": args.overlap_compression,
+        "companion_niceness": args.companion_niceness, "zmq_impl": args.zmq_impl, "close_timeout_s": 15.0,
         "endpoints": [f"tcp://127.0.0.1:{p}" for p in ports], "run_id": f"overlap-{os.getpid()}-{model}-{mode}",
     }
     began = time.monotonic()

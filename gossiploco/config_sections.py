@@ -75,6 +75,11 @@ class ComputeConfig:
     with no communication thread, tensors cross in shared memory; a second interpreter: about 150 MiB and 2 s to
     start); off, on threads of the training process; auto, off: on an H200 it kept the inner step as it was and
     made Mix2 about 35% slower (bench/results/gpu.md; on CPUs: README, "Mix1 beside training")."""
+    companion_niceness: int = 0
+    """With the companion on: its scheduling niceness above the trainer's (0-19). Where training and communication
+    share the cores (a CPU peer, or a GPU peer whose cores are busy feeding it), a higher value gives a core to
+    training first and communication the rest: Mix1 overlapped with the inner steps takes longer and slows them less
+    (README, "Mix1 beside training"). A blocking exchange (Mix2) is unaffected while the trainer waits for it."""
     slowdown: float = 1.0
     """A stand-in for a slower machine (network peers, benchmarks and tests of unequal peers): after each inner
     step the peer sleeps slowdown - 1 times what the step took, so its steps take slowdown times as long. 1: off."""
@@ -87,6 +92,8 @@ class ComputeConfig:
             raise ConfigError(f"{p}.micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
         _choice(f"{p}.outer_state", self.outer_state, ("auto", "device", "host"))
         _choice(f"{p}.companion", self.companion, ("auto", "on", "off"))
+        if not 0 <= self.companion_niceness <= 19:
+            raise ConfigError(f"{p}.companion_niceness", f"must be 0-19, got {self.companion_niceness}")
 
 
 @dataclass

@@ -232,11 +232,20 @@ def test_exchanges_in_companion_processes_reduce_in_shared_vectors_and_swap():
     assert all(ex._process.exitcode == 0 for ex in exchanges)
 
 
+def _thread_nice(pid: int, tid: str) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5): nice
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_companion_on_links_on_demand_opens_the_links_its_trainer_asks_for_ahead():
-    exchanges = start_companions(2, links_idle_s=30.0)
+def test_a_companion_on_links_on_demand_opens_the_links_its_trainer_asks_for_ahead_at_the_niceness_asked():
+    exchanges = start_companions(2, links_idle_s=30.0, niceness=7)
     try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        for ex in exchanges:  # every thread of the companion (libzmq's, the exchange's, the channel's) inherited it
+            nices = [_thread_nice(ex.pid, tid) for tid in os.listdir(f"/proc/{ex.pid}/task")]
+            assert len(nices) > 3 and set(nices) == {min(mine + 7, 19)}
         links = exchanges[0].security_counts()["links_on_demand"]
         assert links["opened"] == 0 and links["parked"] == 1  # no socket to its member yet
         exchanges[0].link_ahead("mix2/0", 0)  # what ``factored.begin_round`` asks at each round's start

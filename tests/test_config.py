@@ -52,6 +52,8 @@ def test_defaults_match_diloco_outer_optimizer():
         ({"typo_top_level": 1}, "typo_top_level"),
         ({"device": "tpu"}, "device"),
         ({"workers": True}, "workers"),
+        ({"compute": {"companion_niceness": 20}}, "compute.companion_niceness"),
+        ({"compute": {"companion_niceness": -1}}, "compute.companion_niceness"),
     ],
 )
 def test_bad_config_names_the_field(raw, field):

@@ -94,10 +94,13 @@ def test_real_peers_train_every_preset_like_the_virtual_swarm(preset, tmp_path, 
     if preset in DISCOVERED_PRESETS:
         bootstrap = request.getfixturevalue("bootstrap")
         found = {"join": bootstrap.address, "swarm_key": bootstrap.swarm_key}
-    with LocalPeers(4, tmp_path, tiny_peer_args(preset), env=ENV, **found) as peers:
+    overrides = MEASURED_AT_ROUND_ENDS if preset == "diloco" else {}
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV, **found) as peers:
         peers.start()
         codes = peers.wait(180)
-    assert_matches_virtual_swarm(peers, codes, preset)
+    assert_matches_virtual_swarm(peers, codes, preset, **overrides)
+    if overrides:
+        assert_monitors_send_no_parameters_when_mix1_is_global(peers, preset)
 
 
 @pytest.mark.timeout(240)
@@ -130,13 +133,15 @@ def test_peers_sharing_one_machines_dht_node_train_like_the_virtual_swarm(tmp_pa
 @pytest.mark.timeout(240)
 def test_a_static_peer_list_trains_like_the_virtual_swarm(tmp_path):
     """Also: peers that compute differently (micro-batches, recomputed activations, outer state in host
-    memory: each peer's own [compute]) still train the virtual swarm's model."""
+    memory: each peer's own [compute]) still train the virtual swarm's model. And what the monitors send with a
+    global Mix1."""
     preset = "globalm1-localm2"
     compute = {"compute.micro_batch_size": 2, "compute.checkpoint_activations": True, "compute.outer_state": "host"}
-    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **compute), env=ENV) as peers:
+    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **compute, **MEASURED_AT_ROUND_ENDS), env=ENV) as peers:
         peers.start()
         codes = peers.wait(180)
-    assert_matches_virtual_swarm(peers, codes, preset)
+    assert_matches_virtual_swarm(peers, codes, preset, **MEASURED_AT_ROUND_ENDS)
+    assert_monitors_send_no_parameters_when_mix1_is_global(peers, preset)
 
 
 @pytest.mark.slow
@@ -158,26 +163,23 @@ def test_peers_with_compressed_mixes_train_like_the_virtual_swarm(preset, compre
     assert sent and max(sent) < fp32 / {"4bit": 7, "int8": 3.5, "topk": 15}[compression], (sent, fp32)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("preset", ["globalm1-localm2", "diloco"])
-def test_the_monitors_send_no_parameters_when_mix1_is_global(preset, tmp_path):
+MEASURED_AT_ROUND_ENDS = {"monitor.every": 0, "rounds": 4}
+"""The runs that also count what the monitors send (``assert_monitors_send_no_parameters_when_mix1_is_global``):
+diloco in the every-preset test, globalm1-localm2 in the static peer list's."""
+
+
+def assert_monitors_send_no_parameters_when_mix1_is_global(peers: LocalPeers, preset: str) -> None:
     """Measured once a round (h = 0): with a global Mix1 the measurement takes Mix1's average, so a round
     sends Mix1's and Mix2's bytes and a few floats of terms; without one (diloco) it all-reduces the
     parameters: 2 (M - 1) / M of them in fp32 more per measurement. Counted over the whole run (the final
     record's cumulative bytes, after the final measurement, which all-reduces the parameters in both): the
     measurements run in the background, so one round's may end after the next round's record is stamped."""
-    overrides = {"monitor.every": 0, "rounds": 4}
-    with LocalPeers(4, tmp_path, tiny_peer_args(preset, **overrides), env=ENV) as peers:
-        peers.start()
-        codes = peers.wait(180)
-    assert_matches_virtual_swarm(peers, codes, preset, **overrides)
     params = sum(p.numel() for p in model(peers, 0).values())
     full = 2 * 3 * params * 4 // 4  # one all-reduce of the parameters among 4 peers
     for rank in range(4):
         mine = records(peers, rank)
         measured = sum("cd_l2" in r for r in mine)
-        assert measured == len(mine) == overrides["rounds"] + 1
+        assert measured == len(mine) == MEASURED_AT_ROUND_ENDS["rounds"] + 1
         extra = mine[-1]["bytes_sent"] - sum(r.get("mix1_bytes", 0) + r.get("mix2_bytes", 0) for r in mine)
         if preset == "diloco":
             assert extra >= measured * full, (extra, params)

@@ -138,8 +138,8 @@ def _signal_id(value) -> str:
     return value.name if isinstance(value, signal.Signals) else str(value)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("signum,target", SIGNALS, ids=_signal_id)
+@pytest.mark.timeout(120)  # the other two combinations: test_dht_stopped_while_it_imports_torch_stops_cleanly
+@pytest.mark.parametrize("signum,target", [(signal.SIGINT, "process"), (signal.SIGTERM, "group")], ids=_signal_id)
 def test_dht_stops_cleanly(tmp_path, signum, target):
     dht = Command(tmp_path, "dht", "--host", "127.0.0.1", "--swarm-key", str(tmp_path / "swarm.key"))
     try:

@@ -66,7 +66,8 @@ class CompanionExchange(Exchange, PathControl):
     """A ``ZmqExchange`` in a companion process; see the module docstring. Same arguments as ``ZmqExchange``
     (by name). Every public method is thread-safe."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, niceness: int = 0, **kwargs):
+        """``niceness``: the companion's scheduling niceness above its trainer's (``host.main``)."""
         self.rank: int = kwargs["rank"]
         self.timeout_s: float = kwargs["timeout_s"]
         self._grace_s: float = kwargs.get("grace_s", 10.0)
@@ -77,7 +78,7 @@ class CompanionExchange(Exchange, PathControl):
         ctx = torch.multiprocessing.get_context("spawn")
         mine, theirs = ctx.Pipe()
         self._process = ctx.Process(target=host.main, name=f"companion-{self.rank}", daemon=True,
-                                    args=(theirs, kwargs, logging.getLogger().getEffectiveLevel()))
+                                    args=(theirs, kwargs, logging.getLogger().getEffectiveLevel(), niceness))
         self._process.start()
         theirs.close()  # the companion holds the only other end: its death closes the pipe
         try:

@@ -43,13 +43,32 @@ COUNTERS = ("current_round", "round_ends", "bytes_sent", "wire_bytes_sent", "dro
 returns them)."""
 
 
-def main(conn: Connection, kwargs: dict, log_level: int) -> None:
-    """The companion's body: build the exchange (``ZmqExchange(**kwargs)``), serve its trainer, exit with it."""
+def lower_priority(niceness: int) -> None:
+    """Add ``niceness`` to every thread of this process (Linux schedules threads: a thread made before this, by an
+    import, keeps its own); the threads made afterwards inherit their maker's."""
+    target = min(os.getpriority(os.PRIO_PROCESS, 0) + niceness, 19)
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no /proc: this thread only, which the exchange's threads inherit it from
+        threads = [0]
+    for tid in threads:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+def main(conn: Connection, kwargs: dict, log_level: int, niceness: int = 0) -> None:
+    """The companion's body: build the exchange (``ZmqExchange(**kwargs)``), serve its trainer, exit with it.
+    ``niceness``: added to this process's scheduling niceness before any thread starts (every thread inherits it), so
+    that where training and communication share cores, a core goes to training first (``compute.companion_niceness``)."""
     # Ctrl+C reaches the whole process group, this process too: the trainer handles it (it leaves gracefully and
     # closes this exchange), so the companion must not die of it first; likewise a SIGTERM to the group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [companion]: %(message)s")
+    if niceness:
+        lower_priority(niceness)
     try:
         exchange = ZmqExchange(**kwargs)
     except BaseException as exc:  # noqa: BLE001 - the trainer raises it, with its own traceback

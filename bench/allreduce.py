@@ -679,7 +679,7 @@ def overlap_section(overlap: list[dict], args) -> list[str]:
         "The training thread's CPU time per step is shown too: when it stays flat while the wall time grows, the "
         "step was waiting (for the GIL or for a core), not computing more.",
         "",
-        "This VM has 2 cores, so training and communication contend however they are placed; five placements "
+        "This VM has 2 cores, so training and communication contend however they are placed; the placements "
         "bound the effect:",
         "",
         "- `pinned`: peer 0 trains and runs its exchange on a background thread (as `FactoredDiLoCo` does); its "
@@ -697,6 +697,9 @@ def overlap_section(overlap: list[dict], args) -> list[str]:
         "the Mix1 operator (pack, codec, unpack) stays on the training process's background thread, the exchange "
         "(sockets, protocol, reductions) runs in the companion, tensors cross in shared memory. Pinned, the "
         "companion inherits CPU 1.",
+        f"- `companion-nice` and `companion-shared-nice`: the same with the companion (every thread of it) at niceness "
+        f"+{args.companion_niceness} (`compute.companion_niceness`): where a core is wanted by both, training gets it "
+        "first and Mix1 takes longer (its all-reduce time during training below).",
         "",
         "| model | params | mode | batch x seq | quiet step, median s | in-flight step, median s | overhead | "
         "training-thread CPU s per step, quiet / in flight | steps quiet / in flight | Mix1 all-reduce s, alone / "

@@ -90,10 +90,13 @@ def test_an_interrupted_simulation_resumed_ends_bit_for_bit_as_an_uninterrupted_
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["globalm1-adaptive", "sync-dp", "globalm1s", "localm1m2", "diloco"])
 def test_resume_is_exact_at_every_moment_for_every_kind_of_run(tmp_path, preset):
-    cfg = tiny_config(preset, rounds=8)
+    cfg = tiny_config(preset, rounds=7)
     calls = []
     reference = VirtualSwarm(cfg).run(MetricsSink(tmp_path / "reference"), lambda *_: calls.append(1))
-    for stop in range(1, len(calls), 7):  # every phase of a round, rounds 0 to 7 (round 0: no checkpoint, starts over)
+    # 6 callbacks a round (4 inner steps, measurements at h = 0 and 2) and a final one: a stop every 7 lands once in
+    # each phase of a round, in rounds 0 to 6 (round 0: no checkpoint, starts over)
+    assert len(calls) == 6 * 7 + 1
+    for stop in range(1, len(calls), 7):
         out = tmp_path / f"stop-{stop}"
         result, _ = interrupted_then_resumed(cfg, out, stop)
         assert_same_run(result, out, reference, tmp_path / "reference")

@@ -39,7 +39,7 @@ class TransportMessage:
     what: str
 
 
-StateProvider = Callable[[], "tuple[int, torch.Tensor] | None"]
+StateProvider = Callable[[], tuple[int, torch.Tensor] | None]
 """Returns (round, flat fp32 state) to hand a catching-up peer, or None when there is none yet."""
 SendFn = Callable[[Send, float, str], object]
 """The driver's send: ``send(action, deadline, what)``; raises ``ExchangeError``."""

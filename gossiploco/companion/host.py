@@ -60,8 +60,9 @@ def lower_priority(niceness: int) -> None:
 
 def main(conn: Connection, kwargs: dict, log_level: int, niceness: int = 0) -> None:
     """The companion's body: build the exchange (``ZmqExchange(**kwargs)``), serve its trainer, exit with it.
-    ``niceness``: added to this process's scheduling niceness before any thread starts (every thread inherits it), so
-    that where training and communication share cores, a core goes to training first (``compute.companion_niceness``)."""
+    ``niceness``: added to the scheduling niceness of every thread of this process before the exchange starts its own
+    (``lower_priority``), so that where training and communication share cores, a core goes to training first
+    (``compute.companion_niceness``)."""
     # Ctrl+C reaches the whole process group, this process too: the trainer handles it (it leaves gracefully and
     # closes this exchange), so the companion must not die of it first; likewise a SIGTERM to the group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -14,7 +14,10 @@ dropped connection; a link that comes up later is ``connected`` again. A refused
 admitted this peer yet, as when it has not read this peer's record) is an answer from a live process: not reported.
 A handshake slower than one deadline but within ``PATIENCE`` of them (a peer busy starting: its ZAP handler is Python)
 is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``). Reverse
-and relayed paths are not parked: a member behind NAT cannot be dialed when wanted.
+and relayed paths are not parked: a member behind NAT cannot be dialed when wanted. Each end closes its own idle
+links, so a peer's link to a member may be up while the member's to it is closed: a peer leaving tells every peer it
+sent to or heard from within ``lately_s`` (``lately``), not only those its own links reach, and waits for the links
+it opened for that, so that none of them sees its link drop before the goodbye (a lost peer, to it).
 
 Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
 """

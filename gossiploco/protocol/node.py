@@ -80,9 +80,6 @@ class Records(Generic[K, V]):
     def values(self):
         return self._items.values()
 
-    def items(self):
-        return self._items.items()
-
 
 class PeerNode:
     """One peer's protocol state machine; see the module docstring. Not thread-safe: the owner locks."""
@@ -275,13 +272,10 @@ class PeerNode:
             self._left.add(sender)
             self.note(f"peer {sender} left", routine=True)
             return []
-        sends: list[Action] = []
         if message.join_round >= 0:
             news = self.peers.joined.get(sender) != message.join_round  # hellos repeat; say it once
             self.peers.on_join(sender, message.join_round)
             self._left.discard(sender)
-            if news and message.join_round != STEPPING_OUT:
-                sends = self._went_on_without(sender, message.join_round)
             if news and message.join_round == STEPPING_OUT:
                 self.note(f"peer {sender} steps out while it catches up (it is in round {message.current_round})", routine=True)
             elif news:
@@ -297,15 +291,9 @@ class PeerNode:
                 left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
             # With links on demand no handshake makes this peer ask a pending one where it stands: the answer asks back
             ask = self.probe_id if self.peers.links_on_demand and sender not in self.peers.joined else 0
-            sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
-                                            echo=message.ask, ends_in_ms=left)))
-        return sends
-
-    def _went_on_without(self, peer: int, join_round: int) -> list[Action]:
-        """The decision to ``peer`` (it takes part from ``join_round``) of each exchange of that round on this peer led
-        without it: one it leads by its own view (caught up after it began) waits for none of them, not a grace window."""
-        return [Send(peer, Decision(key, self.current_round, tuple(group))) for key, (group, _) in self.decided.items()
-                if peer not in group and op_and_round(key)[1] >= join_round]
+            return [Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
+                                       echo=message.ask, ends_in_ms=left))]
+        return []
 
     # -- the owner's requests -----------------------------------------------------------------------
 

@@ -67,9 +67,7 @@ def roles(mode: str) -> list[tuple[bool, bool]]:
             "shared": [(True, True), (True, True)],
             "process": [(False, True), (False, True), (True, False)],
             "companion": [(True, True), (False, True)],
-            "companion-shared": [(True, True), (True, True)],
-            "companion-nice": [(True, True), (False, True)],
-            "companion-shared-nice": [(True, True), (True, True)]}[mode]
+            "companion-shared": [(True, True), (True, True)]}[mode.removesuffix("-nice")]  # niced: the same roles
 
 
 def overlap_peer(rank: int, world: int, cfg: dict, barrier, results, info_q, extra) -> None:
@@ -95,7 +93,7 @@ def _overlap_peer(rank, world, cfg, barrier, results, info_q, extra, holder) -> 
     mode = cfg["mode"]
     trains, communicates = roles(mode)[rank]
     comm_ranks = [r for r, (_, c) in enumerate(roles(mode)) if c]
-    pin = mode in ("pinned", "process", "companion", "companion-nice")
+    pin = mode.removesuffix("-nice") in ("pinned", "process", "companion")
     ncpu = os.cpu_count() or 1
     train_cpus, comm_cpus = {0}, set(range(1, ncpu)) or {0}
     if pin:

@@ -212,6 +212,53 @@ def test_a_leader_stops_waiting_for_a_member_that_abandoned_the_exchange():
     assert [s.peer for s in step.sends] == [a]
 
 
+def test_a_peer_that_caught_up_and_leads_by_its_own_view_stops_waiting_once_told_the_group_went_on():
+    """A peer caught up into a round whose Mix1 began without it counts itself in, so by its view it may lead that
+    Mix1 while the others' leader decided without it: on its join news that leader sends it the decision, and the
+    peer stops waiting for the group's members at once, where it waited a whole grace window (a real restart)."""
+    key = "mix1/3"
+    newcomer = next(p for p in range(4) if leader_of(0, key, range(4)) == p)  # leads by a view that counts it in
+    others = [p for p in range(4) if p != newcomer]
+    chief = leader_of(0, key, others)  # the others' leader, by their view without it
+    leader = _nodes(4)[chief]
+    for p in others:
+        if p != chief:
+            leader.connected(p, 0.0)
+            leader.receive(p, Hello(0, 3), 0.0)
+    leader.receive(newcomer, Hello(4, 3), 0.0)  # the newcomer is in later rounds only, for now
+    leader.current_round = 3
+    lead = leader.group_call(key, 3, 0.0)
+    lead.start(leader)
+    for p in others:
+        if p != chief:
+            leader.receive(p, Ready(key, 3), 0.1)
+    assert lead.poll(leader, 0.2).done and newcomer not in lead.outcome()
+    leader.current_round = 4  # the leader went on to round 4 before the news came
+    sends = leader.receive(newcomer, Hello(3, 3), 0.3)  # its news: it caught up into round 3
+    assert Send(newcomer, Decision(key, 4, tuple(lead.outcome()))) in sends
+    assert leader.receive(newcomer, Hello(3, 3), 0.4) == []  # said once: a repeated hello is no news
+    assert not [s for s in leader.receive(newcomer, Hello(5, 3), 0.45) if isinstance(s.message, Decision)]  # news of
+    # a later round: the newcomer counts itself in no exchange decided already
+    # The same leader's decision of an exchange the newcomer follows by its view is not sent: its Ready gets it anyway
+    other = next(k for k in (f"monitor/3/{h}" for h in range(100))
+                 if leader_of(0, k, others) == chief and leader_of(0, k, range(4)) != newcomer)
+    leader.decided.put(other, (others, 0.2))
+    sends = leader.receive(newcomer, Hello(3, 3), 0.47)  # news again (it said 5 last)
+    assert [s.message.key for s in sends if isinstance(s.message, Decision)] == [key]
+
+    node = _nodes(4)[newcomer]
+    for p in others:
+        node.connected(p, 0.0)
+        node.receive(p, Hello(0, 3), 0.0)
+    mine = node.group_call(key, 3, 0.5)
+    assert type(mine).__name__ in ("Lead", "PairLead")
+    mine.start(node)
+    assert mine.poll(node, 0.6).wait_until == 1.5  # waits for the members of its view
+    node.receive(chief, Decision(key, 3, tuple(lead.outcome())), 0.7)
+    step = mine.poll(node, 0.7)
+    assert step.done and mine.outcome() == [newcomer]  # they went on: nobody is waited for
+
+
 def test_a_peer_that_abandoned_an_exchange_is_not_waited_for_in_its_later_phases():
     """Seen in a real swarm (a peer killed mid-measurement): one peer finished the monitor's first all-reduce while
     the others failed it and told everyone (Abort 'monitor/0/2'); it then waited a whole deadline in the second phase

@@ -105,6 +105,9 @@ class Lead(_GroupCall):
         # A member that abandoned the key (``Abort``: its own leader, by its view, disconnected or never decided)
         # sends no Ready: waiting for it would cost the rest of the window, then its next exchange with this peer
         gave_up = node.aborted.get(self.key, set())
+        told = node.told.get(self.key)  # another leader's decision without this peer (``PeerNode._went_on_without``)
+        if told is not None and node.rank not in told[1]:
+            gave_up = gave_up | set(told[1])  # they went on: none of them sends a Ready
         waiting = [p for p in self.view
                    if p != node.rank and p not in node.peers.failed and p not in ready and p not in gave_up]
         first = node.first_ready.get(self.key)
@@ -128,7 +131,9 @@ class Lead(_GroupCall):
         node.grouped.put(self.key, frozenset(group))
         left_out = sorted(set(self.view) - set(group))
         if left_out:
-            node.note(f"{self.key} goes on without {left_out} (not ready within {self.deadline - self.began:.1f}s)")
+            why = ("they went on without this peer" if told is not None and set(left_out) <= set(told[1])
+                   else f"not ready within {self.deadline - self.began:.1f}s")
+            node.note(f"{self.key} goes on without {left_out} ({why})")
         decision = Decision(self.key, node.current_round, tuple(group))
         node.leading_now.pop(self.key)
         self.finished, self.group = True, group

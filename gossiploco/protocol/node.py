@@ -16,7 +16,7 @@ the receive path). The node owns no socket, thread or clock; its owner holds one
 every method and wakes the callers waiting on it after each event.
 
 What it keeps (all bounded): the membership view (``PeerTable``), the mailbox of early chunks,
-and per-key agreement records (``Records``: the last ``MAX_KEYS`` keys), namely followers ready
+and per-key agreement records (``protocol.records``: the last ``MAX_KEYS`` keys), namely followers ready
 for a key this peer leads, groups it decided, decisions it was told, peers that abandoned a
 key, and groups it agreed on. Chunks of a key from a peer outside the group this peer agreed on,
 or outside the senders its running call expects, are refused at once with an ``Abort``: a peer
@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Generic, TypeVar
 
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
 from gossiploco.protocol import agreement, groups, pairing
@@ -38,6 +36,7 @@ from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, MAX_ENDS_IN_MS, PROBE, STEPPING_OUT, Abort, Action, Data, Decision,
                                           Hello, Leading, Message, Ready, Send, ServeState, StateRequest, op_and_round)
 from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
+from gossiploco.protocol.records import Records
 from gossiploco.protocol.state_limit import StateRequestLimit, refusal
 
 log = logging.getLogger(__name__)
@@ -45,42 +44,6 @@ log = logging.getLogger(__name__)
 MONITOR_ROUNDS_KEPT = 3
 """Early chunks of a measurement up to this many rounds back are kept (a background measurement's second exchange,
 its terms, may start a round or two after the peers that sent them moved on); other exchanges: one round."""
-MAX_KEYS = 4096
-"""How many exchange keys each agreement record remembers (oldest forgotten first)."""
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-class Records(Generic[K, V]):
-    """A dict that forgets its oldest keys past ``limit`` (bounded memory whatever peers send)."""
-
-    def __init__(self, limit: int = MAX_KEYS):
-        self.limit = limit
-        self._items: OrderedDict[K, V] = OrderedDict()
-
-    def put(self, key: K, value: V) -> None:
-        self._items[key] = value
-        self._items.move_to_end(key)
-        while len(self._items) > self.limit:
-            self._items.popitem(last=False)
-
-    def get(self, key: K, default=None):
-        return self._items.get(key, default)
-
-    def pop(self, key: K, default=None):
-        return self._items.pop(key, default)
-
-    def __contains__(self, key) -> bool:
-        return key in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def values(self):
-        return self._items.values()
-
-
 class PeerNode:
     """One peer's protocol state machine; see the module docstring. Not thread-safe: the owner locks."""
 
@@ -272,10 +235,13 @@ class PeerNode:
             self._left.add(sender)
             self.note(f"peer {sender} left", routine=True)
             return []
+        sends: list[Action] = []
         if message.join_round >= 0:
             news = self.peers.joined.get(sender) != message.join_round  # hellos repeat; say it once
             self.peers.on_join(sender, message.join_round)
             self._left.discard(sender)
+            if news and message.join_round != STEPPING_OUT:
+                sends = self._went_on_without(sender, message.join_round)
             if news and message.join_round == STEPPING_OUT:
                 self.note(f"peer {sender} steps out while it catches up (it is in round {message.current_round})", routine=True)
             elif news:
@@ -291,9 +257,26 @@ class PeerNode:
                 left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
             # With links on demand no handshake makes this peer ask a pending one where it stands: the answer asks back
             ask = self.probe_id if self.peers.links_on_demand and sender not in self.peers.joined else 0
-            return [Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
-                                       echo=message.ask, ends_in_ms=left))]
-        return []
+            sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
+                                            echo=message.ask, ends_in_ms=left)))
+        return sends
+
+    def _went_on_without(self, peer: int, join_round: int) -> list[Action]:
+        """A peer that caught up into a round this one is in (or past) counts itself in that round's exchanges, so by its
+        own view it may lead one this peer led without it, and wait a whole grace window for Readys that never come:
+        it is sent those decisions (only those it would lead: a follower's Ready is answered at once anyway)."""
+        if join_round > self.current_round:
+            return []
+        sends: list[Action] = []
+        for key, (group, _) in self.decided.items():
+            round_index = op_and_round(key)[1]
+            if peer in group or round_index < join_round:
+                continue
+            bucket = groups.group_of(self.group_seed, key, sorted(set(self.members(round_index)) | {peer}), peer,
+                                     self.group_size)
+            if groups.leader_of(self.group_seed, key, bucket) == peer:
+                sends.append(Send(peer, Decision(key, self.current_round, tuple(group))))
+        return sends
 
     # -- the owner's requests -----------------------------------------------------------------------
 

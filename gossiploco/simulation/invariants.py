@@ -35,7 +35,7 @@ import torch
 from gossiploco.protocol.agreement import CONTROL_SEND_S, Follow, Lead
 from gossiploco.protocol import groups
 from gossiploco.protocol.collectives import FetchState, PairMean, RingAllReduce, Swap
-from gossiploco.protocol.node import MAX_KEYS
+from gossiploco.protocol.records import MAX_KEYS
 from gossiploco.protocol.peer_table import FAILED_GRACE_S
 
 ROUND_CLOCK_SLACK_S = 1.0

@@ -75,6 +75,34 @@ def test_a_refused_download_fails_at_once_with_the_cause():
     assert ok.outcome()[0] == 3 and torch.equal(ok.outcome()[1], torch.arange(12.0))
 
 
+def test_a_request_sent_while_the_donor_was_unreachable_goes_again_once_it_is_back_and_is_served_once():
+    """Seen in the chaos simulator (seed 910331): a relay reset the only path to the donor just before a restarted
+    peer asked for the state; the request went nowhere and the download waited out its deadline twice, until the swarm
+    had finished. Now the request is sent again when the donor is back, and the donor serves a nonce once."""
+    requester = PeerNode(1, range(2), grace_s=1.0, chunk_elems=5, mailbox_bytes=1 << 20)
+    requester.connected(0, 0.0)
+    requester.disconnected(0, 1.0)  # the path dropped
+    fetch = FetchState(0, "n1", 5, 1.1, 10.0)
+    (first,) = [s for s in fetch.start(requester) if isinstance(s.message, StateRequest)]
+    step = fetch.poll(requester, 1.2)
+    assert not step.sends and step.wait_until is not None  # still gone: nothing to send it over
+    requester.connected(0, 1.3)  # back
+    step = fetch.poll(requester, 1.3)
+    assert step.sends == [first] and step.error is None
+    assert not fetch.poll(requester, 1.4).sends  # once
+    donor = _node()
+    donor.current_round = 2
+    assert _served(donor.receive(1, first.message, 1.35))
+    assert donor.receive(1, first.message, 1.36) == []  # the same request again (both got through): served once
+    assert donor.state_limit.served == 1
+    # a download whose donor was reachable when it asked never sends again
+    steady = FetchState(0, "n2", 5, 2.0, 10.0)
+    steady.start(requester)
+    requester.disconnected(0, 2.1)
+    requester.connected(0, 2.2)
+    assert not steady.poll(requester, 2.3).sends
+
+
 def test_a_flood_of_state_requests_over_zeromq_gets_bounded_uploads():
     """Real sockets: one member asks 12 times; the donor uploads ``BURST`` states, refuses the rest at once
     (each refusal a tiny frame), and counts them in its security counts."""

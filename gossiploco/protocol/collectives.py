@@ -15,7 +15,7 @@ import math
 import torch
 
 from gossiploco.errors import PeerFailed
-from gossiploco.protocol.call import DataCall
+from gossiploco.protocol.call import DataCall, Step
 from gossiploco.protocol.messages import Data, Send, StateRequest, digest
 from gossiploco.protocol.ring import chunks_per_segment, ring_steps, segment_bounds
 from gossiploco.protocol.state_limit import NO_STATE, REFUSED
@@ -260,7 +260,19 @@ class FetchState(DataCall):
         return {self.peer}
 
     def start(self, node) -> list[Send]:
+        # A request sent while the peer is unreachable (its connection dropped: a relay's reset, say) may go nowhere;
+        # it is sent again once the peer is back, instead of the download waiting out its deadline
+        self.unsent = self.peer in node.peers.failed
         return super().start(node) + [Send(self.peer, StateRequest(self.nonce))]
+
+    def poll(self, node, now: float) -> Step:
+        step = super().poll(node, now)
+        if (self.unsent and step.wait_until is not None and not step.sends and self.total is None
+                and self.peer in node.peers.connected and self.peer not in node.peers.failed):
+            self.unsent = False  # the same nonce: a donor that had it already does not serve it twice
+            node.note(f"{self.what}: peer {self.peer} is back; the request is sent again", routine=True)
+            return Step(sends=[Send(self.peer, StateRequest(self.nonce))], wait_until=step.wait_until)
+        return step
 
     def need(self):
         if self.total is not None and self.got >= max(1, math.ceil(self.total / self.per)):

@@ -113,6 +113,7 @@ class PeerNode:
         line) or a sign of trouble (a warning). The node does not log itself, so a simulator can stay quiet."""
         self._left: set[int] = set()  # peers that said goodbye: their connection dropping is no news
         self.state_limit = StateRequestLimit()
+        self.state_nonces: Records[tuple[int, str], bool] = Records(limit=256)  # state requests heard (once each)
         """How often each requester may have this peer's state (``state_limit``)."""
 
     # -- views ----------------------------------------------------------------------------------
@@ -183,7 +184,11 @@ class PeerNode:
         raise MalformedMessage(f"unknown message {type(message).__name__}")
 
     def _state_request(self, sender: int, message: StateRequest) -> list[Action]:
-        """Serve the state, or refuse it cheaply past the requester's limit (``state_limit``)."""
+        """Serve the state, or refuse it cheaply past the requester's limit (``state_limit``); a request heard
+        already (a requester sends it again when its peer comes back: ``FetchState``) is answered once."""
+        if (sender, message.nonce) in self.state_nonces:
+            return []
+        self.state_nonces.put((sender, message.nonce), True)
         if self.state_limit.allow(sender, self.current_round):
             return [ServeState(sender, message.nonce)]
         mine = self.state_limit.refused[sender]

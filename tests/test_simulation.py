@@ -48,6 +48,9 @@ REGRESSION_SEEDS = {
             "(the matchmaker told it it was alone while the 4 others paired) and was flagged as not mixing, where "
             "bucket pairing's unmatched member counts as taking part (the checker now counts both alike: "
             "simulation.recovery)",
+    910331: "2 peers over a relay: a relay reset the only path just before the restarted peer asked for the state; "
+            "the request went nowhere, the download waited out its deadline twice and the other peer finished "
+            "(fixed: a request sent while its donor was unreachable is sent again when the donor is back)",
 }
 
 

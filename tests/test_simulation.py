@@ -51,6 +51,9 @@ REGRESSION_SEEDS = {
     910331: "2 peers over a relay: a relay reset the only path just before the restarted peer asked for the state; "
             "the request went nowhere, the download waited out its deadline twice and the other peer finished "
             "(fixed: a request sent while its donor was unreachable is sent again when the donor is back)",
+    1009434: "the checker's: a peer thawed after the others had finished took its clock from the one other peer "
+             "still training (restarted after they finished, on a clock of its own) and was compared with the "
+             "finished peers' clocks (fixed: round_clock.off compares with peers still in the run)",
 }
 
 

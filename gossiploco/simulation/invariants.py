@@ -21,7 +21,7 @@
     bounded.growth             a node's mailbox or records went past their limits
     round_clock.refused        a restarted peer refused the answers' shared round clock (``round_clock``)
     round_clock.off            a restarted peer's adopted round clock is more than ``ROUND_CLOCK_SLACK_S`` from the
-                               running peers'
+                               running peers' (those still in the run: a peer that finished tells no clock)
 """
 
 from __future__ import annotations

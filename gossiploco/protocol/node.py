@@ -113,8 +113,9 @@ class PeerNode:
         line) or a sign of trouble (a warning). The node does not log itself, so a simulator can stay quiet."""
         self._left: set[int] = set()  # peers that said goodbye: their connection dropping is no news
         self.state_limit = StateRequestLimit()
-        self.state_nonces: Records[tuple[int, str], bool] = Records(limit=256)  # state requests heard (once each)
         """How often each requester may have this peer's state (``state_limit``)."""
+        self.state_nonces: Records[tuple[int, str], bool] = Records(limit=256)
+        """(requester, nonce) of the state requests heard: each is answered once (``_state_request``)."""
 
     # -- views ----------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
     python bench/chaos.py real --trials 50                      # through the lead's front end
     python bench/chaos_real.py --trials 5 --out runs/chaos-real  # standalone, same options
     sudo .venv/bin/python bench/chaos_real.py --trials 50 --netem # also network faults (root)
+    python bench/chaos.py real --netem --trial-start 32 --trials 1  # trial 32 of a run again (same draw)
 
 What runs. One bootstrap DHT node (``gossiploco dht``) for the whole bench; per trial M peer processes
 ``python -m gossiploco peer --rank I --join BOOTSTRAP --swarm-key OUT/swarm.key --identity RUN/peer-I/identity.key
@@ -53,12 +54,14 @@ with the same prefix at start.
 
 Measurements, per trial, per peer (each start of a peer is one "life"):
 
-- progress events = the records of the peer's ``metrics.jsonl``. Records carry round / h / step but
-  no wall-clock time, so the bench tails every file while it runs (every ``POLL_S`` = 0.1 s) and
-  stamps each new line with its arrival time (monotonic clock). This needs no log format and no
-  clock in the records; the resolution is the poll interval. A record is written at h = 0 of each
-  round and every ``monitor.every`` inner steps (each one a blocking monitor all-reduce, so a peer
-  stuck in a collective writes none), and a final one (round R) after the last round;
+- progress events = the records of the peer's ``metrics.jsonl``, one at h = 0 of each round, every
+  ``monitor.every`` inner steps and a final one (round R) after the last round. The bench tails every
+  file while it runs (every ``POLL_S`` = 0.1 s) and stamps each new line with its arrival time
+  (monotonic clock). A record waits for its consensus measurement, which runs in the background (a
+  peer trains on meanwhile), so it may arrive well after its step: each event is therefore the
+  record's ``run_s`` (the peer's seconds since its start when the step was reached) on the bench's
+  clock, offset by the smallest arrival delay of the life's records (``progress_times``; arrival
+  times where a record has no ``run_s``). The resolution is the poll interval;
 - longest stall = the longest gap between two consecutive events, from the first record on; a life
   that does not finish also counts the open gap from its last record to its exit (or the trial's
   deadline). For a resumed (SIGSTOPped) peer the frozen time is subtracted;
@@ -155,6 +158,8 @@ SMALL = {**{k: v for k, v in TINY_OVERRIDES.items()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``chaos.py real`` (and of this file run alone)."""
     parser.add_argument("--trials", type=int, default=5, help="random-fault trials (the named scenario always runs too)")
+    parser.add_argument("--trial-start", type=int, default=0,
+                        help="index of the first trial (with --trials 1: replay trial S of a longer run, same draw)")
     parser.add_argument("--peers", type=int, default=4, help="peers per random trial, ranks 1..M (the scenario always has 4)")
     parser.add_argument("--rounds", type=int, default=12, help="outer rounds R per run")
     parser.add_argument("--inner-steps", type=int, default=150, help="inner steps H per round")
@@ -760,9 +765,21 @@ def run_one(ctx: Context, spec: RunSpec) -> dict:
     return analyze(ctx, spec, fault, swarm, limits, state, events, orphan_checks, t0, end, wall)
 
 
+def progress_times(records: list[tuple[float, dict]]) -> list[float]:
+    """When each record's step was reached, on the bench's clock: its ``run_s`` plus the life's offset between the
+    two clocks, the smallest (arrival - ``run_s``) of its records (a record arrives at or after its step); the
+    arrival times where a record lacks ``run_s``."""
+    arrivals = [t for t, _ in records]
+    runs = [r.get("run_s") for _, r in records]
+    if not records or not all(isinstance(x, (int, float)) for x in runs):
+        return arrivals
+    offset = min(t - x for t, x in zip(arrivals, runs))
+    return [offset + x for x in runs]
+
+
 def life_stats(life: Life, rounds: int, t_end: float) -> dict:
     """A life's progress: rounds completed, longest stall (frozen time subtracted), where it was."""
-    times = [t for t, _ in life.records]
+    times = progress_times(life.records)
     recs = [r for _, r in life.records]
     done_rounds = max((r.get("round", -1) for r in recs if r.get("h") == 0), default=-1)
     summary = read_json(life.out_dir / "summary.json")
@@ -794,7 +811,7 @@ def life_stats(life: Life, rounds: int, t_end: float) -> dict:
         for key in ("mix1_failures", "mix2_failures", "monitor_failures", "catchups"):
             if key in summary:
                 out[key] = summary[key]
-    h0 = [(t, r["round"]) for t, r in life.records if r.get("h") == 0 and isinstance(r.get("round"), int)]
+    h0 = [(t, r["round"]) for t, r in zip(times, recs) if r.get("h") == 0 and isinstance(r.get("round"), int)]
     if len(h0) >= 2 and h0[-1][1] > h0[0][1]:
         out["round_s"] = round((h0[-1][0] - h0[0][0]) / (h0[-1][1] - h0[0][1]), 3)
     joined = [r for r in recs if "catchup_from" in r]
@@ -933,7 +950,8 @@ def markdown(command: str, report: dict) -> str:
            f"adaptive_factor = {lim['adaptive_factor']:g}, heartbeat_s = {lim['heartbeat_s']:g}.", "",
            f"Stall bound = grace_s + exchange_s = {lim['bound_s']:g} s (one grace window plus the exchange deadline; the adaptive "
            f"deadline is at most exchange_s). Stall = longest gap between two consecutive metrics records of a survivor, "
-           f"timed by the bench as the records arrive (0.1 s polling). Failures: the survivors' failed Mix1 / Mix2 / "
+           f"timed when each record's step was reached (its run_s, on the bench's clock: a record written late, once its "
+           f"background measurement ended, counts from its step; 0.1 s polling). Failures: the survivors' failed Mix1 / Mix2 / "
            f"monitor exchanges, summed. Lost: the slowest survivor's wall time minus the fault-free run's (noisy: it also "
            f"moves with the machine's load, which others share).", "",
            "| run | fault | injected | survivors finished | max survivor stall s | failures | lost s | val loss (Δ vs fault-free) "
@@ -996,8 +1014,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the bench (the module docstring); returns the exit code."""
     command = command_line()
     print(f"command: {command}", flush=True)
-    if args.trials < 0 or args.peers < 2 or args.rounds < 3 or args.inner_steps < 1:
-        print("error: needs --trials >= 0, --peers >= 2, --rounds >= 3, --inner-steps >= 1", file=sys.stderr)
+    if args.trials < 0 or args.trial_start < 0 or args.peers < 2 or args.rounds < 3 or args.inner_steps < 1:
+        print("error: needs --trials >= 0, --trial-start >= 0, --peers >= 2, --rounds >= 3, --inner-steps >= 1", file=sys.stderr)
         return EXIT_UNAVAILABLE
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()] or [*PROCESS_FAULTS, *(NETWORK_FAULTS if args.netem else ())]
     bad = [k for k in kinds if k not in (*PROCESS_FAULTS, *NETWORK_FAULTS)]
@@ -1051,7 +1069,7 @@ def run(args: argparse.Namespace) -> int:
                 plan.append(RunSpec(f"baseline-{Path(config).stem}-{peers}p", config, peers, {"kind": "none"}))
             plan.append(RunSpec(f"scenario-{SCENARIO}", SCENARIO_CONFIG, SCENARIO_PEERS, {"kind": SCENARIO}))
             netem_flag = ctx.net.netem if ctx.net else None
-            for i in range(args.trials):
+            for i in range(args.trial_start, args.trial_start + args.trials):
                 fault = draw_fault(args, kinds, i, args.peers, netem_flag)
                 plan.append(RunSpec(f"trial-{i:03d}-{fault['kind']}", args.config, args.peers, fault))
             total = len(plan)

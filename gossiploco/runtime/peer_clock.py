@@ -5,17 +5,25 @@ total (the summary's ``total_*`` and utilizations). The caller measures; this on
 
 from __future__ import annotations
 
+import time
+
 TICKED = ("compute_s", "monitor_s")
 """Seconds counted as they happen, within rounds and between records."""
 
 
 class PeerClock:
     def __init__(self) -> None:
+        self.started = time.monotonic()
         self.since_record = dict.fromkeys(TICKED, 0.0)
         self.in_round = dict.fromkeys(TICKED, 0.0)
         self.rounds: list[dict] = []
         self.totals = {"compute_s": 0.0, "monitor_s": 0.0, "mix1_wait_s": 0.0, "mix2_s": 0.0, "grad_s": 0.0,
                        "other_s": 0.0, "catchup_s": 0.0, "startup_s": 0.0}
+
+    def run_s(self) -> float:
+        """Seconds since this peer started (its records' ``run_s``: when each record's step was reached, which a
+        record written later, once its background measurement ends, still tells)."""
+        return time.monotonic() - self.started
 
     def tick(self, clock: str, seconds: float) -> None:
         """``seconds`` more of ``compute_s`` or ``monitor_s``."""

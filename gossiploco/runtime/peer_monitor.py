@@ -278,7 +278,7 @@ class PeerMonitor:
 
     def _record_start(self, r: int, h: int, val_loss: bool) -> dict:
         """A record's bookkeeping as of now (the losses and stats since the last one), before its measurement."""
-        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h}
+        record: dict = {"round": r, "h": h, "step": r * self.cfg.inner_steps + h, "run_s": round(self.clock.run_s(), 3)}
         record["members"] = len(self.exchange.members(r))  # this peer's view: M of the estimates
         record.update(self.progress.take())
         record["_val_loss_due"] = val_loss

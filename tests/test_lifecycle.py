@@ -274,6 +274,29 @@ def test_without_a_usable_state_a_member_goes_on_with_its_own_and_a_fresh_proces
     assert script.fetched == [1, 1], "a fresh process tries again at the next boundary before giving up"
 
 
+def test_a_fresh_process_whose_donor_restarted_too_starts_with_it_instead_of_giving_up():
+    """Seen in the chaos simulator (seed 1102405): both peers of a swarm restarted within a second; the fresh one's
+    donor answered "no state yet" (it was starting again itself), and the fresh one stopped with "no peer gave its
+    state" while the other went on alone from round 0. Nobody past its round any more, but someone answered: it
+    starts with them, as ``join`` does. Nobody answering at all still gives up (the swarm is gone)."""
+    node = node_of(0, [0, 1], connected=[1])
+    script = Script(node, answers={1: 6}, states={1: PeerFailed("peer 1 has no state to give yet")})
+
+    def restarted(script):  # its donor restarted: it now answers round -1 (it has not started a round)
+        if script.fetched:
+            script.answers = {1: -1}
+
+    script.at_wait = restarted
+    position = script.run(lifecycle.catch_up(node, settings(), {1: 6}, current=0, fresh=True))
+    assert position.round == 0 and position.state is None and node.peers.joined[0] == 0
+    assert any("taking part from round 0 with them" in text for _, text in node.notes)
+
+    node = node_of(0, [0, 1], connected=[1])
+    script = Script(node, answers={}, states={1: PeerFailed("gone")})  # it said round 6 once, and nothing since
+    with pytest.raises(ExchangeError, match="no peer answered where it stands"):
+        script.run(lifecycle.catch_up(node, settings(), {1: 6}, current=0, fresh=True))
+
+
 def test_a_peer_waiting_for_a_boundary_stops_once_every_peer_ahead_is_gone():
     """Seen in a real swarm: the one other survivor ran ahead alone and finished its run while this peer waited a
     whole ``boundary_s`` (60 s there) for it to begin a round. Once every peer of the newest round lost its connection

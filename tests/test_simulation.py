@@ -54,6 +54,11 @@ REGRESSION_SEEDS = {
     1009434: "the checker's: a peer thawed after the others had finished took its clock from the one other peer "
              "still training (restarted after they finished, on a clock of its own) and was compared with the "
              "finished peers' clocks (fixed: round_clock.off compares with peers still in the run)",
+    1102405: "both peers of a 2-peer swarm restarted within a second, over a lossy link: the fresh one's donor said "
+             "'no state yet' (it was starting again itself), the question after that was lost, and the fresh one "
+             "stopped with 'no peer gave its state' while the other trained alone from round 0 (fixed: the fresh one "
+             "starts with those who answer when none is ahead any more, and the simulator asks again within its "
+             "shorter hello_s in a real run's ratio)",
 }
 
 

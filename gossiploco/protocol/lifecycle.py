@@ -138,6 +138,9 @@ class Settings:
     boundary_poll_s: float = BOUNDARY_POLL_S
     """How often a catching-up peer asks the others' rounds while it waits for a round boundary (the simulator, whose
     clock runs rounds and grace windows 20 times shorter than a real run's, shortens it in proportion)."""
+    probe_repeat_s: float = PROBE_REPEAT_S
+    """After how long ``ask_rounds`` asks a peer that has not answered again (the simulator: in proportion to its
+    shorter ``hello_s``, so that a question lost on a lossy link is asked again within the window, as in a real run)."""
 
 
 @dataclass
@@ -217,10 +220,10 @@ def ask_rounds(node: PeerNode, s: Settings, peers: list[int] | None = None) -> P
         missing = sorted((want & node.peers.reachable()) - node.peers.reported.keys())  # one that dropped: not waited for
         if not missing:
             break
-        if now >= asked + PROBE_REPEAT_S:
+        if now >= asked + s.probe_repeat_s:
             now = yield Act(node.ask_again(missing))
             asked = now
-        now = yield from _wait(node, Wait(min(deadline, asked + PROBE_REPEAT_S)), "asking the others' rounds")
+        now = yield from _wait(node, Wait(min(deadline, asked + s.probe_repeat_s)), "asking the others' rounds")
     rounds = dict(node.peers.reported)
     kept = corroborated(rounds)
     if kept != rounds:
@@ -304,9 +307,16 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
             return Position(current, catchup_s=now - began)
         rounds = yield from ask_rounds(node, s)
         ahead = {p: k for p, k in rounds.items() if k > current}
+        if not ahead and rounds:  # those who answered are at round ``current`` or before (they restarted too, and
+            # had no state to give while they did): this peer starts with them, as ``join`` does
+            node.note(f"no peer gave its state, and none is past round {current} any more (rounds {rounds}); "
+                      f"taking part from round {current} with them")
+            yield Act(node.announce(current))
+            return Position(current, members=node.members(current), clocks=round_clocks(node))
         if not ahead:
             break
-    raise ExchangeError(f"rank {node.rank}: the swarm is ahead (rounds {ahead}) and no peer gave its state")
+    raise ExchangeError(f"rank {node.rank}: no peer gave its state "
+                        + (f"(rounds {ahead})" if ahead else "and no peer answered where it stands"))
 
 
 def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Program:
@@ -339,6 +349,8 @@ def next_round_begins(node: PeerNode, s: Settings, ahead: dict[int, int]) -> Pro
         if newest > latest:
             return {p: k for p, k in rounds.items() if k == newest}
         now = yield Now()
+        if now >= deadline:  # the question itself ran to the deadline (answers slow to come)
+            break
         now = yield from _wait(node, Sleep(min(deadline, now + s.boundary_poll_s)), "the wait for a round boundary")
     node.note(f"no peer began a round after {latest} within {s.boundary_s:.1f}s; catching up from round {latest}")
     return ahead

@@ -337,7 +337,8 @@ class SimSwarm:
         return lifecycle.Settings(
             rounds=s.rounds, hello_s=s.hello_s, connect_s=s.hello_s, boundary_s=s.exchange_s + 2 * s.inner_s,
             state_s=s.exchange_s, state_size=s.values,
-            boundary_poll_s=lifecycle.BOUNDARY_POLL_S * s.grace_s / TimeoutConfig().grace_s,  # a real run's ratio
+            boundary_poll_s=lifecycle.BOUNDARY_POLL_S * s.grace_s / TimeoutConfig().grace_s,  # a real run's ratios
+            probe_repeat_s=lifecycle.PROBE_REPEAT_S * s.hello_s / TimeoutConfig().hello_s,
             nonce=lambda: f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}")
 
     def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor,

@@ -237,8 +237,8 @@ def test_a_peer_that_caught_up_and_leads_by_its_own_view_stops_waiting_once_told
     sends = leader.receive(newcomer, Hello(3, 3), 0.3)  # its news: it caught up into round 3
     assert Send(newcomer, Decision(key, 4, tuple(lead.outcome()))) in sends
     assert leader.receive(newcomer, Hello(3, 3), 0.4) == []  # said once: a repeated hello is no news
-    assert not [s for s in leader.receive(newcomer, Hello(5, 3), 0.45) if isinstance(s.message, Decision)]  # news of
-    # a later round: the newcomer counts itself in no exchange decided already
+    # News of a later round: the newcomer counts itself in no exchange decided already
+    assert not [s for s in leader.receive(newcomer, Hello(5, 3), 0.45) if isinstance(s.message, Decision)]
     # The same leader's decision of an exchange the newcomer follows by its view is not sent: its Ready gets it anyway
     other = next(k for k in (f"monitor/3/{h}" for h in range(100))
                  if leader_of(0, k, others) == chief and leader_of(0, k, range(4)) != newcomer)

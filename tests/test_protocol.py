@@ -245,6 +245,11 @@ def test_a_peer_that_caught_up_and_leads_by_its_own_view_stops_waiting_once_told
     leader.decided.put(other, (others, 0.2))
     sends = leader.receive(newcomer, Hello(3, 3), 0.47)  # news again (it said 5 last)
     assert [s.message.key for s in sends if isinstance(s.message, Decision)] == [key]
+    # News claiming an old round gets this round's and the last's decisions only, never every decision kept
+    old = next(k for k in (f"monitor/1/{h}" for h in range(100)) if leader_of(0, k, range(4)) == newcomer)
+    leader.decided.put(old, (others, 0.1))
+    sends = leader.receive(newcomer, Hello(1, 3), 0.48)
+    assert [s.message.key for s in sends if isinstance(s.message, Decision)] == [key]
 
     node = _nodes(4)[newcomer]
     for p in others:

@@ -270,13 +270,16 @@ class PeerNode:
     def _went_on_without(self, peer: int, join_round: int) -> list[Action]:
         """A peer that caught up into a round this one is in (or past) counts itself in that round's exchanges, so by its
         own view it may lead one this peer led without it, and wait a whole grace window for Readys that never come:
-        it is sent those decisions (only those it would lead: a follower's Ready is answered at once anyway)."""
+        it is sent those decisions (only those it would lead: a follower's Ready is answered at once anyway). Only
+        this round's and the last (an honest joiner lags a round at most): news that claims an old round (a peer's
+        own to send, as often as it likes) costs a handful of keys, never a pass over every decision kept."""
         if join_round > self.current_round:
             return []
+        first = max(join_round, self.current_round - 1)
         sends: list[Action] = []
         for key, (group, _) in self.decided.items():
             round_index = op_and_round(key)[1]
-            if peer in group or round_index < join_round:
+            if round_index < first or peer in group:
                 continue
             bucket = groups.group_of(self.group_seed, key, sorted(set(self.members(round_index)) | {peer}), peer,
                                      self.group_size)

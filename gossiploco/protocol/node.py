@@ -272,7 +272,7 @@ class PeerNode:
         own view it may lead one this peer led without it, and wait a whole grace window for Readys that never come:
         it is sent those decisions (only those it would lead: a follower's Ready is answered at once anyway). Only
         this round's and the last (an honest joiner lags a round at most): news that claims an old round (a peer's
-        own to send, as often as it likes) costs a handful of keys, never a pass over every decision kept."""
+        own to send, as often as it likes) costs a handful of bucket computations, not one for every decision kept."""
         if join_round > self.current_round:
             return []
         first = max(join_round, self.current_round - 1)

@@ -264,6 +264,30 @@ def test_a_peer_that_caught_up_and_leads_by_its_own_view_stops_waiting_once_told
     assert step.done and mine.outcome() == [newcomer]  # they went on: nobody is waited for
 
 
+def test_a_peer_told_that_a_later_rounds_exchange_went_on_without_it_re_aligns_at_its_next_round():
+    """A peer that joined round 0 just as the others moved into round 1 (its question reached them before their
+    round's start, its news after) trails by a round: each of its exchanges misses theirs, and no leader is a whole
+    round ahead of it at any round start to say so. The others' leader sends it the decision of round 1 it made
+    without it (its join news): that it already has, in round 0, marks it a straggler at round 1's start, so it
+    re-aligns there (chaos seed 1316173, where it missed every exchange until round 4)."""
+    node = _nodes(2)[0]
+    node.connected(1, 0.0)
+    node.receive(1, Hello(0, 0), 0.0)
+    node.current_round = 0
+    assert not node.straggling(1)
+    node.receive(1, Decision("mix1/1", 1, (1,)), 0.1)  # round 1, without it: it is a round behind
+    assert node.straggling(1)
+
+    for group, key, when in (((0, 1), "mix1/1", "a later round, with it"), ((), "mix1/1", "not leading"),
+                             ((1,), "mix1/0", "this round: its own Follow counts it")):
+        node = _nodes(2)[0]
+        node.connected(1, 0.0)
+        node.receive(1, Hello(0, 0), 0.0)
+        node.current_round = 0
+        node.receive(1, Decision(key, 1, group), 0.1)
+        assert not node.straggling(1), when
+
+
 def test_a_peer_that_abandoned_an_exchange_is_not_waited_for_in_its_later_phases():
     """Seen in a real swarm (a peer killed mid-measurement): one peer finished the monitor's first all-reduce while
     the others failed it and told everyone (Abort 'monitor/0/2'); it then waited a whole deadline in the second phase

@@ -59,6 +59,10 @@ REGRESSION_SEEDS = {
              "stopped with 'no peer gave its state' while the other trained alone from round 0 (fixed: the fresh one "
              "starts with those who answer when none is ahead any more, and the simulator asks again within its "
              "shorter hello_s in a real run's ratio)",
+    1316173: "a restarted peer joined round 0 as the other moved into round 1 (its question was answered just before "
+             "the other's round began) and trailed it by a round, missing each exchange, until it caught up into "
+             "round 4 (fixed: a decision of a later round made without it, which the other's leader sends on its "
+             "join news, marks it a straggler, and it re-aligns at its next round's start)",
 }
 
 

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.protocol import groups
 from gossiploco.protocol.call import Call, Step
-from gossiploco.protocol.messages import Decision, Leading, Ready, Send
+from gossiploco.protocol.messages import Decision, Leading, Ready, Send, op_and_round
 
 if TYPE_CHECKING:
     from gossiploco.protocol.node import PeerNode
@@ -244,3 +244,9 @@ def on_decision(node: PeerNode, sender: int, message: Decision) -> None:
     """A leader's answer to this peer's ``Ready`` (or a "not leading")."""
     node.peers.leader_rounds[sender] = message.leader_round  # how far the leader is: a peer left behind learns it here
     node.told.put(message.key, (sender, message.group))
+    round_index = op_and_round(message.key)[1]
+    if message.group and node.rank not in message.group and round_index > node.current_round:
+        # A later round's exchange already went on without this peer (``PeerNode._went_on_without`` tells a peer that
+        # joined a round the others had left): it trails the swarm by a round, and re-aligns at its next round's
+        # start (``straggling``) instead of missing every exchange until a leader is a whole round ahead of it
+        node.left_out.put(message.key, round_index)

@@ -274,6 +274,31 @@ def test_without_a_usable_state_a_member_goes_on_with_its_own_and_a_fresh_proces
     assert script.fetched == [1, 1], "a fresh process tries again at the next boundary before giving up"
 
 
+def test_a_member_whose_donor_dropped_mid_download_and_came_back_asks_again_at_the_next_boundary():
+    """Seen in the chaos simulator (seed 1409390): a relay reset the only path in the middle of a state download and
+    the donor was back 0.1 s later, but the download had failed, and the member went on with its own state, a round
+    behind; its next catch-up met another reset and downloaded mid-round, and it mixed again 3 rounds after coming
+    back. Now it tries once more at the next boundary, in step with the swarm. A donor that failed without a drop
+    is not asked again (``test_without_a_usable_state_...``)."""
+    node = node_of(0, [0, 1], connected=[1], join_round=0)
+    script = Script(node, answers={1: 6}, states={1: PeerFailed("peer 1 disconnected")})
+
+    def reset_then_boundary(script):
+        if not script.fetched and 1 not in node.peers.lost_at:  # a reset cuts the path during the catch-up
+            node.disconnected(1, script.now)
+            node.connected(1, script.now + 0.1)
+            return True
+        if script.fetched == [1] and script.answers[1] == 6:  # the download failed; then the next round begins
+            script.answers, script.states = {1: 7}, {1: (7, torch.ones(6))}
+            return True
+        return False
+
+    script.at_wait = reset_then_boundary
+    position = script.run(lifecycle.catch_up(node, settings(), {1: 6}, current=4))
+    assert position.round == 7 and torch.equal(position.state, torch.ones(6)) and script.fetched == [1, 1]
+    assert any("trying again at the next round boundary" in text for _, text in node.notes)
+
+
 def test_a_fresh_process_whose_donor_restarted_too_starts_with_it_instead_of_giving_up():
     """Seen in the chaos simulator (seed 1102405): both peers of a swarm restarted within a second; the fresh one's
     donor answered "no state yet" (it was starting again itself), and the fresh one stopped with "no peer gave its

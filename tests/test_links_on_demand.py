@@ -75,6 +75,34 @@ def test_a_restart_the_carrier_reports_makes_the_member_pending_and_asked():
     assert node.restarted(0, 1.2) == [] and node.restarted(99, 1.2) == []  # itself, or a peer it does not know
 
 
+@pytest.mark.parametrize("seen_by", ["link", "report"])
+def test_a_ready_from_a_process_restarted_unseen_gets_the_group_decided_without_it(seen_by):
+    """Links on demand: nobody saw the process go (its link was idle), so no drop marked it lost, and the group its
+    previous process completed was handed to the new one's ``Ready`` for that exchange: it then waited out the
+    exchange's deadline for chunks from peers long done with it (chaos seed 1414711, 2 deadlines of 6 s). A new
+    process, seen on a link or reported by the carrier, counts as lost where it is seen, as a drop would."""
+    from gossiploco.protocol.agreement import Lead
+    from gossiploco.protocol.messages import Decision, Ready
+
+    node = _node(peers=2)
+    node.connected(1, 0.0, incarnation="first")
+    lead = node.group_call("mix1/0", 0, 0.0)
+    assert isinstance(lead, Lead)  # the lower lead score of two: this peer
+    lead.start(node)
+    node.receive(1, Ready("mix1/0", 0), 0.1)
+    assert lead.poll(node, 0.1).done and lead.outcome() == [0, 1]
+    assert node.receive(1, Ready("mix1/0", 0), 0.2)[0].message.group == (0, 1)  # a duplicate: the same answer
+    node.idled(1, 5.0)
+    node.current_round = 3
+    if seen_by == "link":
+        node.connected(1, 8.0, incarnation="second")
+    else:
+        node.restarted(1, 8.0)
+    (answer,) = node.receive(1, Ready("mix1/0", 0), 8.1)
+    assert answer.message == Decision("mix1/0", 3, (0,))
+    assert node.peers.lost_at[1] == 8.0
+
+
 def test_news_of_a_join_goes_to_linked_peers_those_outside_the_view_and_a_bounded_sample():
     node = _node(peers=200, join_round=None)
     node.connected(7, 0.5)

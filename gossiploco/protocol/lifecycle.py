@@ -77,7 +77,9 @@ peer answer every joiner and every peer that looked for its place, control messa
 PROBE_REPEAT_S = 1.0
 """``ask_rounds`` asks a reachable peer that has not answered again after this long."""
 FRESH_ATTEMPTS = 2
-"""How many times a fresh process (nothing of its own to go on with) tries a catch-up before giving up."""
+"""How many times a fresh process (nothing of its own to go on with) tries a catch-up before giving up; so does a
+peer with a state of its own whose download failed while a donor is still there to ask at the next boundary (its
+connection dropped mid-download and came back: a relay's reset, say), rather than trail the swarm on its own state."""
 
 
 # -- effects ---------------------------------------------------------------------------------------
@@ -289,7 +291,7 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
     began = yield Now()
     if not fresh and not resumed:  # the others count on this peer: step out, or each exchange waits a grace window for it
         yield Act(node.announce(STEPPING_OUT, ask_reply=False))
-    for attempt in range(FRESH_ATTEMPTS if fresh else 1):
+    for attempt in range(FRESH_ATTEMPTS):
         if attempt or not (resumed and max(ahead.values()) == current + 1):
             ahead = yield from next_round_begins(node, s, ahead)
         got = yield from download(node, s, ahead)
@@ -301,6 +303,14 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
                       f"{donor} at the start of round {k}, mixing again")
             return Position(k, state=flat, donor=donor, fresh_join=fresh, catchup_s=now - began,
                             clocks=round_clocks(node))
+        reachable = node.peers.reachable()
+        back = sorted(p for p in ahead if p in reachable and node.peers.lost_at.get(p, began - 1) >= began)
+        if not fresh and attempt + 1 < FRESH_ATTEMPTS and back:
+            # A donor's connection dropped during this catch-up and came back (a relay's reset, say): downloading
+            # now, mid-round, would leave this peer behind the swarm's clock; it asks again at the next boundary
+            node.note(f"no peer gave its state (rounds {ahead}); peers {back} lost their connection meanwhile and "
+                      "are back: trying again at the next round boundary")
+            continue
         if not fresh:  # it has a state of its own (the others finished or are gone): it goes on with that
             node.note(f"no peer gave its state (rounds {ahead}); going on from round {current} with this peer's own")
             yield Act(node.announce(current))

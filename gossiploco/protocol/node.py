@@ -133,7 +133,7 @@ class PeerNode:
         (``PeerTable.on_connected``)."""
         if peer not in self.peers.known:
             return []
-        if self.peers.on_connected(peer, incarnation):
+        if self.peers.on_connected(peer, incarnation, now):
             # A new or returning peer: ask where it stands (its reply carries its join round). Asked
             # once the connection is up, so the question is not lost in a reconnection.
             return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
@@ -150,7 +150,7 @@ class PeerNode:
         its news, and asked where it stands (its news may go to others only)."""
         if peer not in self.peers.known or peer == self.rank:
             return []
-        self.peers.on_restart(peer)
+        self.peers.on_restart(peer, now)
         self.note(f"peer {peer} restarted (a new process of it spoke)", routine=True)
         return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
 

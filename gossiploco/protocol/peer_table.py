@@ -96,12 +96,14 @@ class PeerTable:
             table.pop(peer, None)
         return True
 
-    def on_connected(self, peer: int, incarnation: object = None) -> bool:
+    def on_connected(self, peer: int, incarnation: object = None, now: float = 0.0) -> bool:
         """Its connection is up (from process ``incarnation``, where the carrier says). True when it is pending and
         the caller should probe it for its join round. An idle member's link re-admits nobody and asks nothing;
         another process than its last link's (it restarted) makes it pending, left to its own news
-        (``links_on_demand``); a link to a peer already pending asks it, as a full mesh's handshake does (its
-        answer to an earlier question may have been lost with a link that was made afresh)."""
+        (``links_on_demand``), and counts as lost at ``now``, as a drop would have: the groups decided before name
+        its previous process, and a call still waiting on that process fails; a link to a peer already pending
+        asks it, as a full mesh's handshake does (its answer to an earlier question may have been lost with a link
+        that was made afresh)."""
         was_idle = peer in self.idle
         self.idle.discard(peer)
         self.connected.add(peer)
@@ -112,6 +114,7 @@ class PeerTable:
             self.incarnations[peer] = incarnation
         if was_idle and before is not None and incarnation is not None and incarnation != before:
             self.joined.pop(peer, None)  # a restarted process: its news says when it takes part
+            self.lost_at[peer] = now
             return False
         return peer not in self.joined  # a pending one is asked (an idle member's link asks nothing)
 
@@ -128,11 +131,12 @@ class PeerTable:
         rest = sorted(others - told)
         return sorted(told | set(draw.sample(rest, min(NEWS_SAMPLE, len(rest)))))
 
-    def on_restart(self, peer: int) -> None:
+    def on_restart(self, peer: int, now: float = 0.0) -> None:
         """A new process of ``peer`` spoke while no link to it was up (links on demand: none saw the old one go): it
-        is pending until it says when it takes part."""
+        is pending until it says when it takes part, and counts as lost at ``now`` (``on_connected``)."""
         self.joined.pop(peer, None)
         self.reported.pop(peer, None)
+        self.lost_at[peer] = now
 
     def on_idle(self, peer: int) -> bool:
         """The carrier closed its link for idleness: no failure, it stays a member. True if a link was up."""

@@ -346,10 +346,12 @@ class SimSwarm:
         """Install what a lifecycle program decided; a downloaded state must be the donor's of that round."""
         if clock is not None and position.clocks:
             refused = clock.adopt(position.clocks, peer.now)
-            # The peers still in the run: a peer that finished tells no clock, so nobody can take its clock up
+            # The peers still in the run (a peer that finished tells no clock, so nobody can take its clock up) and in
+            # step with the round this one takes up: one rounds behind is on a clock of its own until it catches up
+            # too (restarted while cut off from everyone, it started alone)
             others = [c.anchor for p, c in self.round_clocks.items()
                       if p != peer.pid and c.anchor is not None and self.peers[p].running
-                      and self.finished.get(p, 0) < self.settings.rounds]
+                      and position.round - 1 <= self.finished.get(p, 0) < self.settings.rounds]
             self.checker.round_clock_adopted(peer.pid, peer.now, refused, clock.anchor, others)
         if position.state is None:
             return position.round, z

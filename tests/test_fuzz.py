@@ -345,7 +345,7 @@ def test_a_peer_node_takes_any_valid_message_or_raises_malformed(message, curren
     """What a receiver does with a message that passed the codec: actions, or ``MalformedMessage``."""
     node = PeerNode(0, [0, 1, 2], grace_s=1.0, chunk_elems=16, mailbox_bytes=1 << 16)
     node.current_round = current_round
-    node.peers.on_connected(1)
+    node.peers.on_connected(1, 0.0)
     if join:
         node.announce(join)
     try:

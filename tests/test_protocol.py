@@ -377,11 +377,11 @@ def test_unreachable_peers_are_the_known_ones_with_no_connection_that_did_not_le
     from gossiploco.protocol.peer_table import PeerTable
 
     table = PeerTable(0, [1, 2, 3], join_round=0)
-    table.on_connected(1)
+    table.on_connected(1, 0.0)
     assert table.unreachable() == [2, 3]
     table.on_leave(3, now=1.0)
     assert table.unreachable() == [2]
-    table.on_connected(3)
+    table.on_connected(3, 0.0)
     table.on_disconnected(3, now=2.0)  # dropped without a goodbye: cut off, not gone
     assert table.unreachable() == [2, 3]
 

@@ -133,7 +133,7 @@ class PeerNode:
         (``PeerTable.on_connected``)."""
         if peer not in self.peers.known:
             return []
-        if self.peers.on_connected(peer, incarnation, now):
+        if self.peers.on_connected(peer, now, incarnation):
             # A new or returning peer: ask where it stands (its reply carries its join round). Asked
             # once the connection is up, so the question is not lost in a reconnection.
             return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]

@@ -96,7 +96,7 @@ class PeerTable:
             table.pop(peer, None)
         return True
 
-    def on_connected(self, peer: int, incarnation: object = None, now: float = 0.0) -> bool:
+    def on_connected(self, peer: int, now: float, incarnation: object = None) -> bool:
         """Its connection is up (from process ``incarnation``, where the carrier says). True when it is pending and
         the caller should probe it for its join round. An idle member's link re-admits nobody and asks nothing;
         another process than its last link's (it restarted) makes it pending, left to its own news
@@ -131,7 +131,7 @@ class PeerTable:
         rest = sorted(others - told)
         return sorted(told | set(draw.sample(rest, min(NEWS_SAMPLE, len(rest)))))
 
-    def on_restart(self, peer: int, now: float = 0.0) -> None:
+    def on_restart(self, peer: int, now: float) -> None:
         """A new process of ``peer`` spoke while no link to it was up (links on demand: none saw the old one go): it
         is pending until it says when it takes part, and counts as lost at ``now`` (``on_connected``)."""
         self.joined.pop(peer, None)

@@ -25,7 +25,9 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
   A leader stops waiting for a member that sent ``Abort`` for the key (it followed another leader by an older
   view): no ``Ready`` will come from it. Nor for the members of another leader's decision without it: a peer caught
   up into a round the others are in may lead one of its exchanges by a view that counts it in, so a leader that hears
-  its join news sends it the decisions it made without it that it would lead (``PeerNode._went_on_without``).
+  its join news sends it the decisions it made without it that it would lead (``PeerNode._went_on_without``). One of
+  a round later than the peer's own tells it that it trails the swarm: it is a straggler (``PeerNode.straggling``)
+  and re-aligns at its next round's start.
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
   key) fails the follower's call, counted (``unknown_members``): a group it cannot run is a failed
   exchange, never a crash.

@@ -200,33 +200,6 @@ def test_join_waits_for_a_quorum_until_its_deadline_and_reports_the_members():
     assert position.members == [0, 1] and script.now < 1.0
 
 
-def test_a_resumed_peer_waiting_for_its_quorum_takes_the_state_of_a_peer_resumed_a_round_later():
-    """A swarm stopped across a round boundary resumes: the peer that stopped a round later answered the question
-    with round -1 (it had not started a round), then says it takes part from the next round. This peer takes its
-    state at once (no wait for a boundary: that peer waits for nobody), where it waited out its whole quorum
-    deadline for a member that would never come to its round. News of a round further on is not taken from a
-    hello alone: such a claim must be backed by another member (``ask_rounds``)."""
-    good = torch.arange(6, dtype=torch.float32)
-    for claimed, caught_up in ((4, True), (5, False)):
-        node = node_of(0, [0, 1, 2], connected=[1, 2], static=False)
-
-        def news(script):  # peer 1 says it takes part from round 3 and peer 2 from ``claimed``
-            if 2 in node.peers.joined:
-                return False
-            node.receive(1, Hello(3, -1), script.now)
-            node.receive(2, Hello(claimed, claimed), script.now)
-            return True
-
-        script = Script(node, answers={1: -1, 2: -1}, states={2: (4, good)}, at_wait=news)
-        position = script.run(lifecycle.join(node, settings(), start_round=3, quorum=3, quorum_until=7.0))
-        if caught_up:
-            assert position.round == 4 and torch.equal(position.state, good) and position.donor == 2
-            assert script.now < 1.0 and script.sleeps == 0, "taken at once"
-        else:
-            assert position.round == 3 and position.state is None and script.fetched == []
-            assert script.now == pytest.approx(7.0), "a lone far claim moves nobody"
-
-
 def test_a_peer_that_joins_a_running_swarm_waits_for_the_boundary_and_downloads_that_round():
     node = node_of(3, [1, 2, 3], connected=[1, 2], static=False)
     good = torch.arange(6, dtype=torch.float32)

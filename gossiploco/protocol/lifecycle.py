@@ -252,16 +252,6 @@ def join(node: PeerNode, s: Settings, start_round: int, quorum: int = 1, quorum_
     now = yield Act(node.announce(start_round))
     until = max(quorum_until if quorum_until is not None else now, now + s.hello_s) if quorum > 1 else now
     while len(node.members(start_round)) < quorum and now < until:
-        # A swarm stopped across a round boundary and resumed: a peer that stopped a round later says it takes part
-        # from the next round (before it started it, its answer above said round -1), and does not wait for this one
-        # (this peer counts among its members); waiting for the quorum here would wait the whole start-up timeout
-        reachable = node.peers.reachable()
-        later = {p: k for p, k in node.peers.joined.items()
-                 if p != node.rank and p in reachable and k == start_round + 1}
-        if later:
-            node.note(f"peers {sorted(later)} resumed at round {start_round + 1}: taking their state")
-            return (yield from catch_up(node, s, later, current=start_round,
-                                        fresh=start_round == 0, resumed=start_round > 0))
         now = yield from _wait(node, Wait(until), "the wait for the others at the start")
     return Position(start_round, members=node.members(start_round), clocks=round_clocks(node))
 

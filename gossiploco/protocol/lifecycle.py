@@ -303,9 +303,10 @@ def catch_up(node: PeerNode, s: Settings, ahead: dict[int, int], current: int, f
                       f"{donor} at the start of round {k}, mixing again")
             return Position(k, state=flat, donor=donor, fresh_join=fresh, catchup_s=now - began,
                             clocks=round_clocks(node))
-        reachable = node.peers.reachable()
+        retry = not fresh and attempt + 1 < FRESH_ATTEMPTS
+        reachable = node.peers.reachable() if retry else set()
         back = sorted(p for p in ahead if p in reachable and node.peers.lost_at.get(p, began - 1) >= began)
-        if not fresh and attempt + 1 < FRESH_ATTEMPTS and back:
+        if back:
             # A donor's connection dropped during this catch-up and came back (a relay's reset, say): downloading
             # now, mid-round, would leave this peer behind the swarm's clock; it asks again at the next boundary
             node.note(f"no peer gave its state (rounds {ahead}); peers {back} lost their connection meanwhile and "

@@ -347,7 +347,7 @@ class SimSwarm:
         if clock is not None and position.clocks:
             refused = clock.adopt(position.clocks, peer.now)
             # The peers still in the run (a peer that finished tells no clock, so nobody can take its clock up) and in
-            # step with the round this one takes up: one rounds behind is on a clock of its own until it catches up
+            # step with the round this one takes up: a peer rounds behind is on a clock of its own until it catches up
             # too (restarted while cut off from everyone, it started alone)
             others = [c.anchor for p, c in self.round_clocks.items()
                       if p != peer.pid and c.anchor is not None and self.peers[p].running

@@ -4,6 +4,7 @@ peer shows it has admitted this one since."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -96,3 +97,40 @@ def test_a_refusing_peer_that_admitted_this_one_since_is_dialed_again_at_once_no
     finally:
         a.close()
         b.close()
+
+
+def test_a_connection_dropped_during_its_handshake_is_dialed_again_by_libzmq_and_its_sockets_are_kept():
+    """A relay's stream reset drops a connection mid-handshake: libzmq reports it (no detail) and dials again itself.
+    Before, that counted as a refusal and both of the peer's DEALERs were made afresh, so a working sibling connection
+    was torn down and a send racing the change found no socket (``not a known peer``: CI's libp2p exchange test)."""
+    key = SwarmKey.generate()
+    listener = socket.create_server(("127.0.0.1", 0))  # takes each connection and drops it before any handshake
+    accepted: list[float] = []
+    stop = threading.Event()
+
+    def drop() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            accepted.append(time.monotonic())
+            conn.close()
+
+    thread = threading.Thread(target=drop, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    a = ZmqExchange(0, {0: f"tcp://127.0.0.1:{free_ports(1)[0]}"}, "test-dropped", 10.0, grace_s=2.0,
+                    trust=Trust.static(key, 0, 2))
+    try:
+        assert a.add_peer(1, f"tcp://127.0.0.1:{port}")
+        dealer = a.sockets.dealers[1]
+        assert wait_until(lambda: len(accepted) >= 6, 5.0), len(accepted)  # dialed again, by libzmq
+        assert a.sockets.dealers[1] is dealer  # never made afresh
+        assert a.sockets.handshakes.refusals(1) == 0 and not a.sockets.handshakes.pending
+    finally:
+        a.close()
+        stop.set()
+        thread.join(2.0)
+        listener.close()

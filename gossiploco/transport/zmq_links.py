@@ -36,6 +36,10 @@ PATIENCE = 3
 starting (its ZAP handler runs in Python) gets this much longer."""
 
 
+UNOPENED, IDLE, LOST = "unopened", "idle", "lost"
+"""What a dropped link was (``LinksOnDemand.link_down``)."""
+
+
 class LinksOnDemand:
     """See the module docstring."""
 
@@ -126,14 +130,21 @@ class LinksOnDemand:
             if peer in self._last_use:
                 self._up.add(peer)
 
-    def link_down(self, peer: int) -> bool:
-        """``peer``'s link dropped; False for a link on demand that never came up (the other end dropped a handshake
-        that took too long, as a peer busy starting makes it: libzmq dials again, and it is no failure)."""
+    def link_down(self, peer: int, now: float | None = None) -> str:
+        """``peer``'s link dropped. ``UNOPENED``: a link on demand that never came up (the other end dropped a
+        handshake that took too long, as a peer busy starting makes it: libzmq dials again, and it is no failure).
+        ``IDLE``: a link on demand up and unused for ``idle_s``, due to be closed here as idle (a check only comes
+        after a poll, late when the thread is starved). A peer leaving may not have told this one (their last message
+        was older than its ``lately_s``), so the drop is no failure: the link is closed as idle, and a peer gone is
+        found when it is next opened (``due``'s unanswered list). ``LOST``: any other link."""
+        now = time.monotonic() if now is None else now
         with self._lock:
             if peer in self._members and peer not in self._up:
-                return False
+                return UNOPENED
             self._up.discard(peer)
-            return True
+            if peer in self._last_use and now - self._last_use[peer] >= self.idle_s:
+                return IDLE
+            return LOST
 
     def answered(self, peer: int, refused: bool = False, now: float | None = None) -> None:
         """``peer``'s end took the TCP connection (its handshake is then waited for up to ``PATIENCE`` handshake

@@ -34,7 +34,8 @@ from gossiploco.security.trust import parse_routing_id
 from gossiploco.transport.admission import Admission
 from gossiploco.transport.retry import Redials
 from gossiploco.transport.sealed import OFFER
-from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES
+from gossiploco.transport.zmq_links import IDLE, LOST, UNOPENED
+from gossiploco.transport.zmq_send import HANDSHAKE_FAILURES, HANDSHAKE_REFUSALS
 from gossiploco.transport.zmq_service import TransportMessage
 from gossiploco.transport.zmq_sockets import ZmqSockets
 
@@ -299,13 +300,21 @@ class Receiver:
             elif event["event"] == zmq.EVENT_CONNECTED:  # monitored with links on demand only
                 self.sockets.links.answered(peer)
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                if self.sockets.links is not None and not self.sockets.links.link_down(peer):
+                down = LOST if self.sockets.links is None else self.sockets.links.link_down(peer)
+                if down == UNOPENED:
                     continue  # a link on demand that never came up (a handshake too slow for the other end): redialed
                 self._drain_router()  # a goodbye already here is heard first: the peer left, it was not lost
+                if down == IDLE:  # overdue to close as idle here: closed so (``LinksOnDemand.link_down``)
+                    if self.sockets.close_idle(peer):
+                        self.feed(lambda node, now: node.idled(peer, now))
+                    continue
                 self.feed(lambda node, now: node.disconnected(peer, now))
-            elif event["event"] & HANDSHAKE_FAILURES:  # libzmq gives up on the connection, so we retry ourselves
+            elif event["event"] & HANDSHAKE_FAILURES:
                 if self.sockets.links is not None:
                     self.sockets.links.answered(peer, refused=True)
+                if not event["event"] & HANDSHAKE_REFUSALS:
+                    continue  # dropped during its handshake: libzmq dials again itself
+                # refused: libzmq gives up on the connection, so we retry ourselves
                 delay = self.sockets.refused_by(peer, time.monotonic())
                 refusals = self.sockets.handshakes.refusals(peer)
                 if refusals in (4, 16, 64):  # the first few are expected while a peer joins

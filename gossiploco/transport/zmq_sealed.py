@@ -40,8 +40,8 @@ from gossiploco.errors import ExchangeTimeout, PeerFailed
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.sealed import KEEP_KEYS, LINKS_KEEP_KEYS, MAX_FRAMES, TAG_BYTES, Opener, Sealer, offer_frames
 from gossiploco.transport.zmq_auth import SEALED_DOMAIN
-from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, GaveUp, close_leaving_monitor, close_monitored,
-                                            heartbeat, send_until)
+from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, HANDSHAKE_REFUSALS, GaveUp, close_leaving_monitor,
+                                            close_monitored, heartbeat, send_until)
 
 RECONNECT_MAX_MS = 10_000
 """A sealed port that does not answer (a firewall) is dialed again at most this often once backoff grew."""
@@ -208,9 +208,10 @@ class SealedLinks:
         peer = self.monitors.get(monitor)
         if peer is None:  # its DEALER was closed (``forget``): the monitor is on its way out
             return
-        if kind & HANDSHAKE_FAILURES:  # refused (this peer's CurveZMQ connection not admitted there yet): retry
-            self.refusals.refused(peer, time.monotonic())
-            return
+        if kind & HANDSHAKE_FAILURES:
+            if kind & HANDSHAKE_REFUSALS:  # refused (this peer's CurveZMQ connection not admitted there yet): retry
+                self.refusals.refused(peer, time.monotonic())
+            return  # else dropped during its handshake: libzmq dials again itself
         with self._state:
             if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected[peer] = endpoint

@@ -403,14 +403,15 @@ class ZmqSockets:
         if self.links is not None:
             self.open_link(peer)
         sockets = self.controls if control else self.dealers
-        if peer not in sockets:
-            raise PeerFailed(f"{what}: {peer} is not a known peer")
+        with self._changing:  # a change seen whole: ``reattach`` retires the sockets, then makes them afresh
+            if peer not in sockets:
+                raise PeerFailed(f"{what}: {peer} is not a known peer")
         if not control and self.sealed is not None and self.sealed.send(peer, frames, deadline=deadline, what=what,
                                                                         closed=closed):
             return None  # sealed into new buffers: the caller's memory is free again at once
-        entry = sockets.get(peer)
-        if entry is None:  # forgotten or made afresh meanwhile (``forget``, ``reattach``)
-            raise PeerFailed(f"{what}: the connection to {peer} was closed")
+        with self._changing:
+            if (entry := sockets.get(peer)) is None:  # forgotten meanwhile (``forget``)
+                raise PeerFailed(f"{what}: the connection to {peer} was closed")
         if chunk and not control:  # chunks take the stripes in turn (their order does not matter: module docstring)
             entry = self.further_stripes.pick(peer, entry, time.monotonic())
         dealer, lock = entry

@@ -14,7 +14,7 @@ from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, Pe
 from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import Follow
 from gossiploco.protocol.collectives import FetchState
-from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Decision, Hello, Send
+from gossiploco.protocol.messages import PROBE, STEPPING_OUT, Decision, Hello, Ready, Send
 from gossiploco.protocol.node import PeerNode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +198,40 @@ def test_join_waits_for_a_quorum_until_its_deadline_and_reports_the_members():
     script = Script(node, answers={1: -1}, at_wait=hello)
     position = script.run(lifecycle.join(node, settings(), start_round=0, quorum=2, quorum_until=7.0))
     assert position.members == [0, 1] and script.now < 1.0
+
+
+@pytest.mark.parametrize("news", ["hello", "hello further on", "ready", "hello at the start"])
+def test_a_resumed_peer_waiting_for_its_quorum_takes_the_state_of_a_peer_resumed_a_round_later(news):
+    """A swarm stopped across a round boundary resumes: the peer that stopped a round later answered the question
+    with round -1 (it had not started a round), then says it takes part from the next round. This peer takes its
+    state at once (no wait for a boundary: that peer waits for nobody), where it waited out its whole quorum
+    deadline for a member that would never come to its round. Only the peer's own word counts, for the next round
+    only, and only on a resume: a claim further on (it must be backed by another member: ``ask_rounds``), a join
+    round inferred from a ``Ready`` before its hello (``agreement.on_ready``), and a fresh start move nobody."""
+    good = torch.arange(6, dtype=torch.float32)
+    start = 0 if news == "hello at the start" else 3
+    node = node_of(0, [0, 1, 2], connected=[1, 2], static=False)
+
+    def say(script):  # peer 1 says it takes part from this peer's start round, and peer 2 from a later one
+        if 2 in node.peers.joined:
+            return False
+        node.receive(1, Hello(start, -1), script.now)
+        if news == "ready":
+            node.receive(2, Ready(f"mix1/{start}", start), script.now)
+        else:
+            later = start + (2 if news == "hello further on" else 1)
+            node.receive(2, Hello(later, later), script.now)
+        return True
+
+    script = Script(node, answers={1: -1, 2: -1}, states={2: (start + 1, good)}, at_wait=say)
+    position = script.run(lifecycle.join(node, settings(), start_round=start, quorum=3, quorum_until=7.0))
+    assert node.peers.joined[2] > start
+    if news == "hello":
+        assert position.round == 4 and torch.equal(position.state, good) and position.donor == 2
+        assert script.now < 1.0 and script.sleeps == 0, "taken at once"
+    else:
+        assert position.round == start and position.state is None and script.fetched == []
+        assert script.now == pytest.approx(7.0), "nobody moved"
 
 
 def test_a_peer_that_joins_a_running_swarm_waits_for_the_boundary_and_downloads_that_round():

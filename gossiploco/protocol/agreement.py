@@ -220,7 +220,7 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
     if sender not in peers.joined and sender in peers.connected:
         # It believes it takes part but its hello never reached us (it froze, came back and kept
         # its view): adopt it from the next round rather than leave it out forever.
-        peers.on_join(sender, message.round + 1)
+        peers.on_join(sender, message.round + 1, said=False)
         node.note(f"peer {sender} is back (ready for {key!r}); it takes part from round {message.round + 1}", routine=True)
     decided = node.decided.get(key)
     if decided is not None:  # a straggler (or a duplicate): the group went on

@@ -252,6 +252,14 @@ def join(node: PeerNode, s: Settings, start_round: int, quorum: int = 1, quorum_
     now = yield Act(node.announce(start_round))
     until = max(quorum_until if quorum_until is not None else now, now + s.hello_s) if quorum > 1 else now
     while len(node.members(start_round)) < quorum and now < until:
+        # A swarm stopped across a round boundary resumes: a peer that stopped a round later answered the question
+        # with round -1 (not started yet), then says (its hello, not a join inferred from a Ready) that it takes part
+        # from the next round, and does not wait for this one (this peer counts among its members). Waiting for the
+        # quorum would wait out the start-up timeout for a member that never comes to this round: take its state.
+        later = {p: k for p, k in node.peers.said_joins().items() if k == start_round + 1} if start_round > 0 else {}
+        if later:
+            node.note(f"peers {sorted(later)} resumed at round {start_round + 1}: taking their state")
+            return (yield from catch_up(node, s, later, current=start_round, fresh=False, resumed=True))
         now = yield from _wait(node, Wait(until), "the wait for the others at the start")
     return Position(start_round, members=node.members(start_round), clocks=round_clocks(node))
 

@@ -40,6 +40,9 @@ class PeerTable:
         """Every peer with an address (this one included)."""
         self.joined: dict[int, int] = dict.fromkeys(self.known, 0)
         """peer -> first round it takes part in; absent: pending."""
+        self.said: dict[int, int] = {}
+        """peer -> the first round it said itself (its hello) it takes part in, where ``joined`` may hold one inferred
+        (a ``Ready`` before its hello: ``agreement.on_ready``) or a static list's 0."""
         if join_round is None:  # this peer decides later (``announce``) when it takes part
             del self.joined[rank]
         else:
@@ -91,8 +94,8 @@ class PeerTable:
         self.known.discard(peer)
         self.left.discard(peer)
         self.idle.discard(peer)
-        for table in (self.joined, self.incarnations, self.failed, self.lost_at, self.reported, self.round_clocks,
-                      self.leader_rounds):
+        for table in (self.joined, self.said, self.incarnations, self.failed, self.lost_at, self.reported,
+                      self.round_clocks, self.leader_rounds):
             table.pop(peer, None)
         return True
 
@@ -173,8 +176,18 @@ class PeerTable:
         return sorted(p for p in self.known
                       if p != self.rank and p not in self.connected and p not in self.idle and p not in self.left)
 
-    def on_join(self, peer: int, join_round: int) -> None:
+    def on_join(self, peer: int, join_round: int, said: bool = True) -> None:
+        """``peer`` takes part from ``join_round``: it ``said`` so, or this peer inferred it."""
         self.joined[peer] = join_round
+        if said:
+            self.said[peer] = join_round
+        else:
+            self.said.pop(peer, None)
+
+    def said_joins(self) -> dict[int, int]:
+        """The reachable other peers whose join round in ``joined`` is the one they said themselves."""
+        reachable = self.reachable()
+        return {p: k for p, k in self.joined.items() if p != self.rank and p in reachable and self.said.get(p) == k}
 
     def lost_since(self, peer: int, began: float) -> float | None:
         """When ``peer`` counts as lost for a call that began at ``began``: a drop during the call counts

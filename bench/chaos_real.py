@@ -37,8 +37,9 @@ leads round 0's Mix2 (leaders are drawn per exchange: ``protocol.groups``), SIGK
   upper half of the ranks, cut off from the others for 3-12 s, then healed.
 
 The fault time is drawn within the run: when the target (for network faults: any peer) reaches round
-k, k uniform in 1..R-2 (for ``restart`` k = 1, so the swarm still runs when it is back: a restarted
-peer needs about 10 s to import torch, start its DHT node and find the swarm), plus a uniform delay within one round (the baseline's mean round time), so faults land anywhere
+k, k uniform in 1..R-2 (for ``restart`` k = 1, and the trial runs ``RESTART_ROUNDS_FACTOR`` times R rounds, so the
+swarm still runs when it is back: a restarted peer needs about 10 s to import torch, start its DHT node and find the
+swarm, and with R rounds alone 3 of 30 restarts came back after the end), plus a uniform delay within one round (the baseline's mean round time), so faults land anywhere
 in a round, Mix1 and Mix2 included. ``--faults kill,stop`` restricts the kinds drawn.
 
 Network (``--netem``): the test bed's star (``testbed.netns.Star``): namespace ``PREFIX-sw`` holds
@@ -137,6 +138,9 @@ ORPHAN_CHECK_S = 10.0
 REJOIN_WINDOW_S = 15.0
 """A restarted peer that could not rejoin because the swarm finished within this long of its start makes
 the trial inconclusive (a start takes about 10 s here: torch import, DHT node, discovery)."""
+RESTART_ROUNDS_FACTOR = 2
+"""A ``restart`` trial runs this many times ``--rounds`` (its lost time counts against the baseline's rounds as
+many times: ``lost_s``)."""
 STOP_GRACE_S = 10.0
 """After SIGINT a peer gets this long to leave (withdraw its DHT record, stop its DHT node) before SIGKILL."""
 BOOTSTRAP_START_S = 60.0
@@ -176,6 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra config override for every peer (TOML value), repeatable")
     parser.add_argument("--faults", default="",
                         help="comma-separated kinds to draw from (default: kill,stop,restart and, with --netem, loss,delay,partition)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated kinds: run only the trials whose draw is of these kinds (the draws stay "
+                             "those of the whole run: replay a run's restarts, say), and the baseline, not the scenario")
     parser.add_argument("--orphan-check-s", type=float, default=ORPHAN_CHECK_S,
                         help="look for a killed peer's leftover processes this long after the kill (a faulted run "
                              "lasts at least until then)")
@@ -198,9 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
 
 
-def overrides_for(args: argparse.Namespace, peers: int) -> dict[str, Any]:
-    """The dotted config overrides every peer of a run gets (``workers`` included, for load_config)."""
-    over = {**SMALL, "workers": peers, "rounds": args.rounds, "inner_steps": args.inner_steps, "seed": args.seed,
+def overrides_for(args: argparse.Namespace, peers: int, rounds: int | None = None) -> dict[str, Any]:
+    """The dotted config overrides every peer of a run gets (``workers`` included, for load_config); ``rounds``
+    (a fault's own, ``draw_fault``) replaces ``--rounds``."""
+    over = {**SMALL, "workers": peers, "rounds": rounds or args.rounds, "inner_steps": args.inner_steps, "seed": args.seed,
             "monitor.every": args.monitor_every, "inner.synthetic_step_s": args.synthetic_step_s,
             "timeouts.exchange_s": args.exchange_s, "timeouts.grace_s": args.grace_s,
             "timeouts.startup_s": args.startup_s}
@@ -391,7 +399,7 @@ class Swarm:
         self.spec = spec
         self.run_id = run_id
         self.lives: list[Life] = []
-        self.overrides = overrides_for(ctx.args, spec.peers)
+        self.overrides = overrides_for(ctx.args, spec.peers, spec.fault.get("rounds"))
         self._last_tree = 0.0
         self.identities = ordered_rank_identities(run_dir, range(1, spec.peers + 1), ctx.args.seed)
         self.group = ProcessGroup(ctrl_c=True, grace_s=STOP_GRACE_S)
@@ -567,11 +575,11 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def timeouts_of(args: argparse.Namespace, config: str, peers: int) -> dict[str, float]:
+def timeouts_of(args: argparse.Namespace, config: str, peers: int, rounds: int | None = None) -> dict[str, float]:
     """The run's [timeouts] (from the real config loader) and the stall bound computed from them."""
     from gossiploco.config import load_config
 
-    cfg = load_config(config, overrides_for(args, peers))
+    cfg = load_config(config, overrides_for(args, peers, rounds))
     t = cfg.timeouts
     return {"exchange_s": t.exchange_s, "grace_s": t.grace_s, "min_exchange_s": t.min_exchange_s,
             "adaptive_factor": t.adaptive_factor, "heartbeat_s": t.heartbeat_s, "startup_s": t.startup_s,
@@ -592,6 +600,7 @@ def draw_fault(args: argparse.Namespace, kinds: Sequence[str], trial: int, peers
         fault["stop_s"] = round(rng.uniform(2.0, 10.0), 1)
     elif kind == "restart":
         fault["round"] = 1  # early: the restarted peer needs ~10 s to be back, and the swarm must still be running
+        fault["rounds"] = RESTART_ROUNDS_FACTOR * args.rounds
         fault["restart_after_s"] = round(rng.uniform(0.5, 2.0), 1)
     elif kind in ("loss", "delay"):
         fault["ranks"] = [rng.choice(ranks)] if rng.random() < 0.5 else ranks
@@ -616,7 +625,8 @@ def describe(fault: dict) -> str:
     if kind == SCENARIO:
         return f"{SCENARIO}: rank 1 {FAULT_ENV}={SCENARIO_FAULT}"
     if kind in PROCESS_FAULTS:
-        extra = {"stop": f", SIGCONT after {fault.get('stop_s')}s", "restart": f", restart after {fault.get('restart_after_s')}s"}
+        extra = {"stop": f", SIGCONT after {fault.get('stop_s')}s", "restart": f", restart after {fault.get('restart_after_s')}s"
+                 + (f", {fault['rounds']} rounds" if fault.get("rounds") else "")}
         return f"{kind} rank {fault['target']}{extra.get(kind, '')}"
     scope = "all" if len(fault["ranks"]) > 1 and kind != "partition" else ",".join(map(str, fault["ranks"]))
     what = {"loss": f"{fault.get('loss_pct')}%", "delay": f"{fault.get('delay_ms')}ms", "slow": f"{fault.get('slow_mbit')}Mbit/s",
@@ -633,7 +643,7 @@ def run_one(ctx: Context, spec: RunSpec) -> dict:
     ctx.ensure_bootstrap()
     if ctx.net is not None:
         ctx.net.reset()
-    limits = timeouts_of(args, spec.config, spec.peers)
+    limits = timeouts_of(args, spec.config, spec.peers, spec.fault.get("rounds"))
     rounds = limits["rounds"]
     timeout_s = args.trial_timeout_s or 60.0 + rounds * (limits["grace_s"] + limits["exchange_s"] + 1.0)
     fault = dict(spec.fault)
@@ -891,7 +901,8 @@ def analyze(ctx: Context, spec: RunSpec, fault: dict, swarm: Swarm, limits: dict
         "orphans_after_10s": sum(len(o["processes"]) for o in orphans), "orphan_checks": orphans,
         "round_s": statistics.fmean(round_times) if round_times else None,
         "survivor_wall_s": max(walls) if walls else None,
-        "lost_s": round(max(walls) - base["wall_s"], 1) if walls and base and base.get("wall_s") else None,
+        "lost_s": round(max(walls) - base["wall_s"] - (rounds - ctx.args.rounds) * (base.get("round_s") or 0.0), 1)
+        if walls and base and base.get("wall_s") else None,
         "survivor_failures": failures,
         "wall_s": round(wall, 1), "timed_out": state["timed_out"], "events": events, "peers": peers,
     }
@@ -1018,7 +1029,8 @@ def run(args: argparse.Namespace) -> int:
         print("error: needs --trials >= 0, --trial-start >= 0, --peers >= 2, --rounds >= 3, --inner-steps >= 1", file=sys.stderr)
         return EXIT_UNAVAILABLE
     kinds = [k.strip() for k in args.faults.split(",") if k.strip()] or [*PROCESS_FAULTS, *(NETWORK_FAULTS if args.netem else ())]
-    bad = [k for k in kinds if k not in (*PROCESS_FAULTS, *NETWORK_FAULTS)]
+    only = [k.strip() for k in args.only.split(",") if k.strip()]
+    bad = [k for k in kinds + only if k not in (*PROCESS_FAULTS, *NETWORK_FAULTS)]
     if bad or (not args.netem and any(k in NETWORK_FAULTS for k in kinds)):
         print(f"error: --faults {args.faults!r}: kinds are {', '.join(PROCESS_FAULTS + NETWORK_FAULTS)} "
               f"(network kinds need --netem)", file=sys.stderr)
@@ -1067,10 +1079,13 @@ def run(args: argparse.Namespace) -> int:
             plan: list[RunSpec] = []
             for config, peers in dict.fromkeys([(SCENARIO_CONFIG, SCENARIO_PEERS), (args.config, args.peers)]):
                 plan.append(RunSpec(f"baseline-{Path(config).stem}-{peers}p", config, peers, {"kind": "none"}))
-            plan.append(RunSpec(f"scenario-{SCENARIO}", SCENARIO_CONFIG, SCENARIO_PEERS, {"kind": SCENARIO}))
+            if not only:
+                plan.append(RunSpec(f"scenario-{SCENARIO}", SCENARIO_CONFIG, SCENARIO_PEERS, {"kind": SCENARIO}))
             netem_flag = ctx.net.netem if ctx.net else None
             for i in range(args.trial_start, args.trial_start + args.trials):
                 fault = draw_fault(args, kinds, i, args.peers, netem_flag)
+                if only and fault["kind"] not in only and not (fault["kind"] == "slow" and "delay" in only):
+                    continue
                 plan.append(RunSpec(f"trial-{i:03d}-{fault['kind']}", args.config, args.peers, fault))
             total = len(plan)
             for n, spec in enumerate(plan, 1):

@@ -60,3 +60,16 @@ def test_progress_is_timed_when_each_records_step_was_reached_not_when_the_recor
     older = [(100.2, {}), (130.0, {"run_s": 16.0})]  # a record without run_s: arrival times, as before
     assert progress_times(older) == [100.2, 130.0]
     assert progress_times([]) == []
+
+
+def test_a_restart_trial_runs_longer_so_the_restarted_peer_finds_the_swarm_still_running():
+    """With R rounds a swarm finished before 3 of 30 restarted peers were back (a start takes about 10 s here): a
+    restart trial runs ``RESTART_ROUNDS_FACTOR`` times R; the other kinds run R."""
+    from bench.chaos_real import RESTART_ROUNDS_FACTOR, build_parser, draw_fault, overrides_for
+
+    args = build_parser().parse_args(["--rounds", "12"])
+    faults = [draw_fault(args, ("kill", "restart", "stop"), trial, 4, None) for trial in range(30)]
+    restarts = [f for f in faults if f["kind"] == "restart"]
+    assert restarts and all(f["rounds"] == RESTART_ROUNDS_FACTOR * 12 and f["round"] == 1 for f in restarts)
+    assert all("rounds" not in f for f in faults if f["kind"] != "restart")
+    assert overrides_for(args, 4, restarts[0]["rounds"])["rounds"] == 24 and overrides_for(args, 4)["rounds"] == 12

@@ -897,7 +897,8 @@ def analyze(ctx: Context, spec: RunSpec, fault: dict, swarm: Swarm, limits: dict
         "stalls_over_adaptive_floor": sum(1 for s in stalls if s > limits["adaptive_floor_s"]),
         "survivors_finished": f"{sum(p['finished'] for p in survivors)}/{len(survivors)}",
         "val_loss": val, "baseline_val_loss": base.get("val_loss") if base else None,
-        "val_loss_delta": (val - base["val_loss"]) if val is not None and base and base.get("val_loss") is not None else None,
+        "val_loss_delta": (val - base["val_loss"]) if val is not None and base and base.get("val_loss") is not None
+        and rounds == ctx.args.rounds else None,  # a run of more rounds (a restart's) is not the baseline's peer
         "orphans_after_10s": sum(len(o["processes"]) for o in orphans), "orphan_checks": orphans,
         "round_s": statistics.fmean(round_times) if round_times else None,
         "survivor_wall_s": max(walls) if walls else None,

@@ -51,10 +51,8 @@ def val_loss_of_average(out, ranks, cfg) -> float:
         return sum(float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())) for x, y in batches) / len(batches)
 
 
-@pytest.mark.timeout(420)
-def test_a_whole_swarm_stopped_with_ctrl_c_restarts_with_resume_at_the_same_round(tmp_path):
-    out = tmp_path / "swarm"
-    env = {**os.environ, **ENV}
+def run_until_round_3_and_ctrl_c(out, env) -> str:
+    """Run the 3-peer swarm until each peer checkpointed round 3, then Ctrl+C it; its stderr."""
     proc = subprocess.Popen(swarm_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert wait_until(lambda: all((out / f"peer-{r}" / "checkpoints").is_dir() and
@@ -63,10 +61,17 @@ def test_a_whole_swarm_stopped_with_ctrl_c_restarts_with_resume_at_the_same_roun
                                       for r in range(3)), 240), "the swarm did not reach round 3"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 130
-        err = proc.stderr.read()
+        return proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.timeout(420)
+def test_a_whole_swarm_stopped_with_ctrl_c_restarts_with_resume_at_the_same_round(tmp_path):
+    out = tmp_path / "swarm"
+    env = {**os.environ, **ENV}
+    err = run_until_round_3_and_ctrl_c(out, env)
     stopped = {r: latest_checkpoint(run_checkpoints(out / f"peer-{r}")).round for r in range(3)}
     assert max(stopped.values()) - min(stopped.values()) <= 1, stopped  # stopped together: one round apart at most
     for r in range(3):
@@ -104,17 +109,7 @@ def test_a_swarm_stopped_across_a_round_boundary_resumes_without_waiting_and_eac
     state at once: one catch-up each, none for peer 2, no wait for a quorum."""
     out = tmp_path / "swarm"
     env = {**os.environ, **ENV}
-    proc = subprocess.Popen(swarm_command(out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert wait_until(lambda: all((out / f"peer-{r}" / "checkpoints").is_dir() and
-                                      latest_checkpoint(run_checkpoints(out / f"peer-{r}")) is not None
-                                      and latest_checkpoint(run_checkpoints(out / f"peer-{r}")).round >= 3
-                                      for r in range(3)), 240), "the swarm did not reach round 3"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 130
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_until_round_3_and_ctrl_c(out, env)
     top = max(latest_checkpoint(run_checkpoints(out / f"peer-{r}")).round for r in range(3))
     for r in (0, 1):
         for path in (out / f"peer-{r}" / "checkpoints").glob(f"round-{top:06d}.*"):

@@ -139,8 +139,8 @@ REJOIN_WINDOW_S = 15.0
 """A restarted peer that could not rejoin because the swarm finished within this long of its start makes
 the trial inconclusive (a start takes about 10 s here: torch import, DHT node, discovery)."""
 RESTART_ROUNDS_FACTOR = 2
-"""A ``restart`` trial runs this many times ``--rounds`` (its lost time counts against the baseline's rounds as
-many times: ``lost_s``)."""
+"""A ``restart`` trial runs this many times ``--rounds``; its lost time (``lost_s``) leaves out the extra rounds, at
+the baseline's round time, and it gets no val-loss delta (the baseline ran ``--rounds``)."""
 STOP_GRACE_S = 10.0
 """After SIGINT a peer gets this long to leave (withdraw its DHT record, stop its DHT node) before SIGKILL."""
 BOOTSTRAP_START_S = 60.0
@@ -1033,7 +1033,7 @@ def run(args: argparse.Namespace) -> int:
     only = [k.strip() for k in args.only.split(",") if k.strip()]
     bad = [k for k in kinds + only if k not in (*PROCESS_FAULTS, *NETWORK_FAULTS)]
     if bad or (not args.netem and any(k in NETWORK_FAULTS for k in kinds)):
-        print(f"error: --faults {args.faults!r}: kinds are {', '.join(PROCESS_FAULTS + NETWORK_FAULTS)} "
+        print(f"error: --faults {args.faults!r} / --only {args.only!r}: kinds are {', '.join(PROCESS_FAULTS + NETWORK_FAULTS)} "
               f"(network kinds need --netem)", file=sys.stderr)
         return EXIT_UNAVAILABLE
     try:

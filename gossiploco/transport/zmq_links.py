@@ -17,7 +17,8 @@ is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again,
 and relayed paths are not parked: a member behind NAT cannot be dialed when wanted. Each end closes its own idle
 links, so a peer's link to a member may be up while the member's to it is closed: a peer leaving tells every peer it
 sent to or heard from within ``lately_s`` (``lately``), not only those its own links reach, and waits for the links
-it opened for that, so that none of them sees its link drop before the goodbye (a lost peer, to it).
+it opened for that, so that none of them sees its link drop before the goodbye (a lost peer, to it). A link that
+drops once unused for ``idle_s`` (its check came late) closes as idle: no failure (``link_down``).
 
 Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
 """

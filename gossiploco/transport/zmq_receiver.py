@@ -6,7 +6,8 @@ its process (``admission``), and fed to the node; a message that fails is droppe
 first few of each reason, then at powers of two) and counted by reason. Monitor events (ZMTP
 handshake, disconnect: a dead process at once, a frozen one after the heartbeat timeout) become
 ``connected``/``disconnected`` events; a refused handshake is retried with backoff
-(``ZmqSockets.refused_by``, the policy in ``transport.retry``), as libzmq gives up on such a connection. It also dials the reverse
+(``ZmqSockets.refused_by``, the policy in ``transport.retry``), as libzmq gives up on such a connection (one dropped
+during its handshake libzmq dials again itself: ``zmq_send.HANDSHAKE_REFUSALS``). It also dials the reverse
 connections the driver asks for (``dial``), since only the ROUTER's thread may touch it, and redials those that
 failed or dropped while they are wanted (``retry.Redials``: libzmq's own redialing is off on the ROUTER, as it starts
 again at 100 ms after every TCP connection, handshake or not).

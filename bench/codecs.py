@@ -54,7 +54,8 @@ def measure(modules: dict, name: str, x: torch.Tensor, repeats: int) -> dict:
     payloads = {label: codec.encode(x) for label, codec in codecs.items()}  # warm up
     for label, codec in codecs.items():
         codec.decode(payloads[label], x.numel(), out=out)
-    times = {label: {"encode": [], "decode": []} for label in codecs}
+    accumulators = {label: torch.zeros_like(x) for label in codecs}
+    times = {label: {"encode": [], "decode": [], "add": []} for label in codecs}
     for _ in range(repeats):
         for label, codec in codecs.items():
             start = time.perf_counter()
@@ -63,10 +64,25 @@ def measure(modules: dict, name: str, x: torch.Tensor, repeats: int) -> dict:
             start = time.perf_counter()
             codec.decode(payload, x.numel(), out=out)
             times[label]["decode"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            decode_add(codec, payload, x.numel(), accumulators[label], out)
+            times[label]["add"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        accumulators["current"].add_(out)
+        times.setdefault("plain add", {"add": []})["add"].append(time.perf_counter() - start)
     same = torch.equal(payloads["landed"], payloads["current"])
     if not same and name == "topk":
         same = "ties only" if differ_only_at_ties(codecs["current"], x, payloads["landed"], payloads["current"]) else False
     return {label: {way: statistics.median(v) for way, v in t.items()} for label, t in times.items()} | {"same": same}
+
+
+def decode_add(codec, payload: torch.Tensor, numel: int, acc: torch.Tensor, out: torch.Tensor) -> None:
+    """What an exchange does with a payload it sums: ``acc += decode(payload)``, in one pass where the codec has
+    ``decode_add`` (the current ones), else decoded into ``out`` and added (the landed ones)."""
+    if hasattr(codec, "decode_add"):
+        codec.decode_add(payload, numel, acc)
+    else:
+        acc.add_(codec.decode(payload, numel, out=out))
 
 
 def differ_only_at_ties(codec, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -97,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         for name in args.codecs:
             r = measure(modules, name, x, args.repeats)
-            ns = {label: {way: r[label][way] / args.values * 1e9 for way in ("encode", "decode")}
-                  for label in ("landed", "current")}
+            ns = {label: {way: r[label][way] / args.values * 1e9 for way in ("encode", "decode", "add")}
+                  for label in ("landed", "current")} | {"plain add": r["plain add"]["add"] / args.values * 1e9}
             rows.append((threads, name, ns, r["same"]))
             print(f"{threads} thread(s) {name}: encode {ns['landed']['encode']:.2f} -> {ns['current']['encode']:.2f} ns, "
-                  f"decode {ns['landed']['decode']:.2f} -> {ns['current']['decode']:.2f} ns, same bytes {r['same']}",
+                  f"decode {ns['landed']['decode']:.2f} -> {ns['current']['decode']:.2f} ns, "
+                  f"decode + add {ns['landed']['add']:.2f} -> {ns['current']['add']:.2f} ns, same bytes {r['same']}",
                   flush=True)
     command = "python -m bench.codecs" + "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
     lines = ["# Codec speed: current against landed", "", "Produced by `bench/codecs.py` (see its docstring).", "",
@@ -131,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                 over_copy = f"{ns['current']['decode'] / copy[threads]:.2f}" if threads in copy else "-"
                 lines.append(f"| {threads} | {name} | {one_thread[name]['encode'] / ns['current']['encode']:.1f}x | "
                              f"{one_thread[name]['decode'] / ns['current']['decode']:.1f}x | {over_copy} |")
+    lines += ["", "Decode and add (`acc += decode(payload)`: what an owner's sum and a sparse group mean do with each "
+              "payload they receive): the landed codecs decode into a vector and add it (two passes over memory); the "
+              "current ones' `decode_add` decodes a piece into cache and adds it there, and top-k adds only the values "
+              "it holds. `plain add` is `acc += y` of two fp32 vectors, the unfused add alone.", "",
+              "| threads | codec | decode + add ns/value landed | current | speed-up | plain add | current / plain add |",
+              "|---:|---|---:|---:|---:|---:|---:|"]
+    for threads, name, ns, _ in rows:
+        lines.append(f"| {threads} | {name} | {ns['landed']['add']:.2f} | {ns['current']['add']:.2f} | "
+                     f"{ns['landed']['add'] / ns['current']['add']:.1f}x | {ns['plain add']:.2f} | "
+                     f"{ns['current']['add'] / ns['plain add']:.2f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"results in {args.out}")

@@ -220,6 +220,15 @@ def block_decode(scales, codes, block, levels, out):
         _scale(out[b * block:min(n, b * block + block)], scale / F32(levels) if scale > F32(0.0) else F32(0.0))
 
 
+@kernel
+def block_decode_add(scales, codes, block, levels, scratch, acc):
+    """``acc += block_decode(...)``: the piece decoded into ``scratch`` (``acc.size`` values, small enough to stay in
+    cache) and added from there, so the decoded values never go to memory."""
+    block_decode(scales, codes, block, levels, scratch)
+    for i in range(acc.size):
+        acc[i] += scratch[i]
+
+
 # -- top-k ------------------------------------------------------------------------------------------------
 
 
@@ -352,10 +361,12 @@ def topk_positions_valid(positions, chunk, k):
 def topk_decode(bounds, positions, packed, chunk, k, bits, first_code, out):
     """Decode ``out.size`` values (from a chunk's first value on; the last chunk may be cut) from the chunks' bounds,
     positions (checked by ``topk_positions_valid``) and codes (from code ``first_code`` of the payload on): zeros but
-    at the positions, where the value is ``±(low + (high - low) (level + 1/2) / levels)``."""
-    levels = 1 << (bits - 1)
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
+    at the positions, where the value is ``±(low + (high - low) (level + 1/2) / levels)``. ``bits`` is 1, 2, 4 or 8,
+    so a code's byte and place in it are shifts and masks (a division by a variable costs tens of cycles a value)
+    and ``/ levels`` is ``* (1 / levels)``, the same float32 since ``levels`` is a power of two."""
+    shift = 3 if bits == 1 else 2 if bits == 2 else 1 if bits == 4 else 0  # log2 of the codes a byte holds
+    slot, mask = (1 << shift) - 1, (1 << bits) - 1
+    per_level = F32(1.0) / F32(1 << (bits - 1))
     numel = out.size
     for c in range((numel + chunk - 1) // chunk):
         start, end = c * chunk, min(numel, c * chunk + chunk)
@@ -363,9 +374,23 @@ def topk_decode(bounds, positions, packed, chunk, k, bits, first_code, out):
         low, high = bounds[2 * c], bounds[2 * c + 1]
         for j in range(k):
             column = np.int32(positions[c * k + j])
-            index = first_code + c * k + j
-            code = (np.int32(packed[index // per_byte]) >> ((index % per_byte) * bits)) & mask
-            fraction = (F32(code >> 1) + F32(0.5)) / F32(levels)
-            magnitude = low + (high - low) * fraction
             if start + column < end:
+                index = first_code + c * k + j
+                code = (np.int32(packed[index >> shift]) >> ((index & slot) * bits)) & mask
+                fraction = (F32(code >> 1) + F32(0.5)) * per_level
+                magnitude = low + (high - low) * fraction
                 out[start + column] = -magnitude if code & 1 else magnitude
+
+
+@kernel
+def topk_decode_add(bounds, positions, packed, chunk, k, bits, first_code, scratch, acc):
+    """``acc += topk_decode(...)``: each chunk decoded into ``scratch`` (``chunk`` values: in cache) and added from
+    there, one stream over ``acc``."""
+    numel = acc.size
+    for c in range((numel + chunk - 1) // chunk):
+        start, end = c * chunk, min(numel, c * chunk + chunk)
+        part, into = scratch[:end - start], acc[start:end]  # (indexing a view vectorizes; acc[start + i] did not)
+        topk_decode(bounds[2 * c:2 * c + 2], positions[c * k:c * k + k], packed, chunk, k, bits, first_code + c * k,
+                    part)
+        for i in range(into.size):
+            into[i] += part[i]

@@ -72,13 +72,12 @@ def group_mean(key: str, v: torch.Tensor, members: Sequence[int], exchange: Exch
                           out=seg(residual, k))
     got = exchange.all_to_all(f"{key}/scatter", parts, members, {m: size(me) for m in members if m != exchange.rank}, tag)
     total = seg(v, me).clone()
-    decoded = torch.empty_like(total)
     for m in members:  # in member order: the owner's sum is one fixed sequence of fp32 additions
         if m != exchange.rank:
-            total += codec.decode(got[m], total.numel(), out=decoded)
+            codec.decode_add(got[m], total.numel(), total)
     mean = total.div_(n)
     payload = codec.encode(mean)
-    mean_sent = codec.decode(payload, mean.numel(), out=decoded)
+    mean_sent = codec.decode(payload, mean.numel())
     if residual is not None:
         torch.sub(mean, mean_sent, out=seg(residual, me)).mul_(n)
     got = exchange.all_to_all(f"{key}/gather", {m: payload for m in members if m != exchange.rank}, members,
@@ -101,7 +100,10 @@ def _sparse_all_gather(key: str, v: torch.Tensor, members: list[int], exchange: 
                               {m: payload.numel() for m in others})
     total = torch.zeros_like(v)
     for m in members:
-        total += mine if m == exchange.rank else codec.decode(got[m], v.numel())
+        if m == exchange.rank:
+            total += mine
+        else:
+            codec.decode_add(got[m], v.numel(), total)
     return total.div_(len(members)), v - mine if feedback else None, payload.numel() * len(others)
 
 

@@ -87,6 +87,15 @@ def _written(out: torch.Tensor | None, target: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _accumulator(acc: torch.Tensor, numel: int) -> np.ndarray | None:
+    """``acc`` (a float32 CPU vector of ``numel`` values, ``decode_add``'s) as a numpy view of its memory; None when it
+    is not contiguous (it is then added to through a decoded copy). ``ValueError`` for any other ``acc``."""
+    if acc.dtype != torch.float32 or acc.device.type != "cpu" or acc.numel() != numel or acc.dim() != 1:
+        raise ValueError(f"decode_add adds {numel} float32 values on the CPU, not into a {acc.dtype} {acc.device.type} "
+                         f"tensor of shape {tuple(acc.shape)}")
+    return acc.detach().numpy() if acc.is_contiguous() else None
+
+
 def _cpu_values(flat: torch.Tensor) -> np.ndarray:
     """``flat`` as a contiguous float32 numpy vector on the CPU (no copy when it is one already)."""
     return flat.detach().reshape(-1).to("cpu", torch.float32).contiguous().numpy()
@@ -135,6 +144,14 @@ class Codec(ABC):
         it runs, here rather than inside a round's exchange, where a first use on a new machine cost about 5 s of
         it (``codec_kernels``). Nothing for the others."""
 
+    def decode_add(self, payload: torch.Tensor, numel: int, acc: torch.Tensor) -> torch.Tensor:
+        """``acc += decode(payload, numel)``, returned: the same checks and the same bits, without the decoded vector
+        in memory (a compiled codec decodes a piece into cache and adds it from there: one pass over ``acc`` instead
+        of a write and two reads). ``acc`` is left as it was when the payload is refused (``PeerFailed``);
+        ``ValueError`` for an ``acc`` that is not a float32 CPU vector of ``numel`` values."""
+        _accumulator(acc, numel)
+        return acc.add_(self.decode(payload, numel))
+
     def roundtrip(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(payload, decode(payload))``: what is sent and what every receiver makes of it."""
         payload = self.encode(flat)
@@ -165,6 +182,13 @@ class Float32Codec(Codec):
         values = payload.view(torch.float32)
         _check_finite(values, self.name)
         return values.clone() if out is None else out.copy_(values)
+
+    def decode_add(self, payload, numel, acc):
+        _accumulator(acc, numel)
+        self._check_size(payload, numel)
+        values = payload.view(torch.float32)
+        _check_finite(values, self.name)
+        return acc.add_(values)
 
 
 class BFloat16Codec(Codec):
@@ -248,18 +272,24 @@ class BlockCodec(Codec):
         _run_pieces(encode_piece, self._pieces(numel))
         return payload
 
-    def decode(self, payload, numel, out=None):
+    def _checked(self, payload: torch.Tensor, numel: int) -> tuple[np.ndarray, np.ndarray]:
+        """The payload's block scales (float32) and codes, once checked (``PeerFailed`` for a payload no encoder
+        makes)."""
         self._check_size(payload, numel)
-        payload, kernels = payload.contiguous(), _kernels()
+        payload = payload.contiguous()
         nb = self._blocks(numel)
         scales = payload[:4 * nb].clone().view(torch.float32)
         if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
             raise PeerFailed(f"{self.name} payload has a negative or non-finite block scale")
         codes = payload[4 * nb:].numpy()
-        if not kernels.block_codes_valid(codes, self.levels, numel):
+        if not _kernels().block_codes_valid(codes, self.levels, numel):
             raise PeerFailed(f"{self.name} payload has a code outside [0, {2 * self.levels}]")
-        target = _writable(out, numel)
-        into, scale_values = target.numpy(), scales.numpy()
+        return scales.numpy(), codes
+
+    def decode(self, payload, numel, out=None):
+        scale_values, codes = self._checked(payload, numel)
+        target, kernels = _writable(out, numel), _kernels()
+        into = target.numpy()
 
         def decode_piece(start: int, end: int) -> None:
             kernels.block_decode(scale_values[start // self.block:self._blocks(end)],
@@ -267,6 +297,21 @@ class BlockCodec(Codec):
 
         _run_pieces(decode_piece, self._pieces(numel))
         return _written(out, target)
+
+    def decode_add(self, payload, numel, acc):
+        into = _accumulator(acc, numel)
+        if into is None:
+            return super().decode_add(payload, numel, acc)
+        scale_values, codes = self._checked(payload, numel)
+        kernels = _kernels()
+
+        def add_piece(start: int, end: int) -> None:
+            kernels.block_decode_add(scale_values[start // self.block:self._blocks(end)],
+                                     codes[self._code_range(start, end)], self.block, self.levels,
+                                     _scratch("decoded", end - start, np.float32), into[start:end])
+
+        _run_pieces(add_piece, self._pieces(numel))
+        return acc
 
 
 TOPK_BITS = (1, 2, 4, 8)
@@ -334,26 +379,50 @@ class TopKCodec(Codec):
         _run_pieces(encode_piece, self._pieces(n))
         return payload
 
-    def decode(self, payload, numel, out=None):
+    def _checked(self, payload: torch.Tensor, numel: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The payload's bounds (float32, two a chunk), positions (uint16) and packed codes, once checked
+        (``PeerFailed`` for a payload no encoder makes)."""
         self._check_size(payload, numel)
-        payload, kernels = payload.contiguous(), _kernels()
+        payload = payload.contiguous()
         n, k = self._shape(numel)
         bounds = payload[:8 * n].clone().view(torch.float32).view(n, 2)
         if not bool((torch.isfinite(bounds) & (bounds >= 0)).all()) or bool((bounds[:, 0] > bounds[:, 1]).any()):
             raise PeerFailed("topk payload has bad magnitude bounds (negative, non-finite or low above high)")
         _, positions, packed = self._sections(payload, n, k)
         positions = positions.view(np.uint16)
-        if not kernels.topk_positions_valid(positions, self.chunk, k):
+        if not _kernels().topk_positions_valid(positions, self.chunk, k):
             raise PeerFailed("topk payload has positions out of order or outside their chunk")
+        return bounds.view(-1).numpy(), positions, packed
+
+    def _run_chunks(self, payload: torch.Tensor, numel: int, into: np.ndarray, add: bool) -> None:
+        """Decode the checked payload into ``into`` (``topk_decode``), or add it there (``add``: ``topk_decode_add``),
+        piece by piece."""
+        bound_values, positions, packed = self._checked(payload, numel)
+        n, k = self._shape(numel)
+        kernels = _kernels()
+
+        def run_piece(first: int, last: int) -> None:
+            sections = (bound_values[2 * first:2 * last], positions[first * k:last * k], packed, self.chunk, k,
+                        self.bits, first * k)
+            piece = into[first * self.chunk:min(numel, last * self.chunk)]
+            if add:
+                kernels.topk_decode_add(*sections, _scratch("decoded", self.chunk, np.float32), piece)
+            else:
+                kernels.topk_decode(*sections, piece)
+
+        _run_pieces(run_piece, self._pieces(n))
+
+    def decode(self, payload, numel, out=None):
         target = _writable(out, numel)
-        into, bound_values = target.numpy(), bounds.view(-1).numpy()
-
-        def decode_piece(first: int, last: int) -> None:
-            kernels.topk_decode(bound_values[2 * first:2 * last], positions[first * k:last * k], packed, self.chunk, k,
-                                self.bits, first * k, into[first * self.chunk:min(numel, last * self.chunk)])
-
-        _run_pieces(decode_piece, self._pieces(n))
+        self._run_chunks(payload, numel, target.numpy(), add=False)
         return _written(out, target)
+
+    def decode_add(self, payload, numel, acc):
+        into = _accumulator(acc, numel)
+        if into is None:
+            return super().decode_add(payload, numel, acc)
+        self._run_chunks(payload, numel, into, add=True)
+        return acc
 
 
 def build_codec(name: str, *, block: int = 4096, density: float = 0.02, chunk: int = 4096, bits: int = 2) -> Codec:

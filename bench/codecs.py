@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                              f"{one_thread[name]['decode'] / ns['current']['decode']:.1f}x | {over_copy} |")
     lines += ["", "Decode and add (`acc += decode(payload)`: what an owner's sum and a sparse group mean do with each "
               "payload they receive): the landed codecs decode into a vector and add it (two passes over memory); the "
-              "current ones' `decode_add` decodes a piece into cache and adds it there, and top-k adds only the values "
-              "it holds. `plain add` is `acc += y` of two fp32 vectors, the unfused add alone.", "",
+              "current ones' `decode_add` decodes a piece (top-k: a chunk) into cache and adds it from there, one stream "
+              "over the vector. `plain add` is `acc += y` of two fp32 vectors, the unfused add alone.", "",
               "| threads | codec | decode + add ns/value landed | current | speed-up | plain add | current / plain add |",
               "|---:|---|---:|---:|---:|---:|---:|"]
     for threads, name, ns, _ in rows:

@@ -207,6 +207,17 @@ class BFloat16Codec(Codec):
         _check_finite(out, self.name)  # on the fp32 values: a bfloat16 NaN or Inf stays one
         return out
 
+    def decode_add(self, payload, numel, acc):
+        into = _accumulator(acc, numel)
+        if into is None:
+            return super().decode_add(payload, numel, acc)
+        self._check_size(payload, numel)
+        bits, kernels = payload.contiguous().view(torch.uint16).numpy(), _kernels()
+        if not kernels.bfloat16_finite(bits):
+            raise PeerFailed(f"{self.name} payload holds NaN or Inf")
+        kernels.bfloat16_add(bits, _scratch("widened", 4096, np.int32), into)
+        return acc
+
 
 def _check_finite(values: torch.Tensor, what: str) -> None:
     if not all_finite(values):

@@ -23,6 +23,7 @@ import json
 import re
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,20 @@ def test_nat_four_peers_behind_separate_routers_complete_through_one_relay(tmp_p
         assert all(relative_error(model(peers, rank), reference) <= 1e-4 for rank in range(1, 4))
 
 
+MIX_FAILURE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) WARN \S+: mix[12] round \d+: exchange failed \((.*)\)")
+
+
+def mix_failures(log: str) -> list[tuple[float, str]]:
+    """``(time.time() of the line, cause)`` of each failed Mix1 and Mix2 a peer's log shows (its local time)."""
+    found = []
+    for line in log.splitlines():
+        match = MIX_FAILURE.match(line)
+        if match:
+            at = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            found.append((at, match.group(2)))
+    return found
+
+
 @pytest.mark.timeout(480)
 def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
     require_netns()
@@ -120,7 +135,7 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
                                for p in metrics)
 
                 assert wait_until(lambda: reached(2), 240, poll_s=0.2), [peers.log(r)[-1500:] for r in range(3)]
-                killed_at = time.monotonic()
+                killed_at, killed_wall = time.monotonic(), time.time()
                 relay.kill()
                 relay.wait(10)
                 codes = peers.wait(300)
@@ -136,10 +151,20 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
             s = summary(peers, rank)
             # The exchanges in flight over the relay when it dies fail (at most 3: a round's Mix2 and Mix1 and the
             # next Mix1). Under load (a clean-clone CI run) the deadline that detects it can leave a peer one
-            # round late: one more fails and the peer catches up once. Nothing more may be lost.
+            # round late: one more fails and the peer catches up once. Besides, a peer that reaches an exchange
+            # while it has no path to anyone yet (every peer here is behind NAT and the relay carried them all)
+            # fails it at once ("isolated"): that costs no time, and how many such exchanges a peer reaches
+            # depends only on how fast its rounds are, so those are bounded in time instead: all within one
+            # deadline of the kill (seen in a full-suite run: 2 such within 30 ms of the kill and 2 others, 4 in all,
+            # one more than the count allowed).
+            # Nothing more may be lost.
             counts = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
-            assert s["mix1_failures"] + s["mix2_failures"] <= 3 + s["catchups"] and s["catchups"] <= 1, \
-                (counts, peers.log(rank)[-4000:])
+            failed = mix_failures(peers.log(rank))
+            isolated = [at for at, why in failed if why.startswith("isolated")]
+            others = s["mix1_failures"] + s["mix2_failures"] - len(isolated)
+            assert others <= 3 + s["catchups"] and s["catchups"] <= 1, (counts, failed, peers.log(rank)[-4000:])
+            deadline = cfg.timeouts.exchange_s + cfg.timeouts.grace_s
+            assert all(0 <= at - killed_wall <= deadline for at in isolated), (killed_wall, failed)
             tunnels = s["reach"]["tunnels"]
             # No session found both relays failing: the bootstrap carried every one after the kill. Sessions to a
             # peer that already left (the others end first) count as unreachable, not failed (``reach.tunnel``).

@@ -129,7 +129,7 @@ def test_record_round_trips_through_the_wire_format():
     wire = original.to_wire()
     assert wire == {"version": PROTOCOL_VERSION, "peer": 7, "endpoint": "tcp://node-3.example:5555",
                     "round": 12, "tokens": 1 << 40, "key": bytes(range(32)), "reachable": True, "p2p": "",
-                    "relays": [], "reverse": []}
+                    "relays": [], "reverse": [], "joined": -1}
     assert all(type(v) in (int, str, bytes, bool, list) for v in wire.values())
     assert PeerRecord.from_wire(wire) == original
     relay = "/ip4/10.88.0.2/tcp/4001/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
@@ -138,6 +138,8 @@ def test_record_round_trips_through_the_wire_format():
     assert PeerRecord.from_wire(nat.to_wire()) == nat
     assert nat.reverse_for(4) == (40001, 40002) and nat.reverse_for(5) is None and nat.host == "192.168.1.2"
     assert PeerRecord.from_wire(record(0).to_wire()).round == -1
+    joined = PeerRecord(peer=3, endpoint="tcp://10.0.0.3:5555", round=40, tokens=9, joined=37)
+    assert PeerRecord.from_wire(joined.to_wire()).joined == 37
 
 
 @pytest.mark.parametrize("change, reason", [
@@ -150,6 +152,10 @@ def test_record_round_trips_through_the_wire_format():
     ({"round": 2**63}, "round must be in"),
     ({"tokens": -1}, "tokens must be in"),
     ({"tokens": None}, "tokens must be an int"),
+    ({"joined": -2}, "joined must be in"),
+    ({"joined": 2**63}, "joined must be in"),
+    ({"joined": "5"}, "joined must be an int"),
+    ({"joined": False}, "joined must be an int"),
     ({"endpoint": "127.0.0.1:5555"}, "tcp://HOST:PORT"),
     ({"endpoint": "tcp://127.0.0.1"}, "tcp://HOST:PORT"),
     ({"endpoint": "tcp://127.0.0.1:55/x"}, "tcp://HOST:PORT"),

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from gossiploco.protocol.messages import PROBE, Hello
+from gossiploco.protocol.messages import LEAVING, PROBE, Hello
 from gossiploco.protocol.node import PeerNode
 from gossiploco.protocol.peer_table import NEWS_SAMPLE
 from gossiploco.simulation.faults import Fault
@@ -115,6 +115,50 @@ def test_news_of_a_join_goes_to_linked_peers_those_outside_the_view_and_a_bounde
     full_mesh = _node(peers=200, join_round=None, on_demand=False)
     assert len(full_mesh.announce(3)) == 199  # a full mesh tells everyone, as before
     assert len(node.announce(PROBE, to=[1, 2])) == 2  # a question to named peers goes to them alone
+
+
+def test_a_records_join_round_admits_a_peer_found_later_as_its_news_would_and_spares_the_joiners_news():
+    """With links on demand a peer found through the directory is admitted from its record's join round
+    (``PeerRecord.joined``), at its first read or a later one; a joiner that found the members this way tells only its
+    linked peers and a sample, not every member it found (asking every peer found made a joiner open a link to each)."""
+    from gossiploco.protocol.messages import STEPPING_OUT
+
+    joiner = PeerNode(500, [], grace_s=1.0, chunk_elems=8, mailbox_bytes=1 << 20, join_round=None, links_on_demand=True)
+    for peer in range(200):
+        assert joiner.add_peer(peer, joined=peer % 3)  # founders from round 0, others joined later
+    assert joiner.members(1) == [500]  # it takes no part yet
+    joiner.announce(5)
+    assert {p: k for p, k in joiner.peers.joined.items() if p != 500} == {p: p % 3 for p in range(200)}
+    assert joiner.members(5) == list(range(200)) + [500] and joiner.peers.pending() == []
+    news = joiner.announce(6)
+    assert len(news) == NEWS_SAMPLE and all(not s.message.ask for s in news)  # nobody outside its view to ask
+    without = PeerNode(500, [], grace_s=1.0, chunk_elems=8, mailbox_bytes=1 << 20, join_round=None, links_on_demand=True)
+    for peer in range(200):
+        without.add_peer(peer)  # found with no record's word (before): pending, so every one of them was asked
+    assert len(without.announce(5)) == 200
+
+    member = _node(peers=8)
+    assert member.add_peer(9, joined=-1) and member.members(9) == list(range(8))  # not decided yet: pending
+    assert not member.add_peer(9, joined=STEPPING_OUT) and 9 not in member.members(20)
+    assert not member.add_peer(9, joined=4)  # a later read: it decided, so it is a member from round 4
+    assert member.members(3) == list(range(8)) and member.members(4) == list(range(8)) + [9]
+    assert 9 not in member.peers.said  # inferred, not said: its own hello still counts as news
+    member.add_peer(9, joined=6)  # a record never moves a member already in the view
+    assert member.peers.joined[9] == 4
+
+    member.disconnected(3, 1.0)  # its link failed: only its own news re-admits it, never a record read maybe older
+    member.add_peer(3, joined=0)
+    assert 3 not in member.members(10)
+    member.receive(2, Hello(LEAVING, 5), 2.0)  # it left: likewise
+    member.add_peer(2, joined=0)
+    assert 2 not in member.members(10)
+    member.restarted(5, 3.0)  # a new process of it spoke: likewise
+    member.add_peer(5, joined=0)
+    assert 5 not in member.members(10)
+    assert member.forget_peer(2) and member.add_peer(2, joined=7) and 2 in member.members(7)  # gone and back: new
+
+    full_mesh = _node(peers=8, on_demand=False)
+    assert full_mesh.add_peer(9, joined=0) and 9 not in full_mesh.members(0)  # a full mesh keeps to hellos
 
 
 def test_a_full_mesh_carrier_keeps_the_former_rules():

@@ -387,12 +387,13 @@ def test_the_planner_connects_each_pair_by_its_path_and_publishes_offers_only_wh
     relay = "/ip4/10.88.0.10/tcp/4100/p2p/12D3KooWR2vs2x1D1rzjgXzywmXTrDSDDai57ecyh9in4CVNiao4"
     p2p = relay.rsplit("/", 1)[1]
     records = {1: PeerRecord(1, "tcp://10.0.0.1:7000", 0, 0),
-               2: PeerRecord(2, "tcp://10.0.0.2:7000", 0, 0),
+               2: PeerRecord(2, "tcp://10.0.0.2:7000", 0, 0, joined=4),
                3: PeerRecord(3, "tcp://192.168.3.2:7000", 0, 0, reachable=False, p2p=p2p, relays=(relay,))}
     here = MemoryPaths(1)
     planner = PathPlanner(1, Reach(reachable=True), here, run_in_node=None)
     offers = planner.sync(records)
     assert here.added == {2: ("tcp://10.0.0.2:7000", False, False), 3: ("tcp://192.168.3.2:7000", True, False)}
+    assert here.joined == {2: 4, 3: -1}  # each record's join round goes to the carrier (``PeerTable.add``)
     assert here.behind_nat == {3} and offers == here.reverse_offers() and [o[0] for o in offers] == [3]
     assert planner.sync(records) is None  # nothing changed: nothing to republish
     # Peer 3's side: behind NAT, it dials the ports peer 1 offers it, relays to no one without a DHT node.

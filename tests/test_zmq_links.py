@@ -226,6 +226,38 @@ def test_members_found_later_are_asked_where_they_stand_without_a_handshake_to_a
             ex.close()
 
 
+def test_members_found_with_their_records_join_round_are_admitted_without_a_link_and_exchange():
+    """A record's join round (``add_peer(joined=...)``, from ``PeerRecord.joined``) admits a member found later with
+    no socket made and nothing asked; an undecided one (-1) stays pending, unasked, until a later read says it decided.
+    Then the two exchange as members, opening their link for it."""
+    key = SwarmKey.generate()
+    for attempt in range(5):
+        endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+        try:
+            peers = [ZmqExchange(r, {r: endpoints[r]}, "links-test", 10.0, trust=Trust.static(key, r, 2),
+                                 links_idle_s=IDLE_S, heartbeat_s=2.0) for r in range(2)]
+            break
+        except ExchangeError:
+            if attempt == 4:
+                raise
+    try:
+        trust = Trust.static(key, 0, 2)
+        assert peers[0].add_peer(1, peers[1].bound, trust.key_of(1), joined=-1)
+        assert peers[1].add_peer(0, peers[0].bound, trust.key_of(0), joined=0)
+        assert peers[1].members(0) == [0, 1] and peers[0].members(0) == [0]
+        assert not peers[0].add_peer(1, peers[1].bound, trust.key_of(1), joined=0)  # a later read: it decided
+        assert peers[0].members(0) == [0, 1] and peers[0].joined_round == 0
+        time.sleep(0.3)  # a probe would have gone out by now
+        assert all(ex.sockets.dealers == {} and _links(ex)["opened"] == 0 for ex in peers)
+        values = [torch.full((100,), float(r)) for r in range(2)]
+        got = run_all([lambda r=r: peers[r].swap("mix2/0", 1 - r, values[r]) for r in range(2)])
+        assert torch.equal(got[0], values[1]) and torch.equal(got[1], values[0])
+        assert all(_links(ex)["opened"] == 1 for ex in peers)
+    finally:
+        for ex in peers:
+            ex.close()
+
+
 def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
     links = LinksOnDemand(idle_s=5.0, handshake_s=2.0)
     links.park(1, "tcp://a:1")

@@ -232,8 +232,8 @@ class CompanionExchange(Exchange, PathControl):
     # -- discovery and paths (``PathControl``) -----------------------------------------------------------
 
     def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False,
-                 relayed: bool = False) -> bool:
-        return self._call("add_peer", peer, endpoint, key, listen=listen, relayed=relayed)
+                 relayed: bool = False, joined: int | None = None) -> bool:
+        return self._call("add_peer", peer, endpoint, key, listen=listen, relayed=relayed, joined=joined)
 
     def forget_peer(self, peer: int) -> bool:
         return self._call("forget_peer", peer)
@@ -287,6 +287,7 @@ class CompanionExchange(Exchange, PathControl):
     dropped_messages = _counter("dropped_messages")
     malformed_messages = _counter("malformed_messages")
     isolated_mixes = _counter("isolated_mixes")
+    joined_round = _counter("joined_round")
 
     def security_counts(self) -> dict[str, dict[str, int]]:
         return self._final["security_counts"] if self._final is not None else self._call("security_counts")

@@ -50,7 +50,7 @@ class Directory(ABC):
 
     @abstractmethod
     def update(self, **fields: Any) -> None:
-        """Change ``round``, ``tokens`` and/or ``reverse`` of the announced record. Others see the change after
+        """Change ``round``, ``tokens``, ``reverse`` and/or ``joined`` of the announced record. Others see the change after
         the next heartbeat. Raises ``TypeError`` for other fields, ``ValueError`` for invalid values,
         ``DirectoryError`` when nothing is announced."""
 
@@ -116,14 +116,14 @@ class Directory(ABC):
 
 
 def updated_record(record: PeerRecord, fields: dict[str, Any]) -> PeerRecord:
-    """``record`` with ``round``/``tokens``/``reverse`` replaced (``TypeError`` for any other field)."""
+    """``record`` with ``round``/``tokens``/``reverse``/``joined`` replaced (``TypeError`` for any other field)."""
     unknown = sorted(set(fields) - UPDATABLE)
     if unknown:
         raise TypeError(f"update() can change {', '.join(sorted(UPDATABLE))} only, got {unknown}")
     return dataclasses.replace(record, **fields)
 
 
-UPDATABLE = frozenset({"round", "tokens", "reverse"})
+UPDATABLE = frozenset({"round", "tokens", "reverse", "joined"})
 
 
 def check_run_id(run_id: Any) -> str:

@@ -10,17 +10,17 @@ from typing import Any
 
 from gossiploco.protocol.messages import MAX_PEER_ID
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of ``PeerRecord``'s wire format; records of another version are ignored (2: the ``key``
 field; 3: reachability, ``p2p``, ``relays`` and ``reverse``; 4: the protocol's ``Leading`` message, which
-older peers would refuse as malformed)."""
+older peers would refuse as malformed; 5: ``joined``)."""
 MAX_COUNT = 2**63
 """``round`` and ``tokens`` fit a signed 64-bit integer."""
 MAX_ENDPOINT_CHARS = 256
 ENDPOINT_PATTERN = re.compile(r"tcp://[^\s/]+:([0-9]{1,5})")
 """A data-plane endpoint, matched whole: ``tcp://HOST:PORT`` (no path, no whitespace, ASCII port digits)."""
 WIRE_FIELDS = frozenset({"peer", "endpoint", "round", "tokens", "version", "key", "reachable", "p2p", "relays",
-                         "reverse"})
+                         "reverse", "joined"})
 KEY_BYTES = 32
 MAX_RELAYS = 8
 MAX_REVERSE = 512
@@ -73,6 +73,10 @@ class PeerRecord:
     reverse: tuple[tuple[int, int, int], ...] = ()
     """Reverse connections this (reachable) peer offers: ``(peer behind NAT, data port, control
     port)``, ports on ``endpoint``'s host that the NAT'd peer dials (``gossiploco.reach.paths``)."""
+    joined: int = -1
+    """The first round the peer takes part in, as its latest news said (``PeerNode.announce``); -1: it has not
+    decided (starting, or stepping out while it catches up). With links on demand a peer that finds a new member
+    admits it from this, as its news would (``PeerTable.add``): the news goes to a sample of the members only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.key, bytes) or len(self.key) not in (0, KEY_BYTES):
@@ -91,6 +95,7 @@ class PeerRecord:
         _check_int("round", self.round, -1, MAX_COUNT)
         _check_int("tokens", self.tokens, 0, MAX_COUNT)
         _check_int("version", self.version, 1, MAX_PEER_ID)
+        _check_int("joined", self.joined, -1, MAX_COUNT)
         self._check_reach()
 
     def _check_reach(self) -> None:
@@ -128,7 +133,8 @@ class PeerRecord:
         """The record as a plain dict of str and int (msgpack-able)."""
         return {"version": self.version, "peer": self.peer, "endpoint": self.endpoint,
                 "round": self.round, "tokens": self.tokens, "key": self.key, "reachable": self.reachable,
-                "p2p": self.p2p, "relays": list(self.relays), "reverse": [list(entry) for entry in self.reverse]}
+                "p2p": self.p2p, "relays": list(self.relays), "reverse": [list(entry) for entry in self.reverse],
+                "joined": self.joined}
 
     @classmethod
     def from_wire(cls, obj: Any) -> PeerRecord:
@@ -164,4 +170,4 @@ class PeerRecord:
             raise ValueError("a reverse entry must be a list (peer, data port, control port)")
         return cls(peer=obj["peer"], endpoint=obj["endpoint"], round=obj["round"], tokens=obj["tokens"],
                    version=version, key=obj["key"], reachable=obj["reachable"], p2p=obj["p2p"],
-                   relays=tuple(relays), reverse=tuple(tuple(entry) for entry in reverse))
+                   relays=tuple(relays), reverse=tuple(tuple(entry) for entry in reverse), joined=obj["joined"])

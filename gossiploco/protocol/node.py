@@ -289,8 +289,9 @@ class PeerNode:
 
     # -- the owner's requests -----------------------------------------------------------------------
 
-    def add_peer(self, peer: int) -> bool:
-        return peer != self.rank and self.peers.add(peer)
+    def add_peer(self, peer: int, joined: int | None = None) -> bool:
+        """A peer found by discovery (``joined``: its record's join round, ``PeerTable.add``); True if it is new."""
+        return peer != self.rank and self.peers.add(peer, joined)
 
     def forget_peer(self, peer: int) -> bool:
         """The owner's discovery found ``peer`` gone for good (``PeerTable.forget``); False if it is connected."""

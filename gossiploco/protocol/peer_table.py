@@ -23,6 +23,8 @@ import math
 import random
 from collections.abc import Iterable
 
+from gossiploco.protocol.messages import STEPPING_OUT
+
 NEWS_SAMPLE = 16
 """With links on demand, news of a join round goes to this many members drawn at random, besides the peers with a link
 up and those outside the view (``news_targets``)."""
@@ -76,14 +78,25 @@ class PeerTable:
     def takes_part(self, round_index: int) -> bool:
         return self.joined.get(self.rank, math.inf) <= round_index
 
-    def add(self, peer: int) -> bool:
-        """A peer found by discovery: known, pending until its hello. True if it is new."""
-        if peer in self.known:
-            return False
-        self.known.add(peer)
-        if self.links_on_demand:
-            self.idle.add(peer)
-        return True
+    def add(self, peer: int, joined: int | None = None) -> bool:
+        """A peer found by discovery: known, pending until its hello. True if it is new.
+
+        ``joined``: the first round it takes part in, as its directory record says (``PeerRecord.joined``; None or
+        negative: not said). With links on demand this admits a peer that was never in the view and has no link lost
+        since it was found, as its news would have: its news goes to a sample of the members only
+        (``news_targets``), and asking every peer found made a joiner open a link to every member and every member one
+        to it. A peer that left, whose link failed or that restarted is left to its own news (a record read may be
+        older than that), and a full mesh keeps to hellos: its links tell it who is there."""
+        new = peer not in self.known
+        if new:
+            self.known.add(peer)
+            if self.links_on_demand:
+                self.idle.add(peer)
+        if (self.links_on_demand and joined is not None and 0 <= joined < STEPPING_OUT and peer != self.rank
+                and peer not in self.joined and peer not in self.lost_at and peer not in self.left):
+            self.joined[peer] = joined
+            self.said.pop(peer, None)
+        return new
 
     def forget(self, peer: int) -> bool:
         """A peer that is gone for good (its record left the directory) and not connected: drop everything kept of

@@ -77,12 +77,12 @@ class PathControl(ABC):
 
     @abstractmethod
     def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False,
-                 relayed: bool = False) -> bool:
+                 relayed: bool = False, joined: int | None = None) -> bool:
         """Connect to ``peer`` at ``endpoint`` (``key``: its public key, for an authenticated carrier).
         ``listen``: a reverse connection (``peer`` is behind NAT): listen on ports of this peer's host
         for it to dial (``reverse_offers``) instead of dialing. ``relayed``: ``endpoint`` is a tunnel
-        through a relay. A known peer at a new endpoint or on a new path is reconnected. Returns True
-        if anything changed."""
+        through a relay. ``joined``: the join round its record says (``PeerRecord.joined``). A known peer at a
+        new endpoint or on a new path is reconnected. Returns True if anything changed."""
 
     @abstractmethod
     def forget_peer(self, peer: int) -> bool:
@@ -118,6 +118,8 @@ class MemoryPaths(PathControl):
         self.added: dict[int, tuple[str, bool, bool]] = {}
         """peer -> (endpoint, listen, relayed) of its connection."""
         self.dialed: dict[int, tuple[str, ...]] = {}
+        self.joined: dict[int, int | None] = {}
+        """peer -> the join round its latest record said."""
         self.behind_nat: set[int] = set()
         self.order_rings = True
         self.up: set[int] = set()
@@ -127,8 +129,10 @@ class MemoryPaths(PathControl):
         self._lock = threading.Lock()
 
     def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False,
-                 relayed: bool = False) -> bool:
+                 relayed: bool = False, joined: int | None = None) -> bool:
         with self._lock:
+            if peer != self.rank:
+                self.joined[peer] = joined
             if peer == self.rank or self.added.get(peer, (None, None))[:2] == (endpoint, listen):
                 return False
             self.added[peer] = (endpoint, listen, relayed)

@@ -69,7 +69,8 @@ class PathPlanner:
             endpoint = self._tunnel(peer, record) if path == RELAYED else record.endpoint
             if endpoint is None:
                 continue
-            self.exchange.add_peer(peer, endpoint, record.key or None, listen=path == REVERSE, relayed=path == RELAYED)
+            self.exchange.add_peer(peer, endpoint, record.key or None, listen=path == REVERSE, relayed=path == RELAYED,
+                                   joined=record.joined)
             if self.paths.get(peer) != path:
                 self.counts[path] += 1
                 log.info("rank %d: path to peer %d: %s (%s)", self.rank, peer, path, _why(path, record))

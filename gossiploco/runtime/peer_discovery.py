@@ -155,7 +155,8 @@ class Discovery:
                     self.pacing.read(now, len(records), knocks)
                 else:
                     self.sync_peers(records)
-                self.directory.update(round=max(self.exchange.current_round, -1), tokens=self.tokens())
+                self.directory.update(round=max(self.exchange.current_round, -1), tokens=self.tokens(),
+                                      joined=self.exchange.joined_round)
                 if ticks % RUN_WATCH_EVERY == 0:
                     self.watch_runs()
             except DirectoryClosed:

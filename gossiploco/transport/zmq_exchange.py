@@ -28,7 +28,7 @@ from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call
 from gossiploco.protocol.collectives import AllToAll, FetchState, PairMean, RingAllReduce, Swap
-from gossiploco.protocol.messages import MAX_PEER_ID, Data
+from gossiploco.protocol.messages import MAX_PEER_ID, STEPPING_OUT, Data
 from gossiploco.reach.paths import PathControl, path_class
 from gossiploco.security.identity import peer_id_of
 from gossiploco.security.trust import Trust
@@ -99,6 +99,14 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         """Exchanges this peer ran alone while it knew peers it could not reach (``PeerNode.isolated``)."""
         with self._cond:
             return self._node.isolated_mixes
+
+    @property
+    def joined_round(self) -> int:
+        """The first round this peer takes part in, as its latest news said; -1 when it has not decided or steps out
+        while it catches up (what its directory record says: ``PeerRecord.joined``)."""
+        with self._cond:
+            joined = self._node.peers.joined.get(self.rank, -1)
+        return joined if 0 <= joined < STEPPING_OUT else -1
 
     def members(self, round_index: int | None = None) -> list[int]:
         with self._cond:
@@ -240,12 +248,14 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
     # -- discovery and paths (``PathControl``) ------------------------------------------------------
 
     def add_peer(self, peer: int, endpoint: str, key: bytes | None = None, *, listen: bool = False,
-                 relayed: bool = False) -> bool:
+                 relayed: bool = False, joined: int | None = None) -> bool:
         """Connect to ``peer`` at ``endpoint`` (a peer found by discovery; ``PathControl.add_peer``); it
         stays pending until its hello (a probe goes out once its connection is up). ``key``: the peer's
         Curve25519 public key, from its signed record (required with ``trust``; it must be the key of id
         ``peer``). ``listen``: its DEALERs listen on this peer's bind host, any port (``reverse_offers``).
-        ``relayed``: a longer heartbeat timeout (``ZmqSockets.connect``)."""
+        ``relayed``: a longer heartbeat timeout (``ZmqSockets.connect``). ``joined``: its record's join round
+        (``PeerRecord.joined``), which with links on demand admits a peer found pending (``PeerTable.add``) at
+        every read, and spares asking it: only a peer found without a record is asked where it stands."""
         if peer == self.rank or not 0 <= peer < MAX_PEER_ID:
             return False
         if self.trust is not None:
@@ -259,13 +269,14 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             old = self.endpoints.get(peer)
             was_listening = peer in self._sockets.listening
             if old == endpoint and was_listening == listen:
+                self._node.add_peer(peer, joined)  # its record's join round may admit it now
                 return False
             self.endpoints[peer] = endpoint
-            new = self._node.add_peer(peer)
+            new = self._node.add_peer(peer, joined)
             where = self._sockets.bound.rsplit(":", 1)[0] + ":0" if listen else None
             if old is None:
                 self._sockets.connect(peer, endpoint, key, listen=where, relayed=relayed)
-            if new and self._sockets.links is not None:  # no handshake will ask it where it stands: ask now
+            if new and joined is None and self._sockets.links is not None:  # no handshake asks it: ask now
                 self._dispatch(self._node.ask_again([peer]))
         if old is not None:
             self._sockets.reattach(peer, old, endpoint, where, relayed=relayed)

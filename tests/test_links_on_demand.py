@@ -279,6 +279,30 @@ def test_with_links_on_demand_links_and_control_messages_stay_flat_from_16_to_25
 
 
 @pytest.mark.slow
+def test_a_restarted_peer_finds_the_others_in_the_directory_by_their_records_join_rounds():
+    """Over links on demand a restarted peer knows nobody and finds the others in the run's directory, as the
+    runtime's peer does (``SimSwarm.records``): peer 5 restarted in round 1 and took part again from a later round;
+    peer 3, restarted after it, admits peer 5 from the round its record says (not from round 0, as a static list
+    would), and the founders from 0."""
+    settings = Settings(peers=16, rounds=5, group_size=16, links="consumer", mix2="gossip", links_idle_s=10.0,
+                        **SCALE_TIMES)
+    swarm = SimSwarm(3, settings)
+    period = SCALE_TIMES["inner_s"]
+    back = 3.2 * period + 5.0
+    at_start = {}  # peer 3's view the moment its new process starts, before any message reached it
+    swarm.net.at(back + 1e-9, lambda: at_start.update(swarm.peers[3].node.peers.joined))
+    result = swarm.run([Fault("restart", 1.2 * period, 1.2 * period + 5.0, peer=5),
+                        Fault("restart", 3.2 * period, back, peer=3)])
+    assert result.violations == [], result.violations[:3]
+    assert all(k == 5 for k in swarm.finished.values()) and len(swarm.finished) == 16
+    five, three = swarm.peers[5].node, swarm.peers[3].node
+    assert swarm.peers[3].reads_records and swarm.peers[5].reads_records
+    rejoined = five.peers.joined[5]
+    assert 1 <= rejoined < three.peers.joined[3] and three.peers.joined[5] == rejoined
+    assert at_start == {**dict.fromkeys(set(range(16)) - {3, 5}, 0), 5: rejoined}  # read, not heard
+    assert {p: three.peers.joined[p] for p in range(16) if p not in (3, 5)} == dict.fromkeys(set(range(16)) - {3, 5}, 0)
+
+
 def test_a_member_dead_behind_an_idle_link_costs_the_others_at_most_one_grace_window():
     """64 peers, links on demand: peer 9 crashes for good at the start of round 1, when nobody holds a link to it
     (its links closed idle). Nobody saw it go; each peer finds out when it next needs a link to it. No other peer

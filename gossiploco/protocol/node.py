@@ -289,6 +289,12 @@ class PeerNode:
 
     # -- the owner's requests -----------------------------------------------------------------------
 
+    def record_join_round(self) -> int:
+        """The join round this peer's directory record says (``PeerRecord.joined``): the first round it takes part in,
+        as its latest news said; -1 while it has not decided or steps out to catch up."""
+        joined = self.peers.joined.get(self.rank, -1)
+        return joined if 0 <= joined < STEPPING_OUT else -1
+
     def add_peer(self, peer: int, joined: int | None = None) -> bool:
         """A peer found by discovery (``joined``: its record's join round, ``PeerTable.add``); True if it is new."""
         return peer != self.rank and self.peers.add(peer, joined)

@@ -90,12 +90,19 @@ class Task:
 class SimPeer:
     """One incarnation of a virtual peer (a restart makes a new one with the same id)."""
 
-    def __init__(self, swarm: SimSwarm, pid: int, incarnation: int, join_round: int | None):
+    def __init__(self, swarm: SimSwarm, pid: int, incarnation: int, join_round: int | None,
+                 records: dict[int, int] | None = None):
+        """``records``: each other peer's join round as the run's directory says (``PeerRecord.joined``): the peer
+        knows nobody else and finds them there, as a restarted runtime peer does (``SimSwarm.records``); None: it knows
+        every id from the start, each a member from round 0 (a static list)."""
         self.swarm, self.pid, self.incarnation = swarm, pid, incarnation
         s = swarm.settings
-        self.node = PeerNode(pid, swarm.ids, grace_s=s.grace_s, chunk_elems=s.chunk_elems,
+        self.node = PeerNode(pid, swarm.ids if records is None else [], grace_s=s.grace_s, chunk_elems=s.chunk_elems,
                              mailbox_bytes=s.mailbox_bytes, join_round=join_round,
                              links_on_demand=bool(s.links_idle_s))
+        self.reads_records = records is not None
+        for other, joined in sorted((records or {}).items()):
+            self.node.add_peer(other, joined)
         self.node.behind_nat = set(s.behind_nat)  # as peers' records tell the runtime's node
         self.node.group_seed, self.node.group_size = swarm.seed, s.group_size  # as ZmqExchange.set_grouping does
         self.node.paired = frozenset({"mix2"} if s.mix2 == "gossip" and s.pairing == "ready" else ())

@@ -7,7 +7,9 @@ sleep), then Mix2 (pairwise gossip or a global all-reduce of its pseudo-gradient
 and takes the outer step. Exchanges go through group agreement; a failed exchange is identity.
 Joining, asking the others' rounds, catching up and stepping out are the runtime's own programs
 (``protocol.lifecycle``: ``join`` for a restarted peer, ``maybe_catch_up`` at every round start), run by
-``SimPeer.drive``; so is the shared round clock (``round_clock``). Small tensors stand in for the model; the mixing
+``SimPeer.drive``; so is the shared round clock (``round_clock``). Over links on demand a restarted peer finds the
+others in the run's directory as the runtime's does (``records``: each record's join round, ``PeerRecord.joined``,
+read at its start and again each round). Small tensors stand in for the model; the mixing
 math is the protocol's own. Some peers may be behind NAT (``Settings.behind_nat``): their connections are reverse or
 go through relays, which can go down and reset connections at their limits; peers see all of it as disconnects.
 
@@ -191,8 +193,17 @@ class SimSwarm:
                 peer.event(lambda node: node.receive(src, msg, self.net.now))
         self.net.send(src, send.peer, size, deliver)
 
+    def records(self, pid: int, peers=None) -> dict[int, int]:
+        """What ``pid`` reads in the run's directory: the join round each other peer's record says (``peers``: those
+        only; a crashed peer's record outlives it, as a DHT record does until its time to live)."""
+        chosen = self.peers if peers is None else peers
+        return {q: self.peers[q].node.record_join_round() for q in chosen if q != pid and q in self.peers}
+
     def start_peer(self, pid: int, join_round: int | None, incarnation: int) -> None:
-        peer = SimPeer(self, pid, incarnation, join_round)
+        # A restart over links on demand finds the others in the directory, as the runtime's peer does (its view starts
+        # empty, filled from their records' join rounds); a full mesh's restart keeps the static list's view
+        records = self.records(pid) if join_round is None and self.net.idle_s is not None else None
+        peer = SimPeer(self, pid, incarnation, join_round, records)
         self.peers[pid] = peer
         self.deadlines[pid] = AdaptiveDeadlines(self.settings.exchange_s, min_s=self.settings.min_exchange_s)
         if self.net.idle_s is None:  # a full mesh; links on demand open when something is sent
@@ -246,6 +257,9 @@ class SimSwarm:
         if clock is not None:  # time-budget rounds on the shared clock, whatever the peer's speed
             peer.node.round_ends = (r, clock.ends_at(r))
         end += random.Random(f"jitter-{self.seed}-{peer.pid}-{r}").uniform(0, s.round_jitter)
+        if peer.reads_records:  # the directory read again (once a round here): a peer pending since it was found and
+            for other, joined in self.records(peer.pid, peer.node.peers.pending()).items():  # decided since is admitted
+                peer.node.add_peer(other, joined)
         if s.links_idle_s:  # links on demand: Mix2's handshakes at the round's start (a dead member is found long
             for other in peer.node.links_ahead(f"mix2/{r}", r):  # before Mix2) and half an idle time before it
                 self.net.open_link(peer.pid, other)

@@ -28,7 +28,7 @@ from gossiploco.protocol import lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call
 from gossiploco.protocol.collectives import AllToAll, FetchState, PairMean, RingAllReduce, Swap
-from gossiploco.protocol.messages import MAX_PEER_ID, STEPPING_OUT, Data
+from gossiploco.protocol.messages import MAX_PEER_ID, Data
 from gossiploco.reach.paths import PathControl, path_class
 from gossiploco.security.identity import peer_id_of
 from gossiploco.security.trust import Trust
@@ -105,8 +105,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         """The first round this peer takes part in, as its latest news said; -1 when it has not decided or steps out
         while it catches up (what its directory record says: ``PeerRecord.joined``)."""
         with self._cond:
-            joined = self._node.peers.joined.get(self.rank, -1)
-        return joined if 0 <= joined < STEPPING_OUT else -1
+            return self._node.record_join_round()
 
     def members(self, round_index: int | None = None) -> list[int]:
         with self._cond:

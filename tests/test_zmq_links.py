@@ -201,21 +201,31 @@ def test_a_member_restarted_behind_an_idle_link_is_admitted_as_its_new_process(s
     assert peers[0].security_counts()["rejected_messages"] == {}
 
 
-def test_members_found_later_are_asked_where_they_stand_without_a_handshake_to_ask_them():
-    """Discovery (``add_peer``) parks a member found later; a probe, and an answer that asks back, tell each the
-    other's join round, so both views hold both though neither made a socket for the other up front."""
+def _strangers() -> tuple[list[ZmqExchange], Trust]:
+    """Two peers of one swarm on links on demand, each knowing only itself (discovery finds the other later), and
+    the swarm's trust (for the keys ``add_peer`` is given)."""
     key = SwarmKey.generate()
     for attempt in range(5):
         endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
+        made: list[ZmqExchange] = []
         try:
-            peers = [ZmqExchange(r, {r: endpoints[r]}, "links-test", 10.0, trust=Trust.static(key, r, 2),
-                                 links_idle_s=IDLE_S, heartbeat_s=2.0) for r in range(2)]
-            break
-        except ExchangeError:
+            for r in range(2):
+                made.append(ZmqExchange(r, {r: endpoints[r]}, "links-test", 10.0, trust=Trust.static(key, r, 2),
+                                        links_idle_s=IDLE_S, heartbeat_s=2.0))
+            return made, Trust.static(key, 0, 2)
+        except ExchangeError:  # a port taken meanwhile: again on others
+            for ex in made:
+                ex.close()
             if attempt == 4:
                 raise
+    raise AssertionError("unreachable")
+
+
+def test_members_found_later_are_asked_where_they_stand_without_a_handshake_to_ask_them():
+    """Discovery (``add_peer``) parks a member found later; a probe, and an answer that asks back, tell each the
+    other's join round, so both views hold both though neither made a socket for the other up front."""
+    peers, trust = _strangers()
     try:
-        trust = Trust.static(key, 0, 2)
         assert peers[0].add_peer(1, peers[1].bound, trust.key_of(1))
         assert peers[0].members(0) == [0]  # pending until it says where it stands
         time.sleep(0.3)  # peer 1 does not know peer 0 yet: the probe is dropped there
@@ -230,18 +240,8 @@ def test_members_found_with_their_records_join_round_are_admitted_without_a_link
     """A record's join round (``add_peer(joined=...)``, from ``PeerRecord.joined``) admits a member found later with
     no socket made and nothing asked; an undecided one (-1) stays pending, unasked, until a later read says it decided.
     Then the two exchange as members, opening their link for it."""
-    key = SwarmKey.generate()
-    for attempt in range(5):
-        endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(2)]
-        try:
-            peers = [ZmqExchange(r, {r: endpoints[r]}, "links-test", 10.0, trust=Trust.static(key, r, 2),
-                                 links_idle_s=IDLE_S, heartbeat_s=2.0) for r in range(2)]
-            break
-        except ExchangeError:
-            if attempt == 4:
-                raise
+    peers, trust = _strangers()
     try:
-        trust = Trust.static(key, 0, 2)
         assert peers[0].add_peer(1, peers[1].bound, trust.key_of(1), joined=-1)
         assert peers[1].add_peer(0, peers[0].bound, trust.key_of(0), joined=0)
         assert peers[1].members(0) == [0, 1] and peers[0].members(0) == [0]

@@ -142,3 +142,23 @@ def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's ephemeral range
     (``gossiploco.runtime.launch.free_ports``)."""
     return free_ports(1)[0]
+
+
+@pytest.fixture
+def groups():
+    """``make(world, timeout_s, **options)``: a ``ZmqGroup`` of real ``ZmqExchange`` peers on loopback (random ports),
+    every one closed in teardown (which fails if a receiver thread is left running)."""
+    from tests.test_exchange import ZmqGroup  # that module imports this one
+
+    made: list = []
+
+    def make(world: int, timeout_s: float = 10.0, **options):
+        g = ZmqGroup(world, timeout_s, **options)
+        made.append(g)
+        return g
+
+    try:
+        yield make
+    finally:
+        for g in made:
+            g.close()

@@ -126,7 +126,7 @@ class ZmqSockets:
         # the heartbeat timer then writes to it (zeromq/libzmq#4364). A sender 1,000 messages ahead
         # of a busy receiver that then dies was enough. TCP keepalive drops a dead machine's stale
         # inbound connection instead; the DEALERs' heartbeats (which never stop input: they receive
-        # nothing) still detect dead and frozen peers. ``tests/test_zmq_exchange.py`` replays the crash.
+        # nothing) still detect dead and frozen peers. ``tests/test_attacks.py`` replays the crash.
         self.router.setsockopt(zmq.TCP_KEEPALIVE, 1)
         self.router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
         self.router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)

@@ -1,7 +1,7 @@
 """Admission (``gossiploco.transport.admission``): who a sender is, as pure code, no sockets.
 
 The live counterparts (a spoofed routing id, another process claiming a live peer, a key
-authenticated as another member) are in tests/test_zmq_exchange.py, test_security.py and test_fuzz.py.
+authenticated as another member) are in tests/test_zmq_exchange.py, test_security.py and test_fuzz_live.py.
 """
 
 from __future__ import annotations

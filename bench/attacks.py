@@ -50,8 +50,6 @@ else:  # run as a script (python bench/attacks.py): bench/ is on sys.path
     from attacks_private import ATTACKS, FLOOD, INTRUSION
     from attacks_swarm import LOSS_REL_TOL, ROOT, Result, Swarm, security
 
-__all__ = ["ATTACKS", "FLOOD", "INTRUSION", "Result", "Swarm", "main", "security"]
-
 
 def finish(sw: Swarm, results: list[Result], baseline: dict | None, timeout_s: float) -> None:
     sw.codes = sw.peers.wait(timeout_s)

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from attacks import Result, security  # a sibling script: bench/ is on sys.path when a bench script runs
+from attacks_swarm import Result, security  # a sibling module: bench/ is on sys.path when a bench script runs
 
 from gossiploco.config import TINY_OVERRIDES
 from gossiploco.membership.bootstrap import start_bootstrap

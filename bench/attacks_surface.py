@@ -2,7 +2,7 @@
 
     python -m bench.attacks_surface [--seconds 8] [--only CASE ...] [--results bench/results/attacks-surface.md]
 
-(from the repository root: ``bench`` imports as a package, for ``bench.attacks.Result``). Against a real
+(from the repository root: ``bench`` imports as a package, for ``bench.attacks_swarm.Result``). Against a real
 private bootstrap node (``start_bootstrap(swarm=key)``: a hivemind DHT process with its p2pd, serving the
 dial-back checker as every node does) and a real dashboard server (uvicorn on 127.0.0.1), an outsider who
 knows only their addresses:
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import msgpack
 
-from bench.attacks import Result
+from bench.attacks_swarm import Result
 from gossiploco.membership.bootstrap import start_bootstrap
 from gossiploco.reach.dialback import DIALBACK_PROTOCOL, dialback_stats
 from gossiploco.runtime.launch import free_ports

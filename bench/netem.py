@@ -121,18 +121,13 @@ from testbed.machine import cpu_model
 from testbed.netns import PREFIX_RE, Unavailable, preflight, prefix_lock, remove_namespaces, sh
 
 if __package__:  # imported as bench.netem (the repository root on sys.path, as under pytest)
-    from bench.netem_network import (PROBES, ROOT, SECURITIES, STOP_GRACE_S, SUBNET, SWAP_PORT, Network, probe_ring,
-                                     probe_swap, probe_tcp, process_group, ring_rate_mbps)
+    from bench.netem_network import ROOT, SECURITIES, Network, probe_ring, probe_swap, probe_tcp, ring_rate_mbps
     from bench.netem_report import markdown, swap_line
-    from bench.netem_runs import Plan, make_plan, run_plan
+    from bench.netem_runs import make_plan, run_plan
 else:  # run as a script (python bench/netem.py): bench/ is on sys.path
-    from netem_network import (PROBES, ROOT, SECURITIES, STOP_GRACE_S, SUBNET, SWAP_PORT, Network, probe_ring, probe_swap,
-                               probe_tcp, process_group, ring_rate_mbps)
+    from netem_network import ROOT, SECURITIES, Network, probe_ring, probe_swap, probe_tcp, ring_rate_mbps
     from netem_report import markdown, swap_line
-    from netem_runs import Plan, make_plan, run_plan
-
-__all__ = ["EXIT_UNAVAILABLE", "PROBES", "SECURITIES", "STOP_GRACE_S", "SUBNET", "SWAP_PORT", "Network", "Plan",
-           "main", "markdown", "probe_ring", "probe_swap", "probe_tcp", "process_group", "ring_rate_mbps", "swap_line"]
+    from netem_runs import make_plan, run_plan
 
 DEFAULT_PREFIX = "gln"
 PEER_PORT = 7100

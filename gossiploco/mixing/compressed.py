@@ -24,7 +24,7 @@ both sides get the same bits).
 **Error feedback** (for a pseudo-gradient, ``residual`` given): the vector sent is ``v = x + e``
 and the new residual is what the mean lost of it, so that summed over rounds the mixed updates
 lose nothing but the last residual (``mean_t(x) = mean(v - e')``; tested in
-tests/test_compression.py):
+tests/test_compression_mixes.py):
 
 * a pair, top-k: ``e' = v - D(Q(v))``;
 * a group mean: ``e'[S_k] = v[S_k] - D(Q(v[S_k]))`` for the segments sent to others and, on the

@@ -9,7 +9,9 @@ round and coming back 10 s later (join, catch-up), a real run's clock ratios (20
 Side by side in the same run: the same swarms with no churn (what membership changes cost), and one group for
 everyone (``--one-group-up-to``: the design before buckets, a global barrier and one ring through every member), and
 links on demand (``--links-idle-s``: each peer opens a link when it sends and closes it after that long idle, instead
-of a connection to every member; ``SimNetwork.idle_s``), with churn and without.
+of a connection to every member; ``SimNetwork.idle_s``), with churn and without. ``--newcomers F``: in every variant,
+brand-new peers arrive too, F x M a round on average (``simulation.newcomers``); the per-peer columns stay the
+founding peers', and the newcomers' own are added (how many finished, the control messages each sent in all).
 
 Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
 compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
@@ -36,14 +38,15 @@ COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_
 
 
 def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int, links_idle_s: float = 0.0,
-            links_cap: int = 0) -> dict:
+            links_cap: int = 0, newcomers: float = 0.0) -> dict:
     began = time.perf_counter()
     result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size, links_idle_s=links_idle_s,
-                            links_cap=links_cap)
+                            links_cap=links_cap, newcomers=newcomers)
     return {"peers": peers, "seed": seed, "churn": churn, "group_size": group_size, "links_idle_s": links_idle_s,
-            "links_cap": links_cap,
+            "links_cap": links_cap, "newcomers_share": newcomers,
             "violations": [str(v) for v in result.violations], "wall_s": round(time.perf_counter() - began, 1),
-            "finished": sum(1 for k in result.finished.values() if k >= rounds), **result.stats["per_peer"]}
+            "finished": sum(1 for p, k in result.finished.items() if p < peers and k >= rounds),
+            **result.stats["per_peer"]}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -53,20 +56,26 @@ def summarize(rows: list[dict]) -> dict:
     out["violations"] = sum(len(r["violations"]) for r in rows)
     out["finished"] = min(r["finished"] for r in rows)
     out["connections_peak_max"] = max(r["connections_peak_max"] for r in rows)
+    out["newcomers"] = sum(r["newcomers"] for r in rows)
+    out["newcomers_finished"] = sum(r["newcomers_finished"] for r in rows)
+    out["newcomer_control_sent"] = round(statistics.median(r["newcomer_control_sent"] for r in rows), 1)
     return out
 
 
 def table(title: str, entries: list[tuple[int, dict]]) -> list[str]:
+    joins = any(s["newcomers"] for _, s in entries)
     lines = [f"### {title}", "", "| M | round s | blocking s (p90) | Mix1 done | bytes/round | msgs/round | control/round | "
-             "control received/round | conns up | conns peak (max) | conns opened | finished | violations | sim wall s |",
-             "|" + "---|" * 14]
+             "control received/round | conns up | conns peak (max) | conns opened | finished | violations | sim wall s |"
+             + (" newcomers finished | newcomer control sent |" if joins else ""),
+             "|" + "---|" * (16 if joins else 14)]
     for m, s in entries:
         lines.append(f"| {m} | {s['round_s']:.2f} | {s['blocking_s']:.2f} ({s['blocking_p90_s']:.2f}) | "
                      f"{s['mix1_completion']:.3f} | {s['bytes_per_round']:.0f} | {s['messages_per_round']:.1f} | "
                      f"{s['control_per_round']:.1f} | {s['control_received_per_round']:.1f} | "
                      f"{s['connections_live']} | {s['connections_peak']} ({s['connections_peak_max']}) | "
                      f"{s['connections_opened']} | "
-                     f"{s['finished']}/{m} | {s['violations']} | {s['wall_s']} |")
+                     f"{s['finished']}/{m} | {s['violations']} | {s['wall_s']} |"
+                     + (f" {s['newcomers_finished']}/{s['newcomers']} | {s['newcomer_control_sent']:.0f} |" if joins else ""))
     return lines + [""]
 
 
@@ -84,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links-cap", type=int, default=0,
                         help="links on demand: the most links a peer keeps (SimNetwork.links_cap; 0: no bound)")
     parser.add_argument("--only-links", action="store_true", help="run only the links-on-demand variants")
+    parser.add_argument("--newcomers", type=float, default=0.0,
+                        help="brand-new peers arriving each round, as a share of M (0.01: 10 a round at 1,000)")
     parser.add_argument("--out", default="bench/results/scale-sim")
     args = parser.parse_args(argv)
     variants = [] if args.only_links else [
@@ -98,13 +109,15 @@ def main(argv: list[str] | None = None) -> int:
                       args.group_size, args.peers, idle),
                      (f"groups of 16, no churn, links on demand (closed after {idle:g} s idle{cap})", 0.0,
                       args.group_size, args.peers, idle)]
+    if args.newcomers:
+        variants = [(f"{title}, newcomers {args.newcomers:g} x M a round", *rest) for title, *rest in variants]
     results: dict[str, dict[int, dict]] = {}
     rows = []
     for title, churn, size, sizes, idle in variants:
         results[title] = {}
         for m in sizes:
-            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2), idle, args.links_cap if idle else 0)
-                    for seed in range(1, args.seeds + 1)]
+            runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2), idle, args.links_cap if idle else 0,
+                            args.newcomers) for seed in range(1, args.seeds + 1)]
             rows += runs
             results[title][m] = summarize(runs)
             print(f"{title}: M={m} {json.dumps(results[title][m])}", flush=True)

@@ -45,10 +45,11 @@ class Script:
     ``at_wait`` runs before each wait (to change the node as events would; True when it did: a ``Wait`` then
     ends at once)."""
 
-    def __init__(self, node: PeerNode, answers=None, states=None, at_wait=None, joins=None):
+    def __init__(self, node: PeerNode, answers=None, states=None, at_wait=None, joins=None, began=None, ends=None):
         self.node, self.now = node, 0.0
         self.answers, self.states, self.at_wait = dict(answers or {}), dict(states or {}), at_wait
         self.joins = dict(joins or {})
+        self.began, self.ends = dict(began or {}), dict(ends or {})  # when p began its round; when it ends (clock)
         self.sent: list[Send] = []
         self.fetched: list[int] = []
         self.sleeps = 0
@@ -85,7 +86,11 @@ class Script:
         if isinstance(message, Hello) and message.ask_reply:
             round_ = self.answers.get(send.peer)
             if round_ is not None:
-                self.node.receive(send.peer, Hello(self.joins.get(send.peer, PROBE), round_, echo=message.ask), self.now)
+                began, ends = self.began.get(send.peer), self.ends.get(send.peer)
+                self.node.receive(send.peer, Hello(
+                    self.joins.get(send.peer, PROBE), round_, echo=message.ask,
+                    ends_in_ms=None if ends is None else round((ends - self.now) * 1000),
+                    began_ms_ago=None if began is None else round((self.now - began) * 1000)), self.now)
 
 
 def test_corroborated_drops_a_lone_far_claim_and_keeps_a_boundary():
@@ -250,6 +255,54 @@ def test_a_peer_that_joins_a_running_swarm_waits_for_the_boundary_and_downloads_
     assert node.peers.joined[3] == 5 and node.caught_up_into == 5
     assert not any(isinstance(s.message, Hello) and s.message.join_round == STEPPING_OUT for s in script.sent), \
         "a fresh peer takes part in nothing yet: nothing to step out of"
+
+
+@pytest.mark.parametrize("case", ["late", "early", "one liar", "shared clock", "no limit", "cannot rejoin"])
+def test_a_peer_that_would_join_a_round_far_along_waits_for_its_end_and_downloads_the_next(case):
+    """Found by the simulator's brand-new peers (``simulation.newcomers``): a newcomer that arrived mid-round 0 took part
+    in round 0, so its Mix2 came half a round after the others'; its bucket waited a grace window for it and those whose
+    leader it was by the draw got no decision. Now it takes part in the others' round only if they began it at most
+    ``late_join_s`` ago (the median of their answers); later, it waits for the boundary and downloads the next round's
+    state, as a peer arriving in a later round does. On a shared round clock it ends the round with them: it joins."""
+    node = node_of(3, [1, 2, 3], connected=[1, 2], static=False)
+    good = torch.arange(6, dtype=torch.float32)
+    began = {"late": {1: -3.0, 2: -2.5}, "early": {1: -0.2, 2: -0.3}, "one liar": {1: -0.2, 2: -100.0}}.get(
+        case, {1: -3.0, 2: -2.5})
+    ends = {1: 5.0, 2: 5.0} if case == "shared clock" else {}
+    limit = None if case == "no limit" else 1.0
+    life = settings(late_join_s=limit, rejoin_error="it cannot" if case == "cannot rejoin" else None)
+    script = Script(node, answers={1: 0, 2: 0}, states={1: (1, good), 2: (1, good)}, began=began, ends=ends)
+
+    def boundary(script):  # the others begin round 1 once this peer has waited a little
+        if script.now >= 0.5:
+            script.answers, script.began = {1: 1, 2: 1}, {1: 0.5, 2: 0.5}
+
+    script.at_wait = boundary
+    if case == "cannot rejoin":  # the sync-dp baseline has no state to download: it joins as before
+        position = script.run(lifecycle.join(node, life, start_round=0))
+        assert position.round == 0 and script.fetched == []
+        return
+    position = script.run(lifecycle.join(node, life, start_round=0))
+    if case == "late":
+        assert position.round == 1 and torch.equal(position.state, good) and position.fresh_join
+        assert node.peers.joined[3] == 1
+        assert any("began round 0 2.5s ago" in text for _, text in node.notes)  # the lower median of 3.0 and 2.5
+    else:
+        assert position.round == 0 and position.state is None and script.fetched == []
+        assert node.peers.joined[3] == 0
+
+
+def test_a_node_says_how_long_ago_it_began_its_round_and_the_asker_keeps_it_on_its_own_clock():
+    member, joiner = node_of(1, [1, 2], connected=[2]), node_of(2, [1, 2], connected=[1])
+    [question] = joiner.announce(PROBE, to=[1])
+    [silent] = member.receive(2, question.message, 5.0)
+    assert silent.message.began_ms_ago is None  # before its first round: nothing to say
+    member.begin_round(4, 40.0)
+    [answer] = member.receive(2, question.message, 42.25)
+    assert answer.message.began_ms_ago == 2250 and answer.message.current_round == 4
+    joiner.receive(1, answer.message, 1000.0)
+    assert joiner.peers.round_starts == {1: (4, pytest.approx(997.75))}
+    assert member.round_began == 40.0 and member.current_round == 4
 
 
 @pytest.mark.parametrize("poll_s", [lifecycle.BOUNDARY_POLL_S, 0.0125])

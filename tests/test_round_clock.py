@@ -13,7 +13,7 @@ from conftest import tiny_peer_args, wait_until
 from gossiploco.config import RunConfig
 from gossiploco.errors import ConfigError, MalformedMessage
 from gossiploco.protocol import codec
-from gossiploco.protocol.messages import MAX_ENDS_IN_MS, PROBE, Hello, Send, from_wire, to_wire
+from gossiploco.protocol.messages import MAX_ENDS_IN_MS, NO_CLOCK, PROBE, Hello, Send, from_wire, to_wire
 from gossiploco.protocol.node import PeerNode
 from gossiploco.round_budget import RoundBudget
 from gossiploco.round_clock import TOLERANCE, RoundClock
@@ -107,7 +107,14 @@ def test_a_hello_carries_the_time_left_in_the_round_and_an_earlier_versions_four
         assert wire(Hello(PROBE, 4, echo=2, ends_in_ms=left)) == Hello(PROBE, 4, echo=2, ends_in_ms=left)
     header, _ = to_wire(Hello(PROBE, 4), sender=3, run_id="run")
     assert from_wire(header, [torch.tensor([PROBE, 4, 0, 2]), torch.empty(0)]).ends_in_ms is None
-    for meta in ([PROBE, 4, 0, 2, MAX_ENDS_IN_MS + 1], [PROBE, 4, 0, 2, -MAX_ENDS_IN_MS - 1], [PROBE, 4, 0, 2, 0, 0]):
+    for left, began in ((None, 0), (1500, 2250), (None, MAX_ENDS_IN_MS), (-800, 0)):  # and how long ago it began
+        assert wire(Hello(PROBE, 4, ends_in_ms=left, began_ms_ago=began)) == Hello(PROBE, 4, ends_in_ms=left,
+                                                                                  began_ms_ago=began)
+    assert from_wire(header, [torch.tensor([PROBE, 4, 0, 2, NO_CLOCK, 7]), torch.empty(0)]) == Hello(
+        PROBE, 4, 0, 2, None, 7)
+    for meta in ([PROBE, 4, 0, 2, MAX_ENDS_IN_MS + 1], [PROBE, 4, 0, 2, -MAX_ENDS_IN_MS - 1], [PROBE, 4, 0, 2, 0, 0, 0],
+                 [PROBE, 4, 0, 2, NO_CLOCK], [PROBE, 4, 0, 2, 0, -1], [PROBE, 4, 0, 2, 0, MAX_ENDS_IN_MS + 1],
+                 [PROBE, 4, 0, 2, NO_CLOCK + 1, 0]):
         with pytest.raises(MalformedMessage):
             from_wire(header, [torch.tensor(meta), torch.empty(0)])
 

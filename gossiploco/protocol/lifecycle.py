@@ -143,6 +143,10 @@ class Settings:
     probe_repeat_s: float = PROBE_REPEAT_S
     """After how long ``ask_rounds`` asks a peer that has not answered again (the simulator: in proportion to its
     shorter ``hello_s``, so that a question lost on a lossy link is asked again within the window, as in a real run)."""
+    late_join_s: float | None = None
+    """``join`` takes part in the round the others are in only if they began it at most this long ago (the median of
+    what they answered, ``Hello.began_ms_ago``); later, it catches up at the next boundary instead (``joined_late``).
+    None: no limit."""
 
 
 @dataclass
@@ -245,7 +249,8 @@ def join(node: PeerNode, s: Settings, start_round: int, quorum: int = 1, quorum_
         node.note(f"peers {node.peers.drop_unconnected()} not connected after {s.connect_s:.0f}s; "
                   "starting without them until they say hello")
     rounds = yield from ask_rounds(node, s)
-    ahead = {p: k for p, k in rounds.items() if k > start_round}
+    now = yield Now()
+    ahead = {p: k for p, k in rounds.items() if k > start_round} or joined_late(node, s, rounds, start_round, now)
     if ahead:
         return (yield from catch_up(node, s, ahead, current=start_round,
                                     fresh=start_round == 0, resumed=start_round > 0))
@@ -262,6 +267,31 @@ def join(node: PeerNode, s: Settings, start_round: int, quorum: int = 1, quorum_
             return (yield from catch_up(node, s, later, current=start_round, fresh=False, resumed=True))
         now = yield from _wait(node, Wait(until), "the wait for the others at the start")
     return Position(start_round, members=node.members(start_round), clocks=round_clocks(node))
+
+
+def joined_late(node: PeerNode, s: Settings, rounds: dict[int, int], start_round: int, now: float) -> dict[int, int]:
+    """The peers in ``start_round`` (of ``rounds``, the answers ``join`` got) if they began it too long ago for this
+    peer to take part in it (the median of what they said, past ``late_join_s``), else {}.
+
+    A peer that joins a round late trains it late: its Mix2 comes that much after theirs, and every member of its
+    bucket (and every follower whose leader it is by the draw) waits for it, up to a grace window each, where the
+    others' views hold it already. It waits for the round's end and downloads the next round's state instead, as a
+    peer that arrives in a later round does. Not on a shared round clock (their answers said when the round ends:
+    the joiner takes up that clock and ends the round with them), nor where the peer cannot download a state. The
+    median, so that one member's claim alone decides nothing: at worst a liar makes a joiner wait a round."""
+    if s.late_join_s is None or s.rejoin_error is not None:
+        return {}
+    in_round = {p for p, k in rounds.items() if k == start_round}
+    if any(node.peers.round_clocks.get(p, (None,))[0] == start_round for p in in_round):
+        return {}
+    ages = sorted(now - began for p in in_round
+                  for k, began in [node.peers.round_starts.get(p, (None, now))] if k == start_round)
+    median = ages[(len(ages) - 1) // 2] if ages else None  # the lower one of two: a lone claim of a long round loses
+    if median is None or median <= s.late_join_s:
+        return {}
+    node.note(f"the others began round {start_round} {median:.1f}s ago (median of {len(ages)}): "
+              f"taking part from the next round, with its state")
+    return {p: start_round for p in in_round}
 
 
 def maybe_catch_up(node: PeerNode, s: Settings, r: int) -> Program:

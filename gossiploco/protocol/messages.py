@@ -44,7 +44,10 @@ STEPPING_OUT = 2**62
 """Join round of a peer that stays connected but takes no part for now (it is catching up): the
 others leave it out of their views at once instead of waiting a grace window for it per exchange."""
 MAX_ENDS_IN_MS = 7 * 24 * 3600 * 1000
-"""The most milliseconds a hello may say are left in (or past) its sender's round (a week: no round is that long)."""
+"""The most milliseconds a hello may say are left in (or past) its sender's round, or that it began its round (a week:
+no round is that long)."""
+NO_CLOCK = MAX_ENDS_IN_MS + 1
+"""A hello's ``ends_in_ms`` entry on the wire when it has none but ``began_ms_ago`` follows."""
 _READY, _DECISION, _NOT_LEADING, _LEADING = 0, 1, 2, 3
 _EMPTY = torch.empty(0, dtype=torch.float32)
 DATA_OPS = ("mix1", "mix2", "grad", "state")
@@ -82,13 +85,16 @@ class Hello:
     so the asker counts only answers to its latest question, never an older message that crossed it.
     ``ends_in_ms``: milliseconds until the sender's current round's training ends on a shared round clock
     (``round_clock``; negative: it ended that long ago and the sender is in its exchanges), None when it has none or
-    does not say (then the entry is left out: a peer of an earlier version sends four)."""
+    does not say (then the entry is left out, or ``NO_CLOCK`` stands in for it where ``began_ms_ago`` follows).
+    ``began_ms_ago``: milliseconds since the sender began its current round (``PeerNode.begin_round``), None when it
+    does not say: a joiner tells from it whether the round it would join is too far along (``lifecycle.join``)."""
 
     join_round: int
     current_round: int
     ask: int = 0
     echo: int = 0
     ends_in_ms: int | None = None
+    began_ms_ago: int | None = None
 
     @property
     def ask_reply(self) -> bool:
@@ -179,8 +185,10 @@ def to_wire(message: Message, sender: int, run_id: str) -> tuple[codec.Header, l
         if isinstance(message, Hello):
             op, key = "hello", "hello/leave" if message.join_round == LEAVING else f"hello/{message.join_round}"
             meta = [message.join_round, message.current_round, message.ask, message.echo]
-            if message.ends_in_ms is not None:
-                meta.append(message.ends_in_ms)
+            if message.ends_in_ms is not None or message.began_ms_ago is not None:
+                meta.append(NO_CLOCK if message.ends_in_ms is None else message.ends_in_ms)
+            if message.began_ms_ago is not None:
+                meta.append(message.began_ms_ago)
         elif isinstance(message, Ready):
             op, key, meta = "group", message.key, [_READY, message.round]
         elif isinstance(message, Decision):
@@ -203,17 +211,23 @@ def to_wire(message: Message, sender: int, run_id: str) -> tuple[codec.Header, l
 
 def from_wire(header: codec.Header, tensors: Sequence[torch.Tensor]) -> Message:
     """The message a decoded codec frame holds; raises ``MalformedMessage`` when it is not a valid one."""
-    max_meta = 3 + MAX_GROUP if header.op == "group" else 5 if header.op == "hello" else 4
+    max_meta = 3 + MAX_GROUP if header.op == "group" else 6 if header.op == "hello" else 4
     if (len(tensors) != 2 or tensors[0].dtype != torch.int64 or tensors[0].dim() != 1
             or not 1 <= tensors[0].numel() <= max_meta or tensors[1].dtype not in PAYLOAD_DTYPES or tensors[1].dim() != 1):
         raise MalformedMessage(f"expected an int64 meta vector (1 to {max_meta} entries) and a 1-d float32 or uint8 chunk")
     meta = [int(v) for v in tensors[0].tolist()]
     op, key = header.op, header.key
     if op == "hello":
-        if (len(meta) not in (4, 5) or meta[0] < LEAVING or meta[2] < 0 or meta[3] < 0
-                or (len(meta) == 5 and not -MAX_ENDS_IN_MS <= meta[4] <= MAX_ENDS_IN_MS)):
+        if (len(meta) not in (4, 5, 6) or meta[0] < LEAVING or meta[2] < 0 or meta[3] < 0
+                or (len(meta) >= 5 and not -MAX_ENDS_IN_MS <= meta[4] <= MAX_ENDS_IN_MS
+                    and not (len(meta) == 6 and meta[4] == NO_CLOCK))
+                or (len(meta) == 6 and not 0 <= meta[5] <= MAX_ENDS_IN_MS)):
             raise MalformedMessage(f"hello needs [join round >= {LEAVING}, current round, ask id >= 0, echo >= 0] and "
-                                   f"optionally [ms left in the round, at most {MAX_ENDS_IN_MS} either way], got {meta}")
+                                   f"optionally [ms left in the round, at most {MAX_ENDS_IN_MS} either way, or "
+                                   f"{NO_CLOCK} for none before the next] and [ms since the round began, 0 to "
+                                   f"{MAX_ENDS_IN_MS}], got {meta}")
+        if len(meta) == 6:
+            return Hello(*meta[:4], None if meta[4] == NO_CLOCK else meta[4], meta[5])
         return Hello(*meta)
     if op == "abort":
         return Abort(key)

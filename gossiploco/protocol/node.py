@@ -60,7 +60,9 @@ class PeerNode:
         self.probe_id = 1
         """Id of this peer's latest question to the others (``announce``); only replies echoing it count."""
         self.current_round = -1
-        """The round this peer is in (set by its owner; -1 before the first); told to peers in hellos and decisions."""
+        """The round this peer is in (``begin_round``; -1 before the first); told to peers in hellos and decisions."""
+        self.round_began: float | None = None
+        """When this peer began ``current_round`` (``begin_round``; None: not said): answers to hellos say how long ago."""
         self.round_ends: tuple[int, float] | None = None
         """(round, when its training ends) on a shared round clock (``round_clock``; set by its owner, None on each
         peer's own clock): answers to hellos sent while in that round say how long that is from now, so a joiner takes
@@ -257,14 +259,20 @@ class PeerNode:
             self.peers.reported[sender] = message.current_round
         if message.ends_in_ms is not None and message.current_round >= 0:
             self.peers.round_clocks[sender] = (message.current_round, now + message.ends_in_ms / 1000)
+        if message.began_ms_ago is not None and message.current_round >= 0:
+            self.peers.round_starts[sender] = (message.current_round, now - message.began_ms_ago / 1000)
         if message.ask_reply:
-            left = None
+            left = began = None
             if self.round_ends is not None and self.round_ends[0] == self.current_round:
                 left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
-            # With links on demand no handshake makes this peer ask a pending one where it stands: the answer asks back
+            if self.round_began is not None and self.current_round >= 0:
+                began = max(0, min(round((now - self.round_began) * 1000), MAX_ENDS_IN_MS))
+            # With links on demand no handshake asks a pending peer where it stands: the answer asks back, unless the asker
+            # is in no round yet (joining, catching up): it has no join round to tell yet, and its news will tell it
             ask = self.probe_id if self.peers.links_on_demand and sender not in self.peers.joined else 0
+            ask = ask if message.current_round >= 0 else 0
             sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
-                                            echo=message.ask, ends_in_ms=left)))
+                                            echo=message.ask, ends_in_ms=left, began_ms_ago=began)))
         return sends
 
     def _went_on_without(self, peer: int, join_round: int) -> list[Action]:
@@ -294,6 +302,10 @@ class PeerNode:
         as its latest news said; -1 while it has not decided or steps out to catch up."""
         joined = self.peers.joined.get(self.rank, -1)
         return joined if 0 <= joined < STEPPING_OUT else -1
+
+    def begin_round(self, round_index: int, now: float) -> None:
+        """The owner: this peer is in round ``round_index`` from ``now`` (the run's rounds once it finished them all)."""
+        self.current_round, self.round_began = round_index, now
 
     def add_peer(self, peer: int, joined: int | None = None) -> bool:
         """A peer found by discovery (``joined``: its record's join round, ``PeerTable.add``); True if it is new."""

@@ -64,6 +64,9 @@ class PeerTable:
         self.round_clocks: dict[int, tuple[int, float]] = {}
         """peer -> (its round, when that round ends on this peer's clock), from its last hello that said so
         (``round_clock``: a joiner takes up the swarm's shared round clock from these)."""
+        self.round_starts: dict[int, tuple[int, float]] = {}
+        """peer -> (its round, when it began that round on this peer's clock), from its last hello that said so
+        (``Hello.began_ms_ago``: a joiner tells from these whether the round it would join is too far along)."""
         self.leader_rounds: dict[int, int] = {}
         """peer -> its round when it last answered this peer's ``Ready`` as a leader."""
         self.left: set[int] = set()
@@ -108,7 +111,7 @@ class PeerTable:
         self.left.discard(peer)
         self.idle.discard(peer)
         for table in (self.joined, self.said, self.incarnations, self.failed, self.lost_at, self.reported,
-                      self.round_clocks, self.leader_rounds):
+                      self.round_clocks, self.round_starts, self.leader_rounds):
             table.pop(peer, None)
         return True
 

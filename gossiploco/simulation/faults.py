@@ -3,7 +3,9 @@
 Kinds: ``crash`` (for good), ``restart`` (crash, then a new process with the same id that
 downloads the state), ``pause`` (SIGSTOP until ``end``, then SIGCONT), and link faults on one
 peer's links or one pair: ``delay``, ``loss``, ``dup``, ``reorder``, ``slow`` (a narrow link),
-``partition`` (two-way, heals at ``end``) and ``oneway`` (one direction only). A crash can hit
+``partition`` (two-way, heals at ``end``) and ``oneway`` (one direction only); and ``newcomer``
+(``draw_newcomers``): a brand-new peer ``peer`` (an id past the swarm's) starts at ``start`` and joins
+(``simulation.newcomers``). A crash can hit
 any peer at any instant, the agreement leader (the lowest id) included, and mid-agreement or
 mid-chunk alike, because its time is continuous and independent of the protocol's progress.
 
@@ -42,7 +44,8 @@ class Fault:
         if self.kind in RELAY_KINDS:
             who = f"relay r{self.peer}"
         else:
-            who = f"peer {self.peer}" if self.kind in ("crash", "restart", "pause") else f"link {self.peers or 'all'}"
+            who = (f"peer {self.peer}" if self.kind in ("crash", "restart", "pause", "newcomer")
+                   else f"link {self.peers or 'all'}")
         extra = f" amount={self.amount:g}" if self.amount else ""
         return f"{self.kind} {who} t={self.start:.3f}..{self.end:.3f}{extra}"
 
@@ -108,3 +111,29 @@ def draw_churn(rng: random.Random, settings) -> list[Fault]:
                 start = (r + rng.random()) * round_s
                 faults.append(Fault("restart", start, start + settings.churn_down_s, peer=peer))
     return faults
+
+
+NEWCOMER_SHARE = 1 / 4
+"""The share of chaos seeds in which brand-new peers join."""
+
+
+def draw_newcomers(rng: random.Random, settings) -> list[Fault]:
+    """In ``NEWCOMER_SHARE`` of the seeds 1 or 2 brand-new peers (ids ``settings.peers``, ``settings.peers + 1``)
+    start within the first half of the run's expected span: the swarm is still running when they catch up."""
+    if rng.random() >= NEWCOMER_SHARE:
+        return []
+    span = settings.rounds * (settings.inner_s + 0.3)
+    starts = sorted(rng.uniform(0.0, span / 2) for _ in range(rng.randint(1, 2)))
+    return [Fault("newcomer", start, start, peer=settings.peers + i) for i, start in enumerate(starts)]
+
+
+def draw_arrivals(rng: random.Random, settings, share: float) -> list[Fault]:
+    """Brand-new peers arriving through the run: in each round, each of ``settings.peers`` slots brings one with
+    probability ``share`` (so ``share x M`` a round on average), at a uniform time within the round's expected span;
+    ids from ``settings.peers`` on. The scaling runs' joins (``simulate_scale``'s ``newcomers``)."""
+    if share <= 0:
+        return []
+    round_s = settings.inner_s * (1 + settings.inner_spread / 2) + 0.3
+    starts = sorted((r + rng.random()) * round_s for r in range(settings.rounds - 1)  # the last round: none to join
+                    for _ in range(settings.peers) if rng.random() < share)
+    return [Fault("newcomer", start, start, peer=settings.peers + i) for i, start in enumerate(starts)]

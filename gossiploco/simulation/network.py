@@ -75,6 +75,9 @@ class SimNetwork:
         self.relays = Relays()
         self.answers: Callable[[int], bool] = lambda peer: True
         """Whether a peer's process runs and answers (set by the owner: not crashed, not frozen)."""
+        self.admits: Callable[[int, int], bool] = lambda a, b: True
+        """Whether ``a`` and ``b`` accept each other's handshake (set by the owner: a newcomer's is refused until the
+        other has read its record, ``simulation.newcomers``)."""
         self.on_connect: Callable[[int, int], None] = lambda a, b: None
         self.on_disconnect: Callable[[int, int], None] = lambda a, b: None
         self.on_idle: Callable[[int, int], None] = lambda a, b: None
@@ -167,7 +170,8 @@ class SimNetwork:
         relayed one needs a live relay); None otherwise."""
         path = pair_path(a not in self.behind_nat, b not in self.behind_nat)
         relay = self.relays.pick() if path == RELAYED else None
-        if self.answers(a) and self.answers(b) and not self.partitioned(a, b) and (path != RELAYED or relay is not None):
+        if (self.answers(a) and self.answers(b) and self.admits(a, b) and not self.partitioned(a, b)
+                and (path != RELAYED or relay is not None)):
             return Connection(path, relay)
         return None
 

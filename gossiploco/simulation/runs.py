@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from gossiploco.simulation.faults import draw_churn, draw_faults, draw_reachability
+from gossiploco.simulation.faults import draw_arrivals, draw_churn, draw_faults, draw_newcomers, draw_reachability
 from gossiploco.simulation.swarm import Settings, SimResult, SimSwarm
 
 
@@ -15,7 +15,7 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
     """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
     9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
     (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), links on demand (a
-    third, ``Settings.links_idle_s``), the faults, the
+    third, ``Settings.links_idle_s``), the faults, brand-new peers joining (a quarter, ``draw_newcomers``), the
     reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
     draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
@@ -36,22 +36,26 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)
     settings, relay_faults = draw_reachability(rng, settings)
-    return SimSwarm(seed, settings, log=log).run(faults + relay_faults)
+    newcomers = draw_newcomers(random.Random(f"newcomers-{seed}"), settings)  # its own stream, as above
+    return SimSwarm(seed, settings, log=log).run(faults + relay_faults + newcomers)
 
 
 SCALE_TIMES = {"inner_s": 20.0, "grace_s": 2.0, "exchange_s": 30.0, "min_exchange_s": 5.0, "hello_s": 2.0,
-               "heartbeat_s": 5.0, "churn_down_s": 10.0}
+               "heartbeat_s": 5.0, "churn_down_s": 10.0, "discovery_s": 2.0}
 """A scaling run's clock, in the ratios of a real run's (``[timeouts]``: grace 10 s, exchanges of minutes at most,
 rounds of minutes): 20 s of inner steps, a 2 s grace window. The chaos seeds' 1 s rounds would make a 60 ms ring
 step a large share of a round, which no real run has."""
 
 
 def simulate_scale(seed: int, peers: int, *, rounds: int = 5, group_size: int = 16, churn: float = 0.01,
-                   links: str = "consumer", inner_spread: float = 0.05, mix2: str = "gossip", **overrides) -> SimResult:
+                   links: str = "consumer", inner_spread: float = 0.05, mix2: str = "gossip", newcomers: float = 0.0,
+                   **overrides) -> SimResult:
     """A scaling run (``bench/scale_sim.py``): ``peers`` peers on consumer links, compute times within
     ``inner_spread`` of each other (time-budget rounds end together up to such a jitter), each peer crashing in a
-    round with probability ``churn`` and coming back ``churn_down_s`` later; no other fault."""
+    round with probability ``churn`` and coming back ``churn_down_s`` later, and ``newcomers x peers`` brand-new
+    peers arriving a round on average (``draw_arrivals``); no other fault."""
     settings = Settings(peers=peers, rounds=rounds, group_size=group_size, churn=churn, links=links,
                         inner_spread=inner_spread, mix2=mix2, **{**SCALE_TIMES, **overrides})
     faults = draw_churn(random.Random(f"churn-{seed}"), settings)
+    faults += draw_arrivals(random.Random(f"arrivals-{seed}"), settings, newcomers)
     return SimSwarm(seed, settings).run(faults)

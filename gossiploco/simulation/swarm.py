@@ -42,9 +42,11 @@ from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
 from gossiploco.round_clock import RoundClock
 from gossiploco.simulation.costs import per_peer_stats
-from gossiploco.simulation.faults import RELAY_KINDS, Fault
+from gossiploco.simulation.fault_effects import apply_fault
+from gossiploco.simulation.faults import Fault
 from gossiploco.simulation.invariants import Checker, Violation
 from gossiploco.simulation.network import SimNetwork
+from gossiploco.simulation.newcomers import Newcomers
 from gossiploco.simulation.paths import PATHS, Relays
 from gossiploco.simulation.peer import SimPeer, payload_bytes
 from gossiploco.simulation.recovery import Recovery
@@ -98,6 +100,9 @@ class Settings:
     mesh), as the ZeroMQ transport does."""
     links_cap: int = 0
     """Links on demand: the most a peer keeps (``SimNetwork.links_cap``); 0: no bound but the idle time."""
+    discovery_s: float = 0.5
+    """A member reads a newcomer's record (``Fault`` kind ``newcomer``) within this long of its start, at a time drawn
+    uniformly: the read its refused handshake brings forward (``timeouts.discovery_s``; ``simulation.newcomers``)."""
 
 
 @dataclass
@@ -156,6 +161,8 @@ class SimSwarm:
         self.net.on_idle = lambda a, b: self._to(a, lambda node: node.idled(b, self.net.now))
         self.net.on_disconnect = lambda a, b: self._to(a, lambda node: node.disconnected(b, self.net.now))
         self.net.note = self.note
+        self.newcomers = Newcomers()
+        self.net.admits = self.newcomers.admits
 
     def note(self, text: str) -> None:
         if self.logging:
@@ -203,6 +210,7 @@ class SimSwarm:
         # A restart over links on demand finds the others in the directory, as the runtime's peer does (its view starts
         # empty, filled from their records' join rounds); a full mesh's restart keeps the static list's view
         records = self.records(pid) if join_round is None and self.net.idle_s is not None else None
+        self.newcomers.read_directory(pid)
         peer = SimPeer(self, pid, incarnation, join_round, records)
         self.peers[pid] = peer
         self.deadlines[pid] = AdaptiveDeadlines(self.settings.exchange_s, min_s=self.settings.min_exchange_s)
@@ -243,12 +251,12 @@ class SimSwarm:
                 # relay is down): nobody to download a state from, and stopping with that error is the right end
                 self.gave_up.add(peer.pid)
             return
-        peer.node.current_round = s.rounds  # as the runtime tells the others it is done
+        peer.node.begin_round(s.rounds, peer.now)  # as the runtime tells the others it is done
         self.note(f"{peer.pid} finished")
 
     def round(self, peer: SimPeer, r: int, z: torch.Tensor, clock: RoundClock | None):
         s = self.settings
-        peer.node.current_round = r
+        peer.node.begin_round(r, peer.now)
         peer.snapshot = (r, z.clone())
         self.snapshots[(peer.pid, r)] = z.clone()
         began = peer.now
@@ -353,6 +361,7 @@ class SimSwarm:
             state_s=s.exchange_s, state_size=s.values,
             boundary_poll_s=lifecycle.BOUNDARY_POLL_S * s.grace_s / TimeoutConfig().grace_s,  # a real run's ratios
             probe_repeat_s=lifecycle.PROBE_REPEAT_S * s.hello_s / TimeoutConfig().hello_s,
+            late_join_s=s.grace_s / 2,  # as the runtime's (``runtime.peer_join``)
             nonce=lambda: f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}")
 
     def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor,
@@ -376,67 +385,6 @@ class SimSwarm:
         self.note(f"{peer.pid} caught up from {donor} at round {k}")
         return k, position.state.clone()
 
-    # -- faults ---------------------------------------------------------------------------------
-
-    def apply(self, fault: Fault) -> None:
-        net, pid = self.net, fault.peer
-        if fault.kind in RELAY_KINDS:
-            net.at(fault.start, lambda: net.relay_down(pid))
-            if fault.kind == "relay_restart":
-                net.at(fault.end, lambda: net.relay_up(pid))
-        elif fault.kind in ("crash", "restart"):
-            def crash() -> None:
-                peer = self.peers.get(pid)
-                if peer is None or not peer.running:
-                    return
-                self.note(f"CRASH {pid}")
-                peer.crash()
-                self.crashed.add(pid)
-                self._done_dirty = True
-                for other in self.ids:
-                    if other != pid:
-                        net.drop(pid, other, after=net.latency_s)
-            net.at(fault.start, crash)
-            if fault.kind == "restart":
-                def restart() -> None:
-                    old = self.peers.get(pid)
-                    if old is not None and old.running:
-                        return  # an overlapping restart window: this one's crash found it already down
-                    self.note(f"RESTART {pid}")
-                    self.crashed.discard(pid)
-                    self._done_dirty = True
-                    self.recovery.came_back(pid, net.now, max(self.finished.values(), default=0), fault)
-                    self.start_peer(pid, None, (old.incarnation + 1) if old else 1)
-                net.at(fault.end, restart)
-        elif fault.kind == "pause":
-            def pause() -> None:
-                peer = self.peers.get(pid)
-                if peer is None or not peer.running:
-                    return
-                self.note(f"PAUSE {pid}")
-                peer.freeze()
-                for other in self.ids:
-                    if other != pid:
-                        net.watch_heartbeats(pid, other)
-
-            def resume() -> None:
-                peer = self.peers.get(pid)
-                if peer is None or not peer.running or not peer.frozen:
-                    return
-                self.note(f"RESUME {pid}")
-                self.recovery.came_back(pid, net.now, max(self.finished.values(), default=0), fault)
-                peer.thaw()
-                for other in self.ids:
-                    if other != pid and net.idle_s is None:  # links on demand: those that dropped are redialing
-                        net.try_connect(pid, other)
-            net.at(fault.start, pause)
-            net.at(fault.end, resume)
-        else:
-            net.faults.append(fault.link())
-            if fault.kind in ("partition", "oneway"):
-                a, b = fault.peers
-                net.at(fault.start, lambda: net.watch_heartbeats(a, b))
-
     # -- the run ----------------------------------------------------------------------------------
 
     def run(self, faults: list[Fault]) -> SimResult:
@@ -445,11 +393,11 @@ class SimSwarm:
             self.start_peer(pid, 0, 0)
         self.faults = faults
         for fault in faults:
-            self.apply(fault)
+            apply_fault(self, fault)
         worst_round = max(self.inner_s.values()) + 2 * (2 * s.grace_s + 1.0 + s.exchange_s) + s.exchange_s + s.hello_s
         last_fault = max((f.end for f in faults), default=0.0)
         horizon = last_fault + (s.rounds + 2) * worst_round
-        self.net.at(last_fault, self._mark_dirty)  # the end condition asks whether faults are over
+        self.net.at(last_fault, self.changed)  # the end condition asks whether faults are over
         self.net.run_until(horizon, stop=self._all_done)
         self.net.run_until(self.net.now + 2 * s.exchange_s)  # let stragglers' last calls end
         self._final_checks(faults)
@@ -460,7 +408,8 @@ class SimSwarm:
                  "per_peer": per_peer_stats(self)}
         return SimResult(self.seed, s, self.checker.violations, faults, dict(self.finished), stats, self.log)
 
-    def _mark_dirty(self) -> None:
+    def changed(self) -> None:
+        """The run's end condition may have changed (a peer stopped, finished, came or went; a fault ended)."""
         self._done_dirty = True
 
     def _all_done(self) -> bool:

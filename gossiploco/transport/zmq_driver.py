@@ -126,7 +126,7 @@ class ZmqDriver:
     @current_round.setter
     def current_round(self, value: int) -> None:
         with self._cond:
-            self._node.current_round = value
+            self._node.begin_round(value, time.monotonic())
 
     @property
     def round_ends(self) -> tuple[int, float] | None:

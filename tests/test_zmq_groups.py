@@ -407,3 +407,32 @@ def test_gossip_pairs_members_as_they_come_over_real_sockets(groups):
         group = groups_by_member[r]
         if len(group) == 2:
             assert torch.equal(out[r], values[next(m for m in group if m != r)])  # the partner's vector
+
+
+def test_a_process_starting_far_into_the_others_round_waits_for_its_end_and_takes_the_next_rounds_state(groups, caplog):
+    """Over real ZeroMQ: the members' answers say how long ago they began their round (``Hello.began_ms_ago``, from
+    ``current_round``'s setter); a process starting past ``late_join_s`` into it takes no part in it (its Mix2 would
+    come that much after theirs) but waits for the boundary and downloads the next round's state."""
+    from gossiploco.protocol import lifecycle
+
+    g = groups(3)
+    a, b, _ = g.exchanges
+    state = torch.arange(6, dtype=torch.float32)
+    for member in (a, b):
+        member.current_round = 0
+        member.serve_state(lambda: (1, state))
+    began = time.monotonic()
+    joiner = g.restart(2)
+    assert joiner.wait_connected(10.0)
+    life = lifecycle.Settings(rounds=5, hello_s=2.0, connect_s=2.0, boundary_s=20.0, state_s=10.0, state_size=6,
+                              nonce=lambda: f"n{time.monotonic_ns()}", late_join_s=0.05)
+    assert wait_until(lambda: time.monotonic() - began > 0.1, 1.0)  # the others' round is 0.1 s along: too far
+    with caplog.at_level("INFO", logger="gossiploco"), ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(joiner.join_swarm, life, 0, 1, None)
+        assert wait_until(lambda: "began round 0" in caplog.text, 10.0), "it did not see the round was far along"
+        assert not joining.done()  # waiting for the boundary, not training round 0
+        for member in (a, b):
+            member.current_round = 1
+        position = joining.result(timeout=20.0)
+    assert position.round == 1 and torch.equal(position.state, state) and position.fresh_join
+    assert joiner.members(1) == [0, 1, 2] and 2 not in a.members(0)

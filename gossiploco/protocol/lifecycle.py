@@ -144,8 +144,8 @@ class Settings:
     """After how long ``ask_rounds`` asks a peer that has not answered again (the simulator: in proportion to its
     shorter ``hello_s``, so that a question lost on a lossy link is asked again within the window, as in a real run)."""
     late_join_s: float | None = None
-    """``join`` takes part in the round the others are in only if they began it at most this long ago (the median of
-    what they answered, ``Hello.began_ms_ago``); later, it catches up at the next boundary instead (``joined_late``).
+    """``join`` takes part in the round the others are in only if they began it at most this long ago (the lower median
+    of what they answered, ``Hello.began_ms_ago``); later, it catches up at the next boundary instead (``joined_late``).
     None: no limit."""
 
 
@@ -278,7 +278,8 @@ def joined_late(node: PeerNode, s: Settings, rounds: dict[int, int], start_round
     others' views hold it already. It waits for the round's end and downloads the next round's state instead, as a
     peer that arrives in a later round does. Not on a shared round clock (their answers said when the round ends:
     the joiner takes up that clock and ends the round with them), nor where the peer cannot download a state. The
-    median, so that one member's claim alone decides nothing: at worst a liar makes a joiner wait a round."""
+    median (the lower of two), so that one member's claim alone decides nothing where several answered: a liar makes a
+    joiner wait a round at worst, or join late as it did before this rule."""
     if s.late_join_s is None or s.rejoin_error is not None:
         return {}
     in_round = {p for p, k in rounds.items() if k == start_round}

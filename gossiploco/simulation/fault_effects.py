@@ -110,7 +110,7 @@ def discover(swarm: SimSwarm, pid: int, newcomer: int) -> None:
         return
     swarm.note(f"{pid} found {newcomer}'s record")
     if swarm.net.idle_s is None:  # a full mesh: known, pending until its hello; the newcomer's dialing connects
-        peer.event(lambda node: [] if node.add_peer(newcomer) else [])
+        peer.event(lambda node: _found(node, newcomer, None))
         return
     reread(swarm, peer, newcomer)
 
@@ -121,7 +121,13 @@ def reread(swarm: SimSwarm, peer: SimPeer, newcomer: int) -> None:
     if not peer.running or swarm.peers.get(peer.pid) is not peer:
         return  # it crashed: a restart reads the directory afresh
     joined = swarm.peers[newcomer].node.record_join_round()
-    peer.event(lambda node: [] if node.add_peer(newcomer, joined) else [])
+    peer.event(lambda node: _found(node, newcomer, joined))
     if newcomer in peer.node.peers.pending():
         pacing = ReadPacing(swarm.settings.discovery_s, DISCOVERY_RECORDS_PER_S)
         swarm.net.at(swarm.net.now + pacing.interval_s(len(swarm.peers)), lambda: reread(swarm, peer, newcomer))
+
+
+def _found(node, newcomer: int, joined: int | None) -> list:
+    """A read record's event: the node adds the peer (no message follows from it)."""
+    node.add_peer(newcomer, joined)
+    return []

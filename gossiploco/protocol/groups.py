@@ -74,11 +74,11 @@ def scores(seed: int, key: str, what: str, members: Sequence[int]) -> np.ndarray
     return x ^ (x >> np.uint64(31))
 
 
-def group_of(seed: int, key: str, view: Sequence[int], me: int, size: int) -> list[int]:
+def group_of(seed: int, key: str, view: Sequence[int], me: int, size: int, buckets: int | None = None) -> list[int]:
     """The members of ``view`` in ``me``'s bucket for ``key`` (``me`` included, whether or not ``view`` names it),
-    sorted."""
+    sorted; ``buckets``: how many (default: ``bucket_count`` of the view's size)."""
     members = sorted(set(view) | {me})
-    n = bucket_count(len(members), size)
+    n = bucket_count(len(members), size) if buckets is None else buckets
     if n == 1:
         return members
     buckets = scores(seed, key, "bucket", members) % np.uint64(n)

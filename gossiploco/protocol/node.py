@@ -267,10 +267,8 @@ class PeerNode:
                 left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
             if self.round_began is not None and self.current_round >= 0:
                 began = max(0, min(round((now - self.round_began) * 1000), MAX_ENDS_IN_MS))
-            # With links on demand no handshake asks a pending peer where it stands: the answer asks back, unless the asker
-            # is in no round yet (joining, catching up): it has no join round to tell yet, and its news will tell it
+            # With links on demand no handshake makes this peer ask a pending one where it stands: the answer asks back
             ask = self.probe_id if self.peers.links_on_demand and sender not in self.peers.joined else 0
-            ask = ask if message.current_round >= 0 else 0
             sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
                                             echo=message.ask, ends_in_ms=left, began_ms_ago=began)))
         return sends
@@ -290,7 +288,7 @@ class PeerNode:
             if round_index < first or peer in group:
                 continue
             bucket = groups.group_of(self.group_seed, key, sorted(set(self.members(round_index)) | {peer}), peer,
-                                     self.group_size)
+                                     self.group_size, self._buckets(round_index))
             if groups.leader_of(self.group_seed, key, bucket) == peer:
                 sends.append(Send(peer, Decision(key, self.current_round, tuple(group))))
         return sends
@@ -391,11 +389,12 @@ class PeerNode:
 
     def _bucket(self, key: str, round_index: int | None) -> list[int]:
         """This peer's bucket of exchange ``key`` in its view of round ``round_index`` (``groups.group_of``)."""
-        return groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size)
+        return groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size,
+                               self._buckets(round_index))
 
     def _buckets(self, round_index: int | None) -> int:
-        """How many buckets this peer's view of round ``round_index`` (itself included) splits into."""
-        return groups.bucket_count(len(set(self.members(round_index)) | {self.rank}), self.group_size)
+        """How many buckets this peer's view of round ``round_index`` splits into (counted a round late: ``counted``)."""
+        return groups.bucket_count(self.peers.counted(round_index), self.group_size)
 
     def isolated(self, group: list[int], key: str = "", round_index: int | None = None) -> str | None:
         """Why a group of this peer alone is not a mix (it knows peers it cannot reach), counted; None when it is

@@ -78,6 +78,15 @@ class PeerTable:
             return [self.rank]  # not taking part in that round: mixes with nobody
         return [p for p, first in sorted(self.joined.items()) if first <= last and p not in self.failed]
 
+    def counted(self, round_index: int | None) -> int:
+        """How many members the bucket count of round ``round_index`` counts (``PeerNode._buckets``): those of the
+        round before, as every member counts them (a peer joining at this round not even by itself); at round 0, or
+        with no round, this peer's view of it."""
+        if round_index is None or round_index <= 0:
+            return len(set(self.members(round_index)) | {self.rank})
+        return sum(1 for first in (self.joined.get(p) for p in self.joined if p not in self.failed)
+                   if first < round_index)
+
     def takes_part(self, round_index: int) -> bool:
         return self.joined.get(self.rank, math.inf) <= round_index
 

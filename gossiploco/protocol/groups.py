@@ -9,9 +9,11 @@ buckets, the smallest power of two with ``M / n <= size``, and puts member ``m``
 * **No one chooses to lead.** The leader changes with every key; an id ground to lead one exchange leads one group of
   that one exchange (and the run's seed keeps even that from being planned before the run).
 * **A view that differs is a local matter.** Whether peer ``p`` is in this peer's bucket depends only on ``p``, the
-  key and ``n``: a member one peer knows and another does not changes that member's bucket only (``n`` changes only
-  when M crosses ``size`` times a power of two). Two peers whose views differ form disjoint groups or one does
-  identity, never a mixed-up exchange (``agreement``).
+  key and ``n``: a member one peer knows and another does not changes that member's bucket only. ``n`` changes only
+  when M crosses ``size`` times a power of two, and the node counts M over the members of the round before
+  (``PeerNode._buckets``, ``PeerTable.counted``), so that a joiner moving it across such a boundary changes nothing
+  until every view had a round to hold it. Two peers whose views differ form disjoint groups or one does identity,
+  never a mixed-up exchange (``agreement``).
 * **Nothing waits for the whole swarm.** A leader waits (at most ``grace_s``) for its bucket's members only; a
   late or dead member costs its own group one grace window at most, and the others nothing.
 

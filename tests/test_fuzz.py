@@ -354,3 +354,16 @@ def test_header_with_unknown_str_and_bytes_keys_is_malformed():
     wire.update({"x": 1, b"": 2})  # bin keys pass the unpacker only when empty (max_bin_len=0)
     with pytest.raises(MalformedMessage):
         decode([msgpack.packb(wire, use_bin_type=True)], expect_run=RUN, max_bytes=LIMIT)
+
+
+def test_a_key_naming_a_round_beyond_int64_is_refused_so_that_no_reply_carries_it():
+    """Live fuzz seed 1928291242 (``GOSSIPLOCO_FUZZ_SEED``): a forged ``Ready`` whose key named a round past 2**63 - 1 was
+    answered, and the answer's header could not be encoded: the service thread died ("invalid header: OverflowError")
+    and the peer with it. Such a key is malformed now, refused where it arrives."""
+    from gossiploco.errors import MalformedMessage
+    from gossiploco.protocol.messages import MAX_KEY_ROUND, from_wire, to_wire
+
+    for key in (f"mix1/{MAX_KEY_ROUND + 1}", "mix2/" + "9" * 40, f"mix1/{2**64}/gather"):
+        with pytest.raises(MalformedMessage, match="beyond"):
+            from_wire(*to_wire(Ready(key, 3), sender=1, run_id="r"))
+    assert from_wire(*to_wire(Ready(f"mix1/{MAX_KEY_ROUND}", 3), sender=1, run_id="r")) == Ready(f"mix1/{MAX_KEY_ROUND}", 3)

@@ -46,6 +46,8 @@ others leave it out of their views at once instead of waiting a grace window for
 MAX_ENDS_IN_MS = 7 * 24 * 3600 * 1000
 """The most milliseconds a hello may say are left in (or past) its sender's round, or that it began its round (a week:
 no round is that long)."""
+MAX_KEY_ROUND = 2**63 - 1
+"""The largest round a message's key may name: replies (a ``Decision`` to a ``Ready``) carry it in their header."""
 NO_CLOCK = MAX_ENDS_IN_MS + 1
 """A hello's ``ends_in_ms`` entry on the wire when it has none but ``began_ms_ago`` follows."""
 _READY, _DECISION, _NOT_LEADING, _LEADING = 0, 1, 2, 3
@@ -217,6 +219,8 @@ def from_wire(header: codec.Header, tensors: Sequence[torch.Tensor]) -> Message:
         raise MalformedMessage(f"expected an int64 meta vector (1 to {max_meta} entries) and a 1-d float32 or uint8 chunk")
     meta = [int(v) for v in tensors[0].tolist()]
     op, key = header.op, header.key
+    if op_and_round(key)[1] > MAX_KEY_ROUND:  # a reply's header carries it: it must fit one (seed 1928291242)
+        raise MalformedMessage(f"key {key[:48]!r} names a round beyond {MAX_KEY_ROUND}")
     if op == "hello":
         if (len(meta) not in (4, 5, 6) or meta[0] < LEAVING or meta[2] < 0 or meta[3] < 0
                 or (len(meta) >= 5 and not -MAX_ENDS_IN_MS <= meta[4] <= MAX_ENDS_IN_MS

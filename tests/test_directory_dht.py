@@ -20,7 +20,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,6 @@ import pytest
 from conftest import wait_until
 from gossiploco.errors import ConfigError, GossiplocoError
 from gossiploco.membership import (
-    DhtDirectory,
     DirectoryError,
     load_or_create_identity,
     serve_bootstrap,
@@ -37,36 +36,10 @@ from gossiploco.membership import (
 from gossiploco.membership.bootstrap import load_saved_peers, usable_maddrs
 from gossiploco.membership.runs import RunEntry
 from gossiploco.runtime.launch import free_ports
-from tests.test_directory import HEARTBEAT_S, TIMEOUT_S, TTL_S, _cmdline, descendants, keys_of, record
+from tests.test_directory import (  # noqa: F401 - fixtures shared with the conformance suite, used by name
+    HEARTBEAT_S, TTL_S, dht_dirs, keys_of, no_leaked_processes, record)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_processes() -> Iterator[None]:
-    before = descendants()
-    yield
-    if not wait_until(lambda: not descendants() - before, 10.0):
-        leaked = {pid: _cmdline(pid) for pid in descendants() - before}
-        pytest.fail(f"leaked processes: {leaked}")
-
-
-@pytest.fixture
-def dht_dirs() -> Iterator[Callable[..., DhtDirectory]]:
-    """Factory of ``DhtDirectory`` with test timings; closes them all in teardown."""
-    made: list[DhtDirectory] = []
-
-    def make(run_id: str = "run", initial_peers: list[str] | None = None, **options) -> DhtDirectory:
-        options = {"ttl_s": TTL_S, "heartbeat_s": HEARTBEAT_S, "timeout_s": TIMEOUT_S, **options}
-        directory = DhtDirectory(run_id, initial_peers=initial_peers or [], **options)
-        made.append(directory)
-        return directory
-
-    try:
-        yield make
-    finally:
-        for directory in made:
-            directory.close()
 
 
 @pytest.fixture

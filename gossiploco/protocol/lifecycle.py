@@ -64,6 +64,9 @@ BOUNDARY_POLL_S = 0.25
 """How often a catching-up peer asks the others' rounds while it waits for the next round to begin (by default;
 ``Settings.boundary_poll_s``): a fortieth of the default grace window (``[timeouts] grace_s`` = 10 s), so a peer
 that caught up at a boundary lags the others by far less than the window its next exchange waits for it."""
+LATE_JOIN_GRACE = 0.5
+"""``Settings.late_join_s`` in grace windows: a joiner that late into the others' round would keep its bucket waiting
+for up to that much of its window, so it waits for the boundary instead (``joined_late``)."""
 BOUNDARY_SAMPLE = 2
 """While it waits for a round boundary a catching-up peer asks this many peers of the newest round each poll, the
 next ones each time (not the whole swarm every ``BOUNDARY_POLL_S``: at 128 peers that was 45 hellos per peer per
@@ -144,7 +147,7 @@ class Settings:
     """After how long ``ask_rounds`` asks a peer that has not answered again (the simulator: in proportion to its
     shorter ``hello_s``, so that a question lost on a lossy link is asked again within the window, as in a real run)."""
     late_join_s: float | None = None
-    """``join`` takes part in the round the others are in only if they began it at most this long ago (the lower median
+    """(``LATE_JOIN_GRACE`` grace windows in the runtime and the simulator) ``join`` takes part in the round the others are in only if they began it at most this long ago (the lower median
     of what they answered, ``Hello.began_ms_ago``); later, it catches up at the next boundary instead (``joined_late``).
     None: no limit."""
 

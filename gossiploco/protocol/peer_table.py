@@ -84,8 +84,7 @@ class PeerTable:
         with no round, this peer's view of it."""
         if round_index is None or round_index <= 0:
             return len(set(self.members(round_index)) | {self.rank})
-        return sum(1 for first in (self.joined.get(p) for p in self.joined if p not in self.failed)
-                   if first < round_index)
+        return sum(1 for p, first in self.joined.items() if first < round_index and p not in self.failed)
 
     def takes_part(self, round_index: int) -> bool:
         return self.joined.get(self.rank, math.inf) <= round_index

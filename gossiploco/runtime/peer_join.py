@@ -37,7 +37,7 @@ def settings(peer: NetworkPeer) -> lifecycle.Settings:
         rounds=cfg.rounds, hello_s=t.hello_s, connect_s=t.startup_s if peer.directory is None else t.hello_s,
         boundary_s=t.startup_s, state_s=t.exchange_s, nonce=random_nonce, state_size=state_size,
         solo=cfg.workers == 1 and peer.directory is None,
-        late_join_s=t.grace_s / 2,  # a joiner later than that into the others' round makes them wait: it catches up
+        late_join_s=t.grace_s * lifecycle.LATE_JOIN_GRACE,
         rejoin_error="the sync-dp baseline cannot rejoin a running swarm; restart every peer" if cfg.mode == "sync-dp" else None)
 
 

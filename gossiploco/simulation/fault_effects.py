@@ -3,13 +3,13 @@ going down, link faults, and brand-new peers joining (``simulation.newcomers``).
 
 from __future__ import annotations
 
-import math
 import random
 from typing import TYPE_CHECKING
 
 from gossiploco.config_sections import TimeoutConfig
 from gossiploco.membership.read_pacing import ReadPacing
 from gossiploco.simulation.faults import RELAY_KINDS, Fault
+from gossiploco.simulation.network import consumer_link
 
 if TYPE_CHECKING:
     from gossiploco.simulation.peer import SimPeer
@@ -91,9 +91,9 @@ def arrive(swarm: SimSwarm, fault: Fault) -> None:
     draw = random.Random(f"newcomer-{swarm.seed}-{pid}")
     swarm.note(f"NEWCOMER {pid}")
     swarm.ids.append(pid)
-    swarm.inner_s[pid] = s.inner_s * (1 + s.inner_spread * draw.random())
+    swarm.inner_s[pid] = s.draw_inner_s(draw)
     if s.links == "consumer":
-        net.links[pid] = (draw.uniform(0.010, 0.050), 10 ** draw.uniform(math.log10(50e6), 9) / 8)
+        net.links[pid] = consumer_link(draw)
     others = [q for q in swarm.peers if q != pid]
     swarm.newcomers.arrived(pid, others)
     swarm.changed()

@@ -123,8 +123,7 @@ def draw_newcomers(rng: random.Random, settings) -> list[Fault]:
     if rng.random() >= NEWCOMER_SHARE:
         return []
     span = settings.rounds * (settings.inner_s + 0.3)
-    starts = sorted(rng.uniform(0.0, span / 2) for _ in range(rng.randint(1, 2)))
-    return [Fault("newcomer", start, start, peer=settings.peers + i) for i, start in enumerate(starts)]
+    return _newcomers(settings, [rng.uniform(0.0, span / 2) for _ in range(rng.randint(1, 2))])
 
 
 def draw_arrivals(rng: random.Random, settings, share: float) -> list[Fault]:
@@ -134,6 +133,10 @@ def draw_arrivals(rng: random.Random, settings, share: float) -> list[Fault]:
     if share <= 0:
         return []
     round_s = settings.inner_s * (1 + settings.inner_spread / 2) + 0.3
-    starts = sorted((r + rng.random()) * round_s for r in range(settings.rounds - 1)  # the last round: none to join
-                    for _ in range(settings.peers) if rng.random() < share)
-    return [Fault("newcomer", start, start, peer=settings.peers + i) for i, start in enumerate(starts)]
+    return _newcomers(settings, [(r + rng.random()) * round_s for r in range(settings.rounds - 1)  # none in the last
+                                 for _ in range(settings.peers) if rng.random() < share])
+
+
+def _newcomers(settings, starts: list[float]) -> list[Fault]:
+    """Newcomers starting at ``starts``, in time order, with ids from ``settings.peers`` on."""
+    return [Fault("newcomer", start, start, peer=settings.peers + i) for i, start in enumerate(sorted(starts))]

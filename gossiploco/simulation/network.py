@@ -25,12 +25,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from gossiploco.simulation.paths import RELAYED, SETUP_LATENCIES, Connection, Relays, pair_path
+
+
+def consumer_link(rng: random.Random) -> tuple[float, float]:
+    """One peer's consumer access link: 10 to 50 ms one way, 50 Mbit/s to 1 Gbit/s (log-uniform), in bytes a second."""
+    return rng.uniform(0.010, 0.050), 10 ** rng.uniform(math.log10(50e6), 9) / 8
 
 
 MIN_IDLE_S = 1.0

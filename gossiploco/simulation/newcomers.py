@@ -10,7 +10,8 @@ soon (``membership.read_pacing``: within ``timeouts.discovery_s``). So here:
   over links on demand, the static list in a full mesh, as a restart does);
 * each member finds the newcomer's record at a time drawn uniformly within ``Settings.discovery_s`` of its start
   (a knocked read), then adds it as the runtime's discovery does (``PeerNode.add_peer`` with the record's join round
-  over links on demand) and re-reads the records of the peers still pending once a round;
+  over links on demand) and, while its record says it has not decided, reads it again at the runtime's paced
+  interval (``ReadPacing``);
 * until a member has found it, no connection between the two comes up (``admits``: the refused handshake; the
   newcomer's side retries as ZeroMQ does, or over links on demand gives up after the handshake's deadline);
 * a member that starts (a restart) after the newcomer reads the directory then, and knows it from the start.
@@ -48,7 +49,3 @@ class Newcomers:
     def admits(self, a: int, b: int) -> bool:
         """Whether a connection between ``a`` and ``b`` can come up: neither is a newcomer the other has not found."""
         return a not in self._unfound.get(b, ()) and b not in self._unfound.get(a, ())
-
-    def unfound(self, newcomer: int) -> int:
-        """How many peers have not found ``newcomer`` yet."""
-        return len(self._unfound.get(newcomer, ()))

@@ -27,7 +27,6 @@ the same arguments give the same result, bit for bit. ``runs.simulate_scale`` is
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from gossiploco.simulation.costs import per_peer_stats
 from gossiploco.simulation.fault_effects import apply_fault
 from gossiploco.simulation.faults import Fault
 from gossiploco.simulation.invariants import Checker, Violation
-from gossiploco.simulation.network import SimNetwork
+from gossiploco.simulation.network import SimNetwork, consumer_link
 from gossiploco.simulation.newcomers import Newcomers
 from gossiploco.simulation.paths import PATHS, Relays
 from gossiploco.simulation.peer import SimPeer, payload_bytes
@@ -100,6 +99,10 @@ class Settings:
     mesh), as the ZeroMQ transport does."""
     links_cap: int = 0
     """Links on demand: the most a peer keeps (``SimNetwork.links_cap``); 0: no bound but the idle time."""
+
+    def draw_inner_s(self, rng: random.Random) -> float:
+        """One peer's inner-step time per round (``inner_spread``)."""
+        return self.inner_s * (1 + self.inner_spread * rng.random())
     discovery_s: float = 0.5
     """A member reads a newcomer's record (``Fault`` kind ``newcomer``) within this long of its start, at a time drawn
     uniformly: the read its refused handshake brings forward (``timeouts.discovery_s``; ``simulation.newcomers``)."""
@@ -142,11 +145,10 @@ class SimSwarm:
         """pid -> its shared round clock (``Settings.round_period``), its latest incarnation's."""
         self.logging = log
         self.log: list[str] = []
-        self.inner_s = {p: settings.inner_s * (1 + settings.inner_spread * self.rng.random()) for p in self.ids}
+        self.inner_s = {p: settings.draw_inner_s(self.rng) for p in self.ids}
         """Each peer's inner-step time per round (unequal with ``inner_spread``)."""
         if settings.links == "consumer":
-            self.net.links = {p: (self.rng.uniform(0.010, 0.050), 10 ** self.rng.uniform(math.log10(50e6), 9) / 8)
-                              for p in self.ids}
+            self.net.links = {p: consumer_link(self.rng) for p in self.ids}
         self.timings: list[tuple[int, int, float, float, bool]] = []
         """(peer, round, round seconds, blocking seconds, Mix1 ok) of every round a peer finished."""
         self.control_sent: dict[int, int] = {}
@@ -361,7 +363,7 @@ class SimSwarm:
             state_s=s.exchange_s, state_size=s.values,
             boundary_poll_s=lifecycle.BOUNDARY_POLL_S * s.grace_s / TimeoutConfig().grace_s,  # a real run's ratios
             probe_repeat_s=lifecycle.PROBE_REPEAT_S * s.hello_s / TimeoutConfig().hello_s,
-            late_join_s=s.grace_s / 2,  # as the runtime's (``runtime.peer_join``)
+            late_join_s=s.grace_s * lifecycle.LATE_JOIN_GRACE,
             nonce=lambda: f"{peer.pid}-{peer.incarnation}-{self.rng.getrandbits(32):08x}")
 
     def position(self, peer: SimPeer, position: lifecycle.Position, z: torch.Tensor,

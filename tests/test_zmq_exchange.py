@@ -16,8 +16,9 @@ import torch
 import zmq
 
 from conftest import assert_pair_mean_with_a_partner_ahead, wait_until
-from gossiploco.errors import ExchangeClosed, ExchangeTimeout, PeerFailed
+from gossiploco.errors import ExchangeClosed, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.protocol import codec
+from gossiploco.protocol.messages import Ready, Send
 from gossiploco.protocol.messages import op_and_round as _op_and_round
 from gossiploco.transport.zmq_exchange import ZmqExchange
 from tests.test_exchange import free_ports, run_all
@@ -282,3 +283,21 @@ def test_peers_that_disagree_on_the_member_list_fail_at_once(groups):
     assert time.monotonic() - start < 5.0, "a member-list mismatch must not wait out the deadline"
     assert all(isinstance(res, PeerFailed) for res in results), results
     assert any("another member list" in str(res) for res in results)
+
+
+def test_a_message_that_cannot_be_encoded_fails_its_send_counted_and_never_the_thread(groups):
+    """A message the codec refuses (here a key naming a round past what a header holds) is not sent: logged, counted
+    in ``traffic.unencodable``, and only that send fails. Sent by the service thread (the node's replies) or by a
+    caller (its own chunks), the exchange stays whole and the next exchange completes."""
+    g = groups(2, timeout_s=5.0)
+    ex = g.exchanges[0]
+    beyond = f"mix2/{2**64}"
+    ex._dispatch([Send(1, Ready(beyond, 2**64))])  # as if the node had decided to reply so
+    assert wait_until(lambda: ex.traffic.unencodable == 1)
+    with pytest.raises(ExchangeError, match="cannot be encoded"):
+        ex.swap(beyond, 1, torch.ones(3))
+    assert wait_until(lambda: ex.traffic.unencodable == 3)  # its chunk, then the abort the failed call sends
+    assert ex.broken is None and all(t.is_alive() for t in ex.threads)
+    out = run_all([lambda: g.exchanges[0].swap("s/1", 1, torch.tensor([1.0])),
+                   lambda: g.exchanges[1].swap("s/1", 0, torch.tensor([2.0]))])
+    assert [o.tolist() for o in out] == [[2.0], [1.0]]

@@ -285,6 +285,7 @@ class CompanionExchange(Exchange, PathControl):
     wire_bytes_sent = _counter("wire_bytes_sent")
     bytes_received = _counter("bytes_received")
     dropped_messages = _counter("dropped_messages")
+    unencodable_messages = _counter("unencodable_messages")
     malformed_messages = _counter("malformed_messages")
     isolated_mixes = _counter("isolated_mixes")
     joined_round = _counter("joined_round")

@@ -38,7 +38,7 @@ IN_PLACE = {"all_reduce_mean": 1, "swap_mean": 2}
 """The collectives that may leave their result in the vector they were given, and where that vector is among their
 arguments: when they did, in the trainer's shared vector, nothing is sent back."""
 COUNTERS = ("current_round", "round_ends", "bytes_sent", "wire_bytes_sent", "dropped_messages",
-            "bytes_received", "malformed_messages", "isolated_mixes", "joined_round")
+            "unencodable_messages", "bytes_received", "malformed_messages", "isolated_mixes", "joined_round")
 """The properties the trainer reads (``("get", name)``), and still reads after the exchange closed (``shut``
 returns them)."""
 

@@ -489,6 +489,7 @@ class NetworkPeer:
                          **self.exchange.sealed_counts(),
                          "conflicting_run_entries": self.runs.conflicting_entries, **robust_summary(self.algo)},
             "dropped_messages": self.exchange.dropped_messages,
+            "unencodable_messages": self.exchange.unencodable_messages,
             "directory_reads": self.discovery.pacing.counts() if self.discovery is not None else None,
             "final_model": "averaged" if self.monitor.final_params is not None else "own",
             "resumed_from": self.start_round or None,

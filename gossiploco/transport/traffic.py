@@ -5,7 +5,8 @@
 uploads included; not the transport's own framing, encryption or TCP/IP headers); ``control_sent``
 the messages other than data chunks (hellos, readies, decisions, aborts, state requests; ZMTP
 heartbeats are the transport's own and not counted), by kind in ``control_kinds``; ``dropped`` the
-control messages the service thread's full queue refused. Bytes received are counted where chunks
+control messages the service thread's full queue refused; ``unencodable`` the messages the codec refused to
+encode (not sent: that send fails, the thread that tried goes on). Bytes received are counted where chunks
 arrive, by the protocol (``PeerNode.bytes_received``). Thread-safe: any sending thread counts.
 """
 
@@ -25,6 +26,7 @@ class Traffic:
         self.payload_sent = 0
         self.wire_sent = 0
         self.dropped = 0
+        self.unencodable = 0
         self.control_sent = 0
         self.control_kinds: dict[str, int] = {}
         """Messages other than ``Data`` sent, by class name (``Ready``, ``Decision``, ``Hello``...)."""
@@ -50,3 +52,8 @@ class Traffic:
         """A message could not even be queued."""
         with self._lock:
             self.dropped += 1
+
+    def refuse(self) -> None:
+        """A message could not be encoded (``codec.encode`` refused it), so it was not sent."""
+        with self._lock:
+            self.unencodable += 1

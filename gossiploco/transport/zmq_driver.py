@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from gossiploco.errors import ExchangeError
 from gossiploco.protocol import codec, lifecycle
 from gossiploco.protocol.agreement import CONTROL_SEND_S
 from gossiploco.protocol.call import Call, run_call
@@ -153,6 +154,11 @@ class ZmqDriver:
     def dropped_messages(self) -> int:
         """Actions the full service queue dropped (``Traffic.dropped``)."""
         return self.traffic.dropped
+
+    @property
+    def unencodable_messages(self) -> int:
+        """Messages the codec refused to encode, so not sent (``Traffic.unencodable``)."""
+        return self.traffic.unencodable
 
     @property
     def bytes_received(self) -> int:
@@ -318,7 +324,13 @@ class ZmqDriver:
         message, peer = send.message, send.peer
         if self._fault is not None:
             self._fault(self.rank, message)
-        frames = codec.encode(*to_wire(message, self.rank, self.run_id))
+        try:
+            frames = codec.encode(*to_wire(message, self.rank, self.run_id))
+        except ValueError as exc:  # a bug here or a field taken from what arrived: this message only, never the thread
+            self.traffic.refuse()
+            log.error("rank %d: %s message for %d cannot be encoded and is not sent: %s", self.rank,
+                      type(message).__name__, peer, exc)
+            raise ExchangeError(f"{what}: {type(message).__name__} message for {peer} cannot be encoded: {exc}") from None
         tracker = self._sockets.send(peer, frames, control=isinstance(message, CONTROL), chunk=isinstance(message, Data),
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
         self.traffic.sent(message, frames)

@@ -16,7 +16,8 @@ founding peers', and the newcomers' own are added (how many finished, the contro
 Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
 compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
 sent, control messages sent (everything but data chunks) and received, and connections (up at the end; the most a
-peer had up at once, median and max over peers; opened over the run).
+peer had up at once, median and max over peers; opened over the run); and under each table, the exchanges that
+failed in each cell, by cause, summed over its seeds.
 Writes ``OUT.json`` and ``OUT.md`` (with this command line).
 """
 
@@ -28,6 +29,7 @@ import platform
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from gossiploco.simulation.runs import simulate_scale
@@ -59,6 +61,7 @@ def summarize(rows: list[dict]) -> dict:
     out["newcomers"] = sum(r["newcomers"] for r in rows)
     out["newcomers_finished"] = sum(r["newcomers_finished"] for r in rows)
     out["newcomer_control_sent"] = round(statistics.median(r["newcomer_control_sent"] for r in rows), 1)
+    out["failures"] = dict(sum((Counter(r["failures"]) for r in rows), Counter()).most_common())
     return out
 
 
@@ -76,6 +79,10 @@ def table(title: str, entries: list[tuple[int, dict]]) -> list[str]:
                      f"{s['connections_opened']} | "
                      f"{s['finished']}/{m} | {s['violations']} | {s['wall_s']} |"
                      + (f" {s['newcomers_finished']}/{s['newcomers']} | {s['newcomer_control_sent']:.0f} |" if joins else ""))
+    lines.append("")
+    for m, s in entries:  # why exchanges failed, summed over the seeds (``simulation.costs.failure_cause``)
+        causes = "; ".join(f"{cause} ({n})" for cause, n in s["failures"].items()) or "none"
+        lines.append(f"- M = {m}, exchanges failed: {causes}")
     return lines + [""]
 
 

@@ -2,15 +2,24 @@
 finished, of its round and blocking time, Mix1 completion, bytes, messages and connections; what one peer costs as
 the swarm grows (``bench/scale_sim.py``, ``bench/pairing_sim.py``). The per-peer medians are over the swarm's founding
 peers (their rounds are the run's); brand-new peers that joined (``simulation.newcomers``) are counted apart: how many,
-how many finished, and the control messages each sent over its whole stay (its join's cost)."""
+how many finished, and the control messages each sent over its whole stay (its join's cost). The exchanges that failed
+are counted by cause over the whole run (``failure_cause``)."""
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gossiploco.simulation.swarm import SimSwarm
+
+
+def failure_cause(error: Exception) -> str:
+    """Why an exchange failed, without what differs from one failure of that kind to the next (its key, the peers and
+    numbers it names): ``"group N: this peer was not ready within the grace window; [N] went on without it"``."""
+    text = str(error).partition(": ")[2] or str(error)  # past "<what>: ", the exchange's name
+    return re.sub(r"\b\d+(\.\d+)?\b", "N", re.sub(r"\[[0-9, ]*\]", "[N]", text))
 
 
 def per_peer_stats(swarm: SimSwarm) -> dict:
@@ -40,4 +49,5 @@ def per_peer_stats(swarm: SimSwarm) -> dict:
         "connections_opened": median(swarm.net.connections_of.get(p, 0) for p in founders),
         "newcomers": len(newcomers),
         "newcomers_finished": sum(swarm.finished.get(p, 0) >= swarm.settings.rounds for p in newcomers),
-        "newcomer_control_sent": median(swarm.control_sent.get(p, 0) for p in newcomers)}
+        "newcomer_control_sent": median(swarm.control_sent.get(p, 0) for p in newcomers),
+        "failures": dict(swarm.failures.most_common())}

@@ -49,13 +49,13 @@ step a large share of a round, which no real run has."""
 
 def simulate_scale(seed: int, peers: int, *, rounds: int = 5, group_size: int = 16, churn: float = 0.01,
                    links: str = "consumer", inner_spread: float = 0.05, mix2: str = "gossip", newcomers: float = 0.0,
-                   **overrides) -> SimResult:
+                   log: bool = False, **overrides) -> SimResult:
     """A scaling run (``bench/scale_sim.py``): ``peers`` peers on consumer links, compute times within
     ``inner_spread`` of each other (time-budget rounds end together up to such a jitter), each peer crashing in a
     round with probability ``churn`` and coming back ``churn_down_s`` later, and ``newcomers x peers`` brand-new
-    peers arriving a round on average (``draw_arrivals``); no other fault."""
+    peers arriving a round on average (``draw_arrivals``); no other fault. ``log``: keep the run's notes."""
     settings = Settings(peers=peers, rounds=rounds, group_size=group_size, churn=churn, links=links,
                         inner_spread=inner_spread, mix2=mix2, **{**SCALE_TIMES, **overrides})
     faults = draw_churn(random.Random(f"churn-{seed}"), settings)
     faults += draw_arrivals(random.Random(f"arrivals-{seed}"), settings, newcomers)
-    return SimSwarm(seed, settings).run(faults)
+    return SimSwarm(seed, settings, log=log).run(faults)

@@ -28,6 +28,7 @@ the same arguments give the same result, bit for bit. ``runs.simulate_scale`` is
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from gossiploco.protocol.collectives import AllToAll, PairMean, RingAllReduce
 from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
 from gossiploco.round_clock import RoundClock
-from gossiploco.simulation.costs import per_peer_stats
+from gossiploco.simulation.costs import failure_cause, per_peer_stats
 from gossiploco.simulation.fault_effects import apply_fault
 from gossiploco.simulation.faults import Fault
 from gossiploco.simulation.invariants import Checker, Violation
@@ -156,6 +157,8 @@ class SimSwarm:
         self.control_received: dict[int, int] = {}
         """Control messages delivered to each peer (from the incarnation that sent them)."""
         self.bytes_sent: dict[int, int] = {}
+        self.failures: Counter[str] = Counter()
+        """Exchanges that failed, by label and cause (``costs.failure_cause``), over every peer and round."""
         self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
         self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now,
@@ -326,6 +329,7 @@ class SimSwarm:
             deadlines.observe(key, peer.now - began)
             return out
         except ExchangeError as exc:
+            self.failures[f"{label}: {failure_cause(exc)}"] += 1
             self.note(f"{peer.pid} {key} failed: {exc}")
             self.checker.identity_kept(peer.pid, key, before, value, peer.now)
             return value

@@ -54,22 +54,36 @@ def test_a_new_process_on_an_idle_members_link_is_pending_until_its_own_news():
     assert 4 in node.members(2) and 4 not in node.members(1)
 
 
-def test_a_pending_peers_question_is_answered_with_a_question_back():
+def test_a_question_says_its_senders_join_round_so_nobody_asks_back():
+    """A question (a hello that asks) says its sender's join round once it has one: the peer asked learns it from
+    the question and answers without asking back. An undecided sender (``PROBE``) is not asked back either: its
+    answer could only say it is undecided, and its news comes later (its announcement, or its record). Asking back
+    had made every poll of a joiner three messages instead of two."""
     node = _node()
     node.disconnected(6, 0.5)  # out of the view, as a member found later is
+    (question,) = node.connected(6, 0.9, incarnation="b")  # its link up again: asked, saying this node's join round
+    assert question.message.join_round == 0 and question.message.ask == node.probe_id
     (reply,) = node.receive(6, Hello(PROBE, 1, ask=3), 1.0)
-    assert reply.message.echo == 3 and reply.message.ask == node.probe_id > 0  # no handshake will ask it: ask now
-    (plain,) = node.receive(2, Hello(PROBE, 1, ask=4), 1.0)
+    assert reply.message.echo == 3 and reply.message.ask == 0 and 6 not in node.members(1)
+    (reply,) = node.receive(6, Hello(2, 1, ask=4), 1.1)  # decided since: its question says so
+    assert reply.message.echo == 4 and reply.message.ask == 0 and reply.message.join_round == 0
+    assert 6 in node.members(2) and 6 not in node.members(1)
+    (plain,) = node.receive(2, Hello(PROBE, 1, ask=5), 1.2)
     assert plain.message.ask == 0  # a member in the view is not asked back
-    (full_mesh,) = _node(on_demand=False).receive(6, Hello(PROBE, 1, ask=3), 1.0)
-    assert full_mesh.message.ask == 0
+    undecided = _node(join_round=None)
+    (question,) = undecided.restarted(3, 1.0)
+    assert question.message.join_round == PROBE and question.message.ask == undecided.probe_id
+    assert [a.message.join_round for a in undecided.announce(PROBE, to=[1, 2])] == [PROBE, PROBE]
+    decided = _node(join_round=3)
+    assert [a.message.join_round for a in decided.announce(PROBE, to=[1, 2])] == [3, 3]
+    assert [a.message.join_round for a in decided.ask_again([1])] == [3]
 
 
 def test_a_restart_the_carrier_reports_makes_the_member_pending_and_asked():
     node = _node()
     (probe,) = node.restarted(3, 1.0)
     assert 3 not in node.members(0) and node.peers.pending() == [3]
-    assert probe.peer == 3 and probe.message.join_round == PROBE and probe.message.ask == node.probe_id
+    assert probe.peer == 3 and probe.message.join_round == 0 and probe.message.ask == node.probe_id  # it says its own
     node.receive(3, Hello(4, 4), 1.1)  # its news
     assert 3 in node.members(4) and 3 not in node.members(3)
     assert node.restarted(0, 1.2) == [] and node.restarted(99, 1.2) == []  # itself, or a peer it does not know

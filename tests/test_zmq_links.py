@@ -222,8 +222,9 @@ def _strangers() -> tuple[list[ZmqExchange], Trust]:
 
 
 def test_members_found_later_are_asked_where_they_stand_without_a_handshake_to_ask_them():
-    """Discovery (``add_peer``) parks a member found later; a probe, and an answer that asks back, tell each the
-    other's join round, so both views hold both though neither made a socket for the other up front."""
+    """Discovery (``add_peer``) parks a member found later; a probe (which says its sender's join round) and its
+    answer tell each the other's join round, so both views hold both though neither made a socket for the other up
+    front."""
     peers, trust = _strangers()
     try:
         assert peers[0].add_peer(1, peers[1].bound, trust.key_of(1))

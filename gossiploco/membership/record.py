@@ -10,10 +10,11 @@ from typing import Any
 
 from gossiploco.protocol.messages import MAX_PEER_ID
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of ``PeerRecord``'s wire format; records of another version are ignored (2: the ``key``
 field; 3: reachability, ``p2p``, ``relays`` and ``reverse``; 4: the protocol's ``Leading`` message, which
-older peers would refuse as malformed; 5: ``joined``; 6: ``Hello.began_ms_ago``, a hello older peers would refuse)."""
+older peers would refuse as malformed; 5: ``joined``; 6: ``Hello.began_ms_ago``, a hello older peers would refuse;
+7: a question says its sender's join round and is not asked back, where older peers' questions say none)."""
 MAX_COUNT = 2**63
 """``round`` and ``tokens`` fit a signed 64-bit integer."""
 MAX_ENDPOINT_CHARS = 256

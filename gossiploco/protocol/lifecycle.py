@@ -222,7 +222,7 @@ def ask_rounds(node: PeerNode, s: Settings, peers: list[int] | None = None) -> P
     less uncorroborated claims."""
     if peers is None:
         peers = round_sample(node)
-    now = yield Act(node.announce(PROBE, to=peers))  # a probe: changes no membership, asks for the peers' rounds
+    now = yield Act(node.announce(PROBE, to=peers))  # a probe: asks the peers' rounds (and says this one's join round)
     deadline, asked = now + s.hello_s, now
     want = set(peers) & node.peers.reachable()
     while now < deadline:

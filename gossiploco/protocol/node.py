@@ -26,7 +26,6 @@ out its deadline (the cycle of swaps seen after a leader crash).
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Iterable
 
@@ -38,8 +37,6 @@ from gossiploco.protocol.messages import (LEAVING, MAX_ENDS_IN_MS, PROBE, STEPPI
 from gossiploco.protocol.peer_table import FAILED_GRACE_S, PeerTable
 from gossiploco.protocol.records import Records
 from gossiploco.protocol.state_limit import StateRequestLimit, refusal
-
-log = logging.getLogger(__name__)
 
 MONITOR_ROUNDS_KEPT = 3
 """Early chunks of a measurement up to this many rounds back are kept (a background measurement's second exchange,
@@ -99,9 +96,9 @@ class PeerNode:
         self.grouped: Records[str, frozenset[int]] = Records()
         self.finished: Records[str, frozenset[int]] = Records()
         self.left_out: Records[str, int] = Records(limit=16)
+        """key -> round of the exchanges this peer was left out of as a straggler (cleared when it (re)joins)."""
         self.isolated_mixes = 0
         """Exchanges this peer had to run alone while it knew peers it could not reach (``isolated``)."""
-        """key -> round of the exchanges this peer was left out of as a straggler (cleared when it (re)joins)."""
         self.caught_up_into = -1
         """The last round this peer caught up into (being left out of its exchanges is expected)."""
         self._refused: Records[tuple[str, int], bool] = Records()
@@ -138,7 +135,7 @@ class PeerNode:
         if self.peers.on_connected(peer, now, incarnation):
             # A new or returning peer: ask where it stands (its reply carries its join round). Asked
             # once the connection is up, so the question is not lost in a reconnection.
-            return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
+            return [Send(peer, self._question(self.probe_id))]
         return []
 
     def idled(self, peer: int, now: float) -> list[Action]:
@@ -154,7 +151,7 @@ class PeerNode:
             return []
         self.peers.on_restart(peer, now)
         self.note(f"peer {peer} restarted (a new process of it spoke)", routine=True)
-        return [Send(peer, Hello(PROBE, self.current_round, ask=self.probe_id))]
+        return [Send(peer, self._question(self.probe_id))]
 
     def disconnected(self, peer: int, now: float) -> list[Action]:
         if self.peers.on_disconnected(peer, now) and peer not in self._left:
@@ -267,9 +264,9 @@ class PeerNode:
                 left = max(-MAX_ENDS_IN_MS, min(round((self.round_ends[1] - now) * 1000), MAX_ENDS_IN_MS))
             if self.round_began is not None and self.current_round >= 0:
                 began = max(0, min(round((now - self.round_began) * 1000), MAX_ENDS_IN_MS))
-            # With links on demand no handshake makes this peer ask a pending one where it stands: the answer asks back
-            ask = self.probe_id if self.peers.links_on_demand and sender not in self.peers.joined else 0
-            sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask,
+            # Not asked back: a question says its sender's join round once it has one (``_question``), and an
+            # undecided sender's news comes later (its ``announce``, or its record: ``PeerTable.add``)
+            sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round,
                                             echo=message.ask, ends_in_ms=left, began_ms_ago=began)))
         return sends
 
@@ -332,7 +329,7 @@ class PeerNode:
                 self.caught_up_into = join_round
         self.peers.reported.clear()
         self.probe_id += 1
-        question = Hello(join_round, self.current_round, ask=self.probe_id if ask_reply else 0)
+        question = self._question(self.probe_id if ask_reply else 0)  # says ``join_round`` when that is one
         news = question if join_round == PROBE else Hello(join_round, self.current_round)
         if to is None:
             to = self.peers.news_targets(random.Random(f"{self.group_seed}/{self.rank}/news/{self.probe_id}"))
@@ -341,8 +338,13 @@ class PeerNode:
     def ask_again(self, peers) -> list[Action]:
         """Repeat this peer's latest question (``announce``) to ``peers`` that have not answered it: a question
         or its answer can be lost with a connection that dropped and came back while it was on its way."""
-        hello = Hello(PROBE, self.current_round, ask=self.probe_id)
+        hello = self._question(self.probe_id)
         return [Send(p, hello) for p in peers if p != self.rank]
+
+    def _question(self, ask: int) -> Hello:
+        """A question (``ask``) that also says this peer's join round once it has one, so the peer asked learns it
+        without asking back (``PROBE`` while undecided)."""
+        return Hello(self.peers.joined.get(self.rank, PROBE), self.current_round, ask=ask)
 
     def leave(self, also: Iterable[int] = ()) -> list[Action]:
         """Messages telling every connected peer that this one leaves now, and the known peers ``also`` (with links on

@@ -12,9 +12,10 @@ up), the carrier opens a link when something is sent and closes it when nothing 
 (``on_idle``: no failure, the peer stays in the view). A link that comes up to an idle member re-admits nobody and
 asks nothing; one that cannot be opened, or drops, is a failure as before (``on_disconnected``). A link from another
 process of the same peer (a new ``incarnation``: it restarted unseen while its link was idle) makes it pending until
-its own news (``news_targets``: the peers it has links to, those outside its view and a sample), and a link made to
-a pending peer asks it where it stands. So nothing here is kept per link for peers that never exchanged with this
-one, and a dead idle member is found when a link to it is next needed.
+its own news (``news_targets``: the peers it has links to, those outside its view and a sample), and a link made to a
+pending peer asks it where it stands (a question says its sender's own join round, so it is never asked back). So
+nothing here is kept per link for peers that never exchanged with this one, and a dead idle member is found when a
+link to it is next needed.
 """
 
 from __future__ import annotations

@@ -104,17 +104,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="brand-new peers arriving each round, as a share of M (0.01: 10 a round at 1,000)")
     parser.add_argument("--out", default="bench/results/scale-sim")
     args = parser.parse_args(argv)
+    groups, churned = f"groups of {args.group_size}", f"{args.churn:.0%} churn"  # the titles say what ran
     variants = [] if args.only_links else [
-        ("groups of 16, 1% churn", args.churn, args.group_size, args.peers, 0.0),
-        ("groups of 16, no churn", 0.0, args.group_size, args.peers, 0.0),
-        ("one group (the former global barrier), 1% churn", args.churn, None,
+        (f"{groups}, {churned}", args.churn, args.group_size, args.peers, 0.0),
+        (f"{groups}, no churn", 0.0, args.group_size, args.peers, 0.0),
+        (f"one group (the former global barrier), {churned}", args.churn, None,
          [m for m in args.peers if m <= args.one_group_up_to], 0.0)]
     variants = [v for v in variants if v[3]]
     cap = f", at most {args.links_cap} a peer" if args.links_cap else ""
     for idle in args.links_idle_s:
-        variants += [(f"groups of 16, 1% churn, links on demand (closed after {idle:g} s idle{cap})", args.churn,
+        variants += [(f"{groups}, {churned}, links on demand (closed after {idle:g} s idle{cap})", args.churn,
                       args.group_size, args.peers, idle),
-                     (f"groups of 16, no churn, links on demand (closed after {idle:g} s idle{cap})", 0.0,
+                     (f"{groups}, no churn, links on demand (closed after {idle:g} s idle{cap})", 0.0,
                       args.group_size, args.peers, idle)]
     if args.newcomers:
         variants = [(f"{title}, newcomers {args.newcomers:g} x M a round", *rest) for title, *rest in variants]

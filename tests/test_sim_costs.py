@@ -15,6 +15,7 @@ def test_a_cause_drops_the_exchange_name_the_peers_and_the_numbers():
     views = PeerFailed("group 'mix2/3' led by 41: peer 41 does not lead it (our member views differ)")
     assert failure_cause(views) == "peer N does not lead it (our member views differ)"
     assert failure_cause(PeerFailed("'mix1/6': peer 25 disconnected")) == "peer N disconnected"
+    assert failure_cause(ExchangeTimeout("'mix1/3': no chunk 2 from 17 within 12.6s")) == "no chunk N from N within Ns"
     assert failure_cause(PeerFailed("no name")) == "no name"
 
 

@@ -19,7 +19,7 @@ def failure_cause(error: Exception) -> str:
     """Why an exchange failed, without what differs from one failure of that kind to the next (its key, the peers and
     numbers it names): ``"group N: this peer was not ready within the grace window; [N] went on without it"``."""
     text = str(error).partition(": ")[2] or str(error)  # past "<what>: ", the exchange's name
-    return re.sub(r"\b\d+(\.\d+)?\b", "N", re.sub(r"\[[0-9, ]*\]", "[N]", text))
+    return re.sub(r"\b\d+(?:\.\d+)?", "N", re.sub(r"\[[0-9, ]*\]", "[N]", text))
 
 
 def per_peer_stats(swarm: SimSwarm) -> dict:

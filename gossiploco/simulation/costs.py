@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def failure_cause(error: Exception) -> str:
     """Why an exchange failed, without what differs from one failure of that kind to the next (its key, the peers and
-    numbers it names): ``"group N: this peer was not ready within the grace window; [N] went on without it"``."""
+    numbers it names): ``"this peer was not ready within the grace window; [N] went on without it"``."""
     text = str(error).partition(": ")[2] or str(error)  # past "<what>: ", the exchange's name
     return re.sub(r"\b\d+(?:\.\d+)?", "N", re.sub(r"\[[0-9, ]*\]", "[N]", text))
 

@@ -147,9 +147,9 @@ class Settings:
     """After how long ``ask_rounds`` asks a peer that has not answered again (the simulator: in proportion to its
     shorter ``hello_s``, so that a question lost on a lossy link is asked again within the window, as in a real run)."""
     late_join_s: float | None = None
-    """(``LATE_JOIN_GRACE`` grace windows in the runtime and the simulator) ``join`` takes part in the round the others are in only if they began it at most this long ago (the lower median
-    of what they answered, ``Hello.began_ms_ago``); later, it catches up at the next boundary instead (``joined_late``).
-    None: no limit."""
+    """``join`` takes part in the round the others are in only if they began it at most this long ago (the lower
+    median of what they answered, ``Hello.began_ms_ago``); later, it catches up at the next boundary instead
+    (``joined_late``). ``LATE_JOIN_GRACE`` grace windows in the runtime and the simulator; None: no limit."""
 
 
 @dataclass

@@ -330,7 +330,8 @@ class ZmqDriver:
             self.traffic.refuse()
             log.error("rank %d: %s message for %d cannot be encoded and is not sent: %s", self.rank,
                       type(message).__name__, peer, exc)
-            raise ExchangeError(f"{what}: {type(message).__name__} message for {peer} cannot be encoded: {exc}") from None
+            raise ExchangeError(f"{what}: {type(message).__name__} message for {peer} cannot be encoded: {exc}") \
+                from None
         tracker = self._sockets.send(peer, frames, control=isinstance(message, CONTROL), chunk=isinstance(message, Data),
                                      deadline=deadline, what=what, zero_copy=zero_copy, closed=lambda: self._closed)
         self.traffic.sent(message, frames)

@@ -85,6 +85,7 @@ from gossiploco.runtime.peer_progress import TrainingProgress
 from gossiploco.runtime.peer_status import PeerStatus
 from gossiploco.runtime.run_match import RunWatch
 from gossiploco.runtime.state_flood import StateFlood
+from gossiploco.runtime.stopping import raise_if_stopped
 from gossiploco.security.trust import Trust
 from gossiploco.trainer import resolve_device
 from gossiploco.transport.fault_injection import SendHook
@@ -362,6 +363,7 @@ class NetworkPeer:
             self.progress.merge({"round_ends_monotonic": self.budget.round_ends_at})
         h = 0
         while self.budget.another(h, time.monotonic()):
+            raise_if_stopped()  # a stop a finalizer swallowed (``runtime.stopping``)
             self.monitor.poll(r, h)  # a measurement that finished is written; a postponed one starts
             due, val_loss = measure_due(cfg, h)
             measuring = time.perf_counter()

@@ -19,6 +19,12 @@ to tell (where its output went, how to continue) calls ``exit_stopped(command, d
 signal during the cleanup interrupts it (an impatient user's second Ctrl+C) and still ends in the stop line;
 once the line is printed the signals take their default action (the process is only exiting then).
 
+A stop can be swallowed: a signal whose handler runs while the main thread is in a finalizer (``__del__``, a
+weakref callback, the garbage collector's) raises ``Stopped`` where Python cannot raise anything, so the
+interpreter prints "Exception ignored" and goes on, and the run would train on until killed. Training loops call
+``raise_if_stopped()`` at each step: a stop received but not raised is raised there, and the unraisable-exception
+hook that ``stop_on_signals`` installs says so at DEBUG instead of printing the swallowed interrupt's traceback.
+
 Processes a command starts are stopped by the command, never by the same signal behind its back (a terminal
 sends Ctrl+C to the whole foreground process group): hivemind's DHT process and its p2pd run in a process group
 of their own (``gossiploco.membership.lifeline``), and the peers ``gossiploco swarm`` starts in sessions of their
@@ -101,6 +107,32 @@ def stop_on_signals() -> None:
     ignored: launchers stop their peers with SIGINT). Call from the main thread."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _raise_stopped)
+    if sys.unraisablehook is not _quiet_swallowed_stop:
+        global _unraisable_before
+        _unraisable_before = sys.unraisablehook
+        sys.unraisablehook = _quiet_swallowed_stop
+
+
+_unraisable_before: Callable[[Any], None] = sys.__unraisablehook__
+
+
+def _quiet_swallowed_stop(unraisable: Any) -> None:
+    """A ``Stopped`` raised where it could not be (a finalizer): noted at DEBUG, raised again by the next
+    ``raise_if_stopped``; any other unraisable exception goes to the hook that was there before."""
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, Stopped):
+        log.debug("a stop landed in %r, which cannot raise it: the run stops at its next step", unraisable.object)
+        return
+    _unraisable_before(unraisable)
+
+
+def raise_if_stopped() -> None:
+    """Raise ``Stopped`` if a stopping signal came and was never raised (module docstring: a stop can be swallowed);
+    training loops call it at each step. Nothing while a stop waits for an import to end (it is raised then), nor
+    once the stop line is printed or where ``stop_on_signals`` is not in force (a test's process)."""
+    if _received and _deferred is None and signal.getsignal(signal.SIGINT) is _raise_stopped:
+        log.debug("a %s came and was not raised (swallowed by a finalizer): raised now",
+                  signal.Signals(_received[0]).name)
+        raise Stopped(_received[0])
 
 
 def stop_line(command: str | None, detail: str | None = None) -> str:

@@ -37,6 +37,7 @@ from gossiploco.protocol.groups import bucket_count
 from gossiploco.round_budget import RoundBudget
 from gossiploco.runtime.common import (build_trainer, make_summary, mean_loss, measure_due, merge_stats, monitor_reuses_mix1, robust_summary,
                                        round_reached)
+from gossiploco.runtime.stopping import raise_if_stopped
 from gossiploco.runtime.worker_state import Copier, capture, restore
 from gossiploco.trainer import resolve_device
 
@@ -215,6 +216,7 @@ class VirtualSwarm:
             for algo in self.algos:
                 algo.begin_round(r)
         for h in range(max(self.round_steps)):
+            raise_if_stopped()  # a stop a finalizer swallowed (``runtime.stopping``)
             due, val_loss = measure_due(cfg, h)
             if due:
                 self._record(r, h, val_loss=val_loss)

@@ -265,6 +265,8 @@ class Receiver:
         if self.sockets.handshakes.pending and self.sockets.handshakes.hurry(sender, time.monotonic()):
             log.info("rank %d: peer %d refused this peer's handshake but has admitted it since (it sent a message): "
                      "connecting again now", self.rank, sender)
+            # Now, before the node answers it: an answer queued on the refused DEALER would be dropped with it
+            self.sockets.retry_refused(time.monotonic(), self.endpoints())
 
         def event(node: PeerNode, now: float) -> list:
             lost = node.peers.lost_at.get(sender, -math.inf)

@@ -223,6 +223,9 @@ class MixConfig:
     starting at inner step j * inner_steps / fragments: the same mean, a 1/fragments share in flight at a time."""
     fragment_order: str = "forward"
     """Mix1 only: which fragment goes first: forward (the embeddings) or backward (the LM head)."""
+    again: bool = True
+    """Mix1 only, global: an exchange that failed (a member of its group crashed or left mid-ring) runs once more
+    among the group's survivors, under a new leader, while the round has time left for it (gossiploco.mixing.again)."""
 
     def check(self, p: str) -> None:
         _choice(f"{p}.kind", self.kind, MIX_KINDS)

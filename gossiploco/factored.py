@@ -26,6 +26,7 @@ the same interface.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from gossiploco.adversary import Adversary
 from gossiploco.blocks import select_parameters, split_fragments
 from gossiploco.config import RunConfig
 from gossiploco.mixing import Exchange, GlobalMix, MixResult, build_mixer
+from gossiploco.mixing.again import RunAgain
+from gossiploco.mixing.mix_result import NON_FINITE
 from gossiploco.mixing.robust import RobustSettings
 from gossiploco.mixing.robust_mean import Robust
 from gossiploco.mixing.screen import Ledger
@@ -43,6 +46,8 @@ from gossiploco.mixing.weighted import MAX_WEIGHT
 from gossiploco.optim import outer_step_on_delta
 from gossiploco.outer_state import SideStream, state_device, to_device
 from gossiploco.trainer import LocalTrainer
+
+log = logging.getLogger(__name__)
 
 TensorDict = dict[str, torch.Tensor]
 
@@ -80,7 +85,8 @@ def merge_fragments(results: list[MixResult], names: list[list[str]]) -> MixResu
     causes = [f"fragment {j}: {r.cause}" for j, r in enumerate(results) if not r.ok]
     return MixResult(values, ok=not causes, cause="; ".join(causes) or None,
                      partner=next((r.partner for r in results if r.partner is not None), None),
-                     seconds=sum(r.seconds for r in results), bytes=sum(r.bytes for r in results))
+                     seconds=sum(r.seconds for r in results), bytes=sum(r.bytes for r in results),
+                     again=any(r.again for r in results))
 
 
 class FactoredDiLoCo:
@@ -107,6 +113,9 @@ class FactoredDiLoCo:
             for mixer in self.mix1:
                 mixer.make_robust(self.robust)
         self._mix1_starts = [j * cfg.inner_steps // len(parts) for j in range(len(parts))]
+        self.mix1_again = RunAgain(cfg.mix1.again and cfg.mix1.kind == "global", cfg.timeouts.grace_s)
+        """When a failed Mix1 runs again among its group's survivors (``mixing.again``)."""
+        self._again_by: float | None = None
         self.mix2 = self._mix2(select_parameters(names, cfg.mix2.blocks, "mix2.blocks"))
         for mix in (cfg.mix1, cfg.mix2):
             mix.codec().prepare()  # a compiled codec compiles now, before the first round's exchanges
@@ -168,6 +177,7 @@ class FactoredDiLoCo:
         self.round_steps = 0
         if self.cfg.round.budget == "time":
             self.trainer.inner_opt.start_round(r * self.cfg.inner_steps, self.cfg.inner_steps)
+        self._again_by = self.mix1_again.round_began(time.monotonic())
         self._launch_mix1()
         self.exchange.link_ahead(self.mix2.key(r), r)  # links on demand: Mix2's links open during the inner steps
 
@@ -177,7 +187,8 @@ class FactoredDiLoCo:
         r, state, ready = self._round
         weight = self._weight(self.last_round_tokens)
         while len(self._mix1) < len(self.mix1) and self._mix1_starts[len(self._mix1)] <= self._step:
-            self._mix1.append(self._pool.submit(self._run_mix1, self.mix1[len(self._mix1)], state, r, ready, weight))
+            self._mix1.append(self._pool.submit(self._run_mix1, self.mix1[len(self._mix1)], state, r, ready, weight,
+                                                self._again_by))
 
     def _weight(self, tokens: int | None) -> float | None:
         """The mixes' weight for ``tokens`` (None: unknown yet, counted as a full round); None when unweighted."""
@@ -185,12 +196,25 @@ class FactoredDiLoCo:
             return None
         return 1.0 if tokens is None else min(tokens / self._round_unit, MAX_WEIGHT)
 
-    def _run_mix1(self, mixer, state: list[TensorDict], r: int, ready, weight: float | None) -> tuple[MixResult, object]:
-        """Mix1 (or one fragment of it) on the background thread. With the state on a GPU its copies (the mixed
+    def _run_mix1(self, mixer, state: list[TensorDict], r: int, ready, weight: float | None,
+                  again_by: float | None) -> tuple[MixResult, object]:
+        """Mix1 (or one fragment of it) on the background thread; a failed exchange runs again among its group's
+        survivors while ``again_by`` allows (``mixing.again``). With the state on a GPU its copies (the mixed
         blocks to the host and back) run on the side stream, after ``ready`` (z written), beside the inner
         steps; returns the result, its values on the state device, and the event the outer step waits for."""
         with self._side.enter(ready):
             result = mixer.mix(state, r, self.exchange, weight=weight)
+            self.mix1_again.ended(result.ok, result.seconds, again=False)
+            if (not result.ok and result.grouped and result.cause != NON_FINITE
+                    and self.mix1_again.wanted(again_by, time.monotonic())):
+                log.info("mix1 round %d: running it again among the group's survivors (%s)", r, result.cause)
+                first = result
+                result = mixer.mix(state, r, self.exchange, weight=weight, again=True)
+                self.mix1_again.ended(result.ok, result.seconds, again=True)
+                log.log(logging.INFO if result.ok else logging.WARNING, "mix1 round %d run again: %s", r,
+                        "done" if result.ok else f"failed too ({result.cause}); identity this round")
+                result.seconds += first.seconds
+                result.again = True
             result.values = [to_device(d, self.state_device) for d in result.values]
             return result, self._side.done()
 

@@ -23,7 +23,6 @@ import zlib
 from collections import deque
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,36 +31,14 @@ from gossiploco.errors import ExchangeClosed, ExchangeError, PeerFailed
 from gossiploco.mixing.compressed import group_mean, pair_mean
 from gossiploco.mixing.compression import Codec, Float32Codec
 from gossiploco.mixing.exchange import Exchange
+from gossiploco.mixing.mix_result import NON_FINITE, MixResult, TensorDict
 from gossiploco.mixing.packing import pack, unpack
 from gossiploco.mixing.robust_mean import Robust, robust_group_mean
 from gossiploco.mixing.weighted import group_scale, pair_scale, push_sum_swap, weighted_all_reduce
+from gossiploco.protocol.keys import again_key
 from gossiploco.tensor_checks import all_finite
 
 log = logging.getLogger(__name__)
-TensorDict = dict[str, torch.Tensor]
-
-
-@dataclass
-class MixResult:
-    """Outcome of one mixing call."""
-
-    values: list[TensorDict]
-    """The mixed dicts, in the order given (unselected entries are the inputs, not copies)."""
-    ok: bool
-    """False when the exchange failed and identity was applied instead."""
-    cause: str | None = None
-    """Why the exchange failed (None when ok)."""
-    partner: int | None = None
-    """Gossip partner this round (None for global, identity, or an unmatched peer)."""
-    seconds: float = 0.0
-    """Wall time spent in the exchange."""
-    bytes: int = 0
-    """Payload bytes this peer sent (0 when nothing was exchanged): a ring all-reduce sends 2 (M - 1) / M
-    of the fp32 payload, a swap all of it, a compressed exchange its codec's bytes
-    (``gossiploco.mixing.compressed``). When the exchange failed: what it would have sent."""
-    weight: float | None = None
-    """A weighted mix: this peer's weight after it (push-sum: the pair's mean weight; global: the group's mean
-    weight; identity or failure: the weight given). None for an unweighted mix."""
 
 
 INITIAL_REFERENCE = 1
@@ -117,6 +94,8 @@ class Mixer(ABC):
         """Robust mixing (``make_robust``; open runs), or None: plain means."""
         self.previous: torch.Tensor | None = None
         """Robust Mix1: its last result, where the screen measures the members' moves from."""
+        self._again = self._grouped = False
+        """The call running is the exchange run again (``mix(again=True)``); its group was agreed (``_group``)."""
 
     def _anchor(self, flat: torch.Tensor) -> torch.Tensor | None:
         """Where a robust mix measures moves from: Mix1's last result (None for Mix2, or before a first result)."""
@@ -133,9 +112,12 @@ class Mixer(ABC):
         self.robust = robust
 
     def mix(self, dicts: Sequence[TensorDict], round_index: int, exchange: Exchange,
-            weight: float | None = None) -> MixResult:
+            weight: float | None = None, again: bool = False) -> MixResult:
         """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange. With ``weight``
-        (> 0; every member must give one): the weighted mean (``gossiploco.mixing.weighted``)."""
+        (> 0; every member must give one): the weighted mean (``gossiploco.mixing.weighted``). ``again``: this
+        round's exchange run a second time after it failed, among those of its group that run it again
+        (``groups.again_key``: the first's buckets, a leader of its own)."""
+        self._again, self._grouped = again, False
         dicts = list(dicts)
         flat = pack(dicts, self.names, exchange.vector)
         nbytes = flat.numel() * 4 if self.codec is None else self.codec.encoded_bytes(flat.numel())
@@ -159,20 +141,20 @@ class Mixer(ABC):
             log.warning("%s round %d: exchange failed (%s); identity this round", self.label, round_index, exc)
             self._failed()
             return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start,
-                             bytes=nbytes, weight=weight)
+                             bytes=nbytes, weight=weight, again=again, grouped=self._grouped)
         if mixed is not flat and not all_finite(mixed):
-            cause = "non-finite values received"
+            cause = NON_FINITE
             log.warning("%s round %d: %s; identity this round", self.label, round_index, cause)
             self._failed()
             return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes,
-                             weight=weight)
+                             weight=weight, again=again, grouped=self._grouped)
         if mixed is flat:  # identity, an unmatched gossip peer, or a group of one: nothing exchanged
             return MixResult(dicts, ok=True, seconds=time.perf_counter() - start, weight=weight)
         if self.error_feedback and residual is not None:
             self.residual.update(unpack(residual, dicts, self.names)[0])
         values = unpack(mixed, dicts, self.names)
         return MixResult(values, ok=True, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes,
-                         weight=new_weight)
+                         weight=new_weight, again=again)
 
     def _prepare_compressed(self, flat: torch.Tensor, dicts: list[TensorDict], scale: float) -> None:
         """What a compressed mix sends, in ``flat``: ``scale x`` (a weighted mean's scale, 1.0 unweighted), plus the
@@ -203,8 +185,16 @@ class Mixer(ABC):
         return flat, None, 0, weight
 
     def key(self, round_index: int) -> str:
-        """This mix's exchange key in round ``round_index`` (``"mix1/12"``, ``"mix1/12/f2"``)."""
-        return f"{self.label}/{round_index}{self.key_suffix}"
+        """This mix's exchange key in round ``round_index`` (``"mix1/12"``, ``"mix1/12/f2"``; run again:
+        ``"mix1/12/again"``)."""
+        key = f"{self.label}/{round_index}{self.key_suffix}"
+        return again_key(key) if self._again else key
+
+    def _group(self, exchange: Exchange, key: str, round_index: int) -> list[int]:
+        """``exchange.group``, noting that the group was agreed (``MixResult.grouped``)."""
+        members = exchange.group(key, round_index)
+        self._grouped = True
+        return members
 
     def _failed(self) -> None:
         """The exchange failed (or gave non-finite values): forget what depended on it succeeding."""
@@ -312,7 +302,7 @@ class GlobalMix(Mixer):
 
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)
-        members = exchange.group(key, round_index)
+        members = self._group(exchange, key, round_index)
         if len(members) <= 1:
             return flat, None, 0
         # ``flat`` is this call's own packed copy: the exchange may reduce in it (no second buffer).
@@ -321,7 +311,7 @@ class GlobalMix(Mixer):
 
     def _combine_weighted(self, flat, weight, round_index, exchange):
         key = self.key(round_index)
-        members = exchange.group(key, round_index)
+        members = self._group(exchange, key, round_index)
         if len(members) <= 1:
             return flat, None, 0, weight
         mean, mean_weight = weighted_all_reduce(key, flat, weight, members, exchange)
@@ -335,7 +325,7 @@ class GlobalMix(Mixer):
 
     def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
         key = self.key(round_index)
-        members = exchange.group(key, round_index)
+        members = self._group(exchange, key, round_index)
         if len(members) <= 1:
             self._alone()
             return flat, None, None, 0, weight
@@ -360,10 +350,9 @@ class GlobalMix(Mixer):
         self._keep_reference(mean, round_index, members, into=ref)
         return mean, None, None, sent + payload, new_weight
 
-
     def _combine_robust(self, flat, dicts, round_index, exchange, weight):
         key = self.key(round_index)
-        members = exchange.group(key, round_index)  # an excluded member still takes part, with weight 0
+        members = self._group(exchange, key, round_index)  # an excluded member still takes part, with weight 0
         if len(members) <= 1:
             self._alone()
             return flat, None, None, 0, weight
@@ -404,7 +393,7 @@ class GossipMix(Mixer):
 
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, 0
         # (a + b) / 2, computed identically on both sides (IEEE addition commutes), so the pair's sum is kept.
@@ -414,7 +403,7 @@ class GossipMix(Mixer):
 
     def _combine_weighted(self, flat, weight, round_index, exchange):
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, 0, weight
         mean, pair_weight = push_sum_swap(key, partner, flat, weight, exchange)
@@ -422,7 +411,7 @@ class GossipMix(Mixer):
 
     def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, None, 0, weight
         scale, new_weight, sent = 1.0, None, 0
@@ -442,7 +431,7 @@ class GossipMix(Mixer):
         away fails it and is clipped. An excluded partner is swapped with (it is waiting) but not mixed. The token
         weight is left as it is (robust gossip takes the plain pair mean before clipping)."""
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, exchange.group(key, round_index)).get(exchange.rank)
+        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
         if partner is None:
             return flat, None, None, 0, weight
         codec = self.codec or Float32Codec()

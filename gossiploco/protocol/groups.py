@@ -17,6 +17,10 @@ buckets, the smallest power of two with ``M / n <= size``, and puts member ``m``
 * **Nothing waits for the whole swarm.** A leader waits (at most ``grace_s``) for its bucket's members only; a
   late or dead member costs its own group one grace window at most, and the others nothing.
 
+**An exchange run again** (``keys.again_key``: ``"mix1/12/again"``, Mix1's ring retried among the survivors of a
+group that lost a member mid-exchange) keeps the buckets of the key it repeats (``keys.first_key``), so its group is
+that group's survivors, and draws its leader anew (the first attempt's may be the member that failed).
+
 Bucket sizes are Binomial(M, 1/n): mean in (size / 2, size]; a leader takes at most ``cap(size)`` members (the
 lowest lead scores) and tells the others they were left out.
 
@@ -39,6 +43,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from gossiploco.protocol.keys import first_key
 
 DEFAULT_SIZE = 16
 """Views of at most this many members are one group (every exchange waits for the whole view, as a small swarm
@@ -67,7 +73,9 @@ def _salt(seed: int, key: str, what: str) -> np.uint64:
 
 
 def scores(seed: int, key: str, what: str, members: Sequence[int]) -> np.ndarray:
-    """splitmix64 of ``member ^ salt(seed, key, what)``: one uniform 64-bit score per member."""
+    """splitmix64 of ``member ^ salt(seed, key, what)``: one uniform 64-bit score per member (a key run again
+    scores its buckets as the key it repeats: ``first_key``)."""
+    key = first_key(key) if what == "bucket" else key
     x = np.asarray(members, dtype=np.int64).astype(np.uint64) ^ _salt(seed, key, what)
     with np.errstate(over="ignore"):
         x = x + np.uint64(0x9E3779B97F4A7C15)

@@ -30,7 +30,7 @@ import random
 from collections.abc import Iterable
 
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
-from gossiploco.protocol import agreement, groups, pairing
+from gossiploco.protocol import agreement, groups, keys, pairing
 from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, MAX_ENDS_IN_MS, PROBE, STEPPING_OUT, Abort, Action, Data, Decision,
                                           Hello, Leading, Message, Ready, Send, ServeState, StateRequest, op_and_round)
@@ -474,8 +474,7 @@ class PeerNode:
             return PeerFailed(f"{key!r}: peer {sender} disconnected"), None
         # A peer that abandoned an exchange runs none of its later phases ('monitor/0/2/terms' after 'monitor/0/2'):
         # seen in a real swarm, where one peer finished a phase the others failed and waited a whole deadline in the next.
-        phases = [key, *("/".join(key.split("/")[:n]) for n in range(2, key.count("/") + 1))]
-        quit_ = sorted(p for p in watch if any(p in self.aborted.get(k, ()) for k in phases))
+        quit_ = sorted(p for p in watch if any(p in self.aborted.get(k, ()) for k in keys.phases(key)))
         if quit_:
             return PeerFailed(f"{key!r}: peer(s) {quit_} abandoned the exchange"), None
         return None, None if lost is None else lost + FAILED_GRACE_S

@@ -117,6 +117,7 @@ def make_summary(cfg: RunConfig, records: list[dict], final_val_loss: float | No
         "max_cd_l2": max(cd_l2, default=0.0),
         "max_cd_js": max(cd_js, default=0.0),
         "mix1_failures": sum(r.get("mix1_failures", 0) for r in records),
+        "mix1_again": sum(r.get("mix1_again", 0) for r in records),
         "mix2_failures": sum(r.get("mix2_failures", 0) for r in records),
         "grad_failures": sum(r.get("grad_failures", 0) for r in records),
         "wall_s": wall_s,

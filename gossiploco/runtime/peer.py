@@ -447,7 +447,7 @@ class NetworkPeer:
     def _round_done(self, rep: RoundReport) -> None:
         stats = {
             "mix1_failures": int(not rep.mix1.ok), "mix2_failures": int(not rep.mix2.ok),
-            "mix1_bytes": rep.mix1.bytes, "mix2_bytes": rep.mix2.bytes,
+            "mix1_bytes": rep.mix1.bytes, "mix2_bytes": rep.mix2.bytes, "mix1_again": int(rep.mix1.again),
             "mix1_s": rep.mix1.seconds, "mix1_wait_s": rep.mix1_wait_s, "mix2_s": rep.mix2_s, "outer_s": rep.outer_s,
             "delta_s": rep.delta_s, "steps": rep.steps, "tokens": rep.tokens,
         }

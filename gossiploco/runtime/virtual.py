@@ -282,6 +282,7 @@ def round_stats(reports: list[RoundReport]) -> dict:
     """Swarm-wide communication figures of one round (sums and maxima over workers)."""
     return {
         "mix1_failures": sum(not rep.mix1.ok for rep in reports),
+        "mix1_again": sum(rep.mix1.again for rep in reports),
         "mix2_failures": sum(not rep.mix2.ok for rep in reports),
         "mix1_bytes": sum(rep.mix1.bytes for rep in reports) // max(len(reports), 1),
         "mix2_bytes": sum(rep.mix2.bytes for rep in reports) // max(len(reports), 1),

@@ -50,4 +50,5 @@ def per_peer_stats(swarm: SimSwarm) -> dict:
         "newcomers": len(newcomers),
         "newcomers_finished": sum(swarm.finished.get(p, 0) >= swarm.settings.rounds for p in newcomers),
         "newcomer_control_sent": median(swarm.control_sent.get(p, 0) for p in newcomers),
-        "failures": dict(swarm.failures.most_common())}
+        "failures": dict(swarm.failures.most_common()),
+        "mix1_again": dict(swarm.ran_again)}

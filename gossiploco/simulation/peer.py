@@ -13,6 +13,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.mixing.again import RunAgain
 from gossiploco.protocol import lifecycle
 from gossiploco.protocol.call import Call
 from gossiploco.protocol.collectives import state_chunks
@@ -112,6 +113,7 @@ class SimPeer:
         self.held: list = []  # what arrived or fired while frozen
         self.tasks: list[Task] = []
         self.snapshot: tuple[int, Any] | None = None
+        self.mix1_again = RunAgain(s.mix1_again, s.grace_s)
 
     @property
     def now(self) -> float:

@@ -15,7 +15,7 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
     """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
     9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
     (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), links on demand (a
-    third, ``Settings.links_idle_s``), the faults, brand-new peers joining (a quarter, ``draw_newcomers``), the
+    third, ``Settings.links_idle_s``), a failed Mix1 run again (three quarters, ``Settings.mix1_again``), the faults, brand-new peers joining (a quarter, ``draw_newcomers``), the
     reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
     draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
@@ -32,6 +32,7 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
     if links.random() < 1 / 3:
         settings.links_idle_s = settings.inner_s * links.uniform(0.3, 3.0)
         settings.links_cap = links.choice([0, 0, 1, 2, 3])  # small caps: links closed to make room in small swarms
+    settings.mix1_again = random.Random(f"again-{seed}").random() < 0.75  # a quarter: a failed Mix1 is not run again
     if mix2 is not None:
         settings.mix2 = mix2
     faults = draw_faults(rng, settings)

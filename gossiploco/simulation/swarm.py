@@ -36,7 +36,7 @@ import torch
 from gossiploco.config_sections import TimeoutConfig
 from gossiploco.errors import ExchangeError
 from gossiploco.mixing.operators import pair_matching
-from gossiploco.protocol import lifecycle
+from gossiploco.protocol import keys, lifecycle
 from gossiploco.protocol.collectives import AllToAll, PairMean, RingAllReduce
 from gossiploco.protocol.messages import Send
 from gossiploco.protocol.ring import segment_bounds
@@ -100,6 +100,8 @@ class Settings:
     mesh), as the ZeroMQ transport does."""
     links_cap: int = 0
     """Links on demand: the most a peer keeps (``SimNetwork.links_cap``); 0: no bound but the idle time."""
+    mix1_again: bool = True
+    """``mix1.again``: a failed Mix1 runs once more among its group's survivors while the round has time for it."""
 
     def draw_inner_s(self, rng: random.Random) -> float:
         """One peer's inner-step time per round (``inner_spread``)."""
@@ -159,6 +161,8 @@ class SimSwarm:
         self.bytes_sent: dict[int, int] = {}
         self.failures: Counter[str] = Counter()
         """Exchanges that failed, by label and cause (``costs.failure_cause``), over every peer and round."""
+        self.ran_again: Counter[str] = Counter()
+        """Mix1 exchanges run again after a failure (``mixing.again``), by outcome: "ok" or "failed"."""
         self._done_dirty = True  # whether the run's end condition may have changed since it was last evaluated
         self.net.answers = lambda p: p in self.peers and self.peers[p].running and not self.peers[p].frozen
         self.net.on_connect = lambda a, b: self._to(a, lambda node: node.connected(b, self.net.now,
@@ -265,7 +269,8 @@ class SimSwarm:
         peer.snapshot = (r, z.clone())
         self.snapshots[(peer.pid, r)] = z.clone()
         began = peer.now
-        mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global"), "mix1")
+        again_by = peer.mix1_again.round_began(peer.now)  # as ``FactoredDiLoCo.begin_round``
+        mix1 = peer.spawn(self.mix(peer, "mix1", r, z, "global", again_by), "mix1")
         end = peer.now + self.inner_s[peer.pid] if clock is None else clock.begin(r, peer.now)  # shared: one deadline
         if clock is not None:  # time-budget rounds on the shared clock, whatever the peer's speed
             peer.node.round_ends = (r, clock.ends_at(r))
@@ -289,14 +294,32 @@ class SimSwarm:
         self.timings.append((peer.pid, r, peer.now - began, peer.now - computed, mixed))
         return x + 0.1 * delta_hat  # the outer step's shape: x - lr * (-delta_hat); its math is not under test here
 
-    def mix(self, peer: SimPeer, label: str, r: int, value: torch.Tensor, kind: str):
+    def mix(self, peer: SimPeer, label: str, r: int, value: torch.Tensor, kind: str, again_by: float | None = None):
+        """One exchange of ``value``; Mix1 (``again_by`` given) runs a failed one again as the runtime's
+        ``FactoredDiLoCo._run_mix1`` does (``mixing.again``). Returns the mixed value, or ``value`` (identity)."""
         key, began = f"{label}/{r}", peer.now
+        out, ok, grouped = yield from self.exchange(peer, key, label, r, value, kind)
+        if again_by is None:
+            return out
+        peer.mix1_again.ended(ok, peer.now - began, again=False)
+        if ok or not grouped or not peer.mix1_again.wanted(again_by, peer.now):
+            return out
+        began = peer.now
+        out, ok, _ = yield from self.exchange(peer, keys.again_key(key), label, r, value, kind)
+        peer.mix1_again.ended(ok, peer.now - began, again=True)
+        self.ran_again["ok" if ok else "failed"] += 1
+        return out
+
+    def exchange(self, peer: SimPeer, key: str, label: str, r: int, value: torch.Tensor, kind: str):
+        """Exchange ``key`` (agreement, then data): (the mixed value, True, True), or (``value``, False, whether the
+        group was agreed) when it failed (``MixResult.grouped``)."""
+        began = peer.now
         before = value.clone()
-        deadline_s = None
+        deadline_s, grouped = None, False
         try:
             call = peer.node.group_call(key, r, peer.now)
             if call is None:
-                return value
+                return value, True, False  # not taking part in this round yet
             group = yield from peer.run_call(call)
             self.recovery.grouped(key, group)
             if len(group) == 1:  # what counts as taking part: ``simulation.recovery``
@@ -304,9 +327,12 @@ class SimSwarm:
                     self.recovery.took_part(peer.pid, r)  # alone in its bucket by the draw
                 elif label in peer.node.paired and len(call.view) > 1:
                     self.recovery.told_alone(peer.pid, r, key)
-                peer.node.isolated(group, key, r)  # counted as the real peer counts it (it then fails that mix)
-                return value
+                why = peer.node.isolated(group, key, r)  # counted as the real peer counts it, which fails that mix
+                if why is not None:
+                    self.failures[f"{label}: isolated"] += 1
+                return value, why is None, False
             self.recovery.took_part(peer.pid, r)  # back in a group (an unmatched gossip peer takes part too)
+            grouped = True
             deadlines = self.deadlines[peer.pid]
             deadline_s = deadlines.deadline_s(key)
             if kind == "global":
@@ -320,19 +346,19 @@ class SimSwarm:
             else:
                 partner = pair_matching(self.seed, r, label, group).get(peer.pid)
                 if partner is None:
-                    return value
+                    return value, True, True
                 self.checker.started(key, peer.pid, value, partner)
                 start = peer.now
                 mean = yield from peer.run_call(PairMean(key, peer.pid, partner, value.reshape(-1).clone(),
                                                          peer.node.chunk_elems, start, start + deadline_s))
                 out = mean.view(value.shape)
             deadlines.observe(key, peer.now - began)
-            return out
+            return out, True, True
         except ExchangeError as exc:
             self.failures[f"{label}: {failure_cause(exc)}"] += 1
             self.note(f"{peer.pid} {key} failed: {exc}")
             self.checker.identity_kept(peer.pid, key, before, value, peer.now)
-            return value
+            return value, False, grouped
         finally:
             if deadline_s is not None:
                 self.checker.exchange_ended(peer, key, began, peer.now, deadline_s)

@@ -12,12 +12,14 @@ links on demand (``--links-idle-s``: each peer opens a link when it sends and cl
 of a connection to every member; ``SimNetwork.idle_s``), with churn and without. ``--newcomers F``: in every variant,
 brand-new peers arrive too, F x M a round on average (``simulation.newcomers``); the per-peer columns stay the
 founding peers', and the newcomers' own are added (how many finished, the control messages each sent in all).
+``--without-mix1-again``: each variant with churn also runs with a failed Mix1 not run again among its group's
+survivors (``mix1.again = false``; ``mixing.again``), side by side.
 
 Per peer per round (medians over peers and rounds): round time, blocking time (Mix2 plus waiting for Mix1 after
 compute), Mix1 completion (the share of rounds whose Mix1 mixed with at least one other peer), bytes and messages
 sent, control messages sent (everything but data chunks) and received, and connections (up at the end; the most a
 peer had up at once, median and max over peers; opened over the run); and under each table, the exchanges that
-failed in each cell, by cause, summed over its seeds.
+failed in each cell, by cause, summed over its seeds, and the Mix1s run again (succeeded, failed).
 Writes ``OUT.json`` and ``OUT.md`` (with this command line).
 """
 
@@ -40,12 +42,12 @@ COLUMNS = ["round_s", "blocking_s", "blocking_p90_s", "mix1_completion", "bytes_
 
 
 def run_one(peers: int, seed: int, rounds: int, churn: float, group_size: int, links_idle_s: float = 0.0,
-            links_cap: int = 0, newcomers: float = 0.0) -> dict:
+            links_cap: int = 0, newcomers: float = 0.0, mix1_again: bool = True) -> dict:
     began = time.perf_counter()
     result = simulate_scale(seed, peers, rounds=rounds, churn=churn, group_size=group_size, links_idle_s=links_idle_s,
-                            links_cap=links_cap, newcomers=newcomers)
+                            links_cap=links_cap, newcomers=newcomers, mix1_again=mix1_again)
     return {"peers": peers, "seed": seed, "churn": churn, "group_size": group_size, "links_idle_s": links_idle_s,
-            "links_cap": links_cap, "newcomers_share": newcomers,
+            "links_cap": links_cap, "newcomers_share": newcomers, "mix1_again_on": mix1_again,
             "violations": [str(v) for v in result.violations], "wall_s": round(time.perf_counter() - began, 1),
             "finished": sum(1 for p, k in result.finished.items() if p < peers and k >= rounds),
             **result.stats["per_peer"]}
@@ -62,6 +64,7 @@ def summarize(rows: list[dict]) -> dict:
     out["newcomers_finished"] = sum(r["newcomers_finished"] for r in rows)
     out["newcomer_control_sent"] = round(statistics.median(r["newcomer_control_sent"] for r in rows), 1)
     out["failures"] = dict(sum((Counter(r["failures"]) for r in rows), Counter()).most_common())
+    out["mix1_again"] = dict(sum((Counter(r["mix1_again"]) for r in rows), Counter()))
     return out
 
 
@@ -82,7 +85,9 @@ def table(title: str, entries: list[tuple[int, dict]]) -> list[str]:
     lines.append("")
     for m, s in entries:  # why exchanges failed, summed over the seeds (``simulation.costs.failure_cause``)
         causes = "; ".join(f"{cause} ({n})" for cause, n in s["failures"].items()) or "none"
-        lines.append(f"- M = {m}, exchanges failed: {causes}")
+        again = s["mix1_again"]
+        lines.append(f"- M = {m}, exchanges failed: {causes}; Mix1 run again: {again.get('ok', 0)} succeeded, "
+                     f"{again.get('failed', 0)} failed")
     return lines + [""]
 
 
@@ -102,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-links", action="store_true", help="run only the links-on-demand variants")
     parser.add_argument("--newcomers", type=float, default=0.0,
                         help="brand-new peers arriving each round, as a share of M (0.01: 10 a round at 1,000)")
+    parser.add_argument("--without-mix1-again", action="store_true",
+                        help="also run each churned variant with a failed Mix1 not run again (mix1.again = false)")
     parser.add_argument("--out", default="bench/results/scale-sim")
     args = parser.parse_args(argv)
     groups, churned = f"groups of {args.group_size}", f"{args.churn:.0%} churn"  # the titles say what ran
@@ -119,13 +126,16 @@ def main(argv: list[str] | None = None) -> int:
                       args.group_size, args.peers, idle)]
     if args.newcomers:
         variants = [(f"{title}, newcomers {args.newcomers:g} x M a round", *rest) for title, *rest in variants]
+    variants = [(*v, True) for v in variants]
+    if args.without_mix1_again:  # each churned variant right after its twin with Mix1 run again
+        variants = [w for v in variants for w in ([v, (f"{v[0]}, Mix1 not run again", *v[1:5], False)] if v[1] else [v])]
     results: dict[str, dict[int, dict]] = {}
     rows = []
-    for title, churn, size, sizes, idle in variants:
+    for title, churn, size, sizes, idle, again in variants:
         results[title] = {}
         for m in sizes:
             runs = [run_one(m, seed, args.rounds, churn, size or max(m, 2), idle, args.links_cap if idle else 0,
-                            args.newcomers) for seed in range(1, args.seeds + 1)]
+                            args.newcomers, again) for seed in range(1, args.seeds + 1)]
             rows += runs
             results[title][m] = summarize(runs)
             print(f"{title}: M={m} {json.dumps(results[title][m])}", flush=True)

@@ -20,6 +20,8 @@ ran them all, which is then the unweighted mean bit for bit). Mix2 weights Delta
 tokens: they are what Delta_{m,r} was computed from. Mix1 is launched at the round's start, before this
 round's tokens are known, so it weights z_{m,r} by the previous round's, the work that moved z_{m,r}
 last (round 0: equal, and every z_{m,0} is x_0 anyway).
+A global Mix1 whose group lost a member mid-exchange runs once more among the survivors while the round has time
+for it (``mix1.again``, ``gossiploco.mixing.again``): line 3's result is then their mean, not identity.
 ``SyncDP`` is the synchronous data-parallel baseline (gradient all-reduce every inner step) over
 the same interface.
 """
@@ -207,7 +209,8 @@ class FactoredDiLoCo:
             self.mix1_again.ended(result.ok, result.seconds, again=False)
             if (not result.ok and result.grouped and result.cause != NON_FINITE
                     and self.mix1_again.wanted(again_by, time.monotonic())):
-                log.info("mix1 round %d: running it again among the group's survivors (%s)", r, result.cause)
+                log.warning("mix1 round %d: running it again among the group's survivors instead, under a new leader",
+                            r)
                 first = result
                 result = mixer.mix(state, r, self.exchange, weight=weight, again=True)
                 self.mix1_again.ended(result.ok, result.seconds, again=True)

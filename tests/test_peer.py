@@ -220,7 +220,9 @@ def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **
 
 @pytest.mark.timeout(180)
 def test_sigkill_mid_all_reduce_costs_one_round_of_mixing_and_the_survivors_finish(tmp_path):
-    args = tiny_peer_args("globalm1-localm2", rounds=4, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0})
+    # Not run again (``mix1.again``: the next test): the survivors keep their own values for that round
+    args = tiny_peer_args("globalm1-localm2", rounds=4, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0,
+                                                           "mix1.again": False})
     with LocalPeers(4, tmp_path, args, env=ENV) as peers:
         peers.start(env={2: {FAULT_ENV: "KILL:mix1/1:2"}})  # rank 2 dies after two chunks of round 1's Mix1
         codes = peers.wait(150)
@@ -236,6 +238,29 @@ def test_sigkill_mid_all_reduce_costs_one_round_of_mixing_and_the_survivors_fini
         assert after_round_1["mix1_failures"] == 1 and "mix1_cause" in after_round_1
         assert records(peers, rank)[-1]["members"] == 3
         assert relative_error(final, finals[0]) == 0.0  # the survivors' final average is one model
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_mid_all_reduce_runs_mix1_again_among_the_survivors(tmp_path):
+    """``mix1.again`` (``mixing.again``): the survivors of the ring a member died in run it again under a new
+    leader, within the round (6 s rounds on the clock, a 1 s grace window: it may start up to about 4 s into the
+    round), and all three hold their exact mean: no round of mixing lost."""
+    args = tiny_peer_args("globalm1-localm2", rounds=4, inner_steps=1000,
+                          **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0, "timeouts.grace_s": 1.0,
+                             "round.budget": "time", "round.length_s": 6.0, "monitor.every": 0})
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start(env={2: {FAULT_ENV: "KILL:mix1/1:2"}})  # rank 2 dies after two chunks of round 1's Mix1
+        codes = peers.wait(150)
+    assert codes[2] == -signal.SIGKILL
+    survivors = [0, 1, 3]
+    assert_exit(peers, codes, survivors)
+    for rank in survivors:
+        round_1 = next(r for r in records(peers, rank) if r["round"] == 2 and r["h"] == 0)
+        assert round_1["mix1_again"] == 1 and round_1["mix1_failures"] == 0, round_1
+        assert summary(peers, rank)["mix1_again"] == 1
+        assert "running it again among the group's survivors" in peers.log(rank)
+    finals = [model(peers, r) for r in survivors]
+    assert all(relative_error(f, finals[0]) == 0.0 for f in finals)
 
 
 @pytest.mark.timeout(180)

@@ -116,9 +116,15 @@ class Mixer(ABC):
         """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange. With ``weight``
         (> 0; every member must give one): the weighted mean (``gossiploco.mixing.weighted``). ``again``: this
         round's exchange run a second time after it failed, among those of its group that run it again
-        (``groups.again_key``: the first's buckets, a leader of its own)."""
+        (``keys.again_key``: the first's buckets, a leader of its own)."""
         self._again, self._grouped = again, False
-        dicts = list(dicts)
+        try:
+            return self._mix(list(dicts), round_index, exchange, weight, again)
+        finally:
+            self._again = False
+
+    def _mix(self, dicts: list[TensorDict], round_index: int, exchange: Exchange, weight: float | None,
+             again: bool) -> MixResult:
         flat = pack(dicts, self.names, exchange.vector)
         nbytes = flat.numel() * 4 if self.codec is None else self.codec.encoded_bytes(flat.numel())
         start = time.perf_counter()

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         variants = [(f"{title}, newcomers {args.newcomers:g} x M a round", *rest) for title, *rest in variants]
     variants = [(*v, True) for v in variants]
     if args.without_mix1_again:  # each churned variant right after its twin with Mix1 run again
-        variants = [w for v in variants for w in ([v, (f"{v[0]}, Mix1 not run again", *v[1:5], False)] if v[1] else [v])]
+        variants = [w for v in variants
+                    for w in ([v, (f"{v[0]}, Mix1 not run again", *v[1:5], False)] if v[1] else [v])]
     results: dict[str, dict[int, dict]] = {}
     rows = []
     for title, churn, size, sizes, idle, again in variants:

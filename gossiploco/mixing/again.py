@@ -4,7 +4,7 @@ A global Mix1 is a ring all-reduce (or the compressed two-phase mean) over the g
 cannot finish without every member: one that crashes or leaves mid-exchange fails it for the whole group, whose
 survivors keep their own values for the round (identity). In a swarm of hundreds with 1% of peers failing a round,
 that was the commonest Mix1 failure (``bench/results/scale.md``, "Why exchanges fail"). The survivors can run it
-again: the key ``groups.again_key(key)`` keeps the first attempt's buckets, so the group re-forms from those of
+again: the key ``keys.again_key(key)`` keeps the first attempt's buckets, so the group re-forms from those of
 its members that are still there and ask, under a leader drawn anew (the first may be the member that failed).
 
 Mix1 runs beside the inner steps and is waited for at the round's end, so a second attempt is worth starting only

@@ -399,7 +399,8 @@ class GossipMix(Mixer):
 
     def _combine(self, flat, round_index, exchange):
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
+        group = self._group(exchange, key, round_index)
+        partner = pair_matching(self.seed, round_index, self.label, group).get(exchange.rank)
         if partner is None:
             return flat, None, 0
         # (a + b) / 2, computed identically on both sides (IEEE addition commutes), so the pair's sum is kept.
@@ -409,7 +410,8 @@ class GossipMix(Mixer):
 
     def _combine_weighted(self, flat, weight, round_index, exchange):
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
+        group = self._group(exchange, key, round_index)
+        partner = pair_matching(self.seed, round_index, self.label, group).get(exchange.rank)
         if partner is None:
             return flat, None, 0, weight
         mean, pair_weight = push_sum_swap(key, partner, flat, weight, exchange)
@@ -417,7 +419,8 @@ class GossipMix(Mixer):
 
     def _combine_compressed(self, flat, dicts, round_index, exchange, weight):
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
+        group = self._group(exchange, key, round_index)
+        partner = pair_matching(self.seed, round_index, self.label, group).get(exchange.rank)
         if partner is None:
             return flat, None, None, 0, weight
         scale, new_weight, sent = 1.0, None, 0
@@ -426,7 +429,6 @@ class GossipMix(Mixer):
         self._prepare_compressed(flat, dicts, scale)
         mean, residual, payload = pair_mean(key, flat, partner, exchange, self.codec, self.error_feedback)
         return mean, partner, residual, sent + payload, new_weight
-
 
     def _combine_robust(self, flat, dicts, round_index, exchange, weight):
         """ClippedGossip (He, Karimireddy and Jaggi 2022): ``x + clip(x_partner - x, tau) / 2``, with ``tau`` following
@@ -437,7 +439,8 @@ class GossipMix(Mixer):
         away fails it and is clipped. An excluded partner is swapped with (it is waiting) but not mixed. The token
         weight is left as it is (robust gossip takes the plain pair mean before clipping)."""
         key = self.key(round_index)
-        partner = pair_matching(self.seed, round_index, self.label, self._group(exchange, key, round_index)).get(exchange.rank)
+        group = self._group(exchange, key, round_index)
+        partner = pair_matching(self.seed, round_index, self.label, group).get(exchange.rank)
         if partner is None:
             return flat, None, None, 0, weight
         codec = self.codec or Float32Codec()

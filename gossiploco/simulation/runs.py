@@ -15,9 +15,9 @@ def simulate(seed: int, peers: int | None = None, rounds: int = 5, log: bool = F
     """One seeded run: the peer count (2 to 8 unless given; with ``max_peers`` above 8, an eighth of the seeds draw
     9 to ``max_peers``), the group size (2, 3, 4 or 16: small buckets split even small swarms), gossip's pairing
     (half ready, half bucket), rounds on the shared clock (a quarter, with a random overshoot), links on demand (a
-    third, ``Settings.links_idle_s``), a failed Mix1 run again (three quarters, ``Settings.mix1_again``), the faults, brand-new peers joining (a quarter, ``draw_newcomers``), the
-    reachability pattern and all timings follow from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the
-    draws stay the same)."""
+    third, ``Settings.links_idle_s``), a failed Mix1 run again (three quarters, ``Settings.mix1_again``), the
+    faults, brand-new peers joining (a quarter, ``draw_newcomers``), the reachability pattern and all timings follow
+    from ``seed``; Mix2's exchange too, unless ``mix2`` names it (the draws stay the same)."""
     rng = random.Random(f"schedule-{seed}")
     settings = Settings(peers=peers or rng.randint(2, 8), rounds=rounds, mix2=rng.choice(["gossip", "gossip", "global"]))
     scale = random.Random(f"scale-{seed}")  # its own stream: the schedule's draws stay what they were

@@ -218,17 +218,23 @@ def assert_matches_virtual_swarm(peers: LocalPeers, codes: dict, preset: str, **
     assert all(s["encrypted"] and s["sealed_port"] for s in sealed) and sum(s["sealed_messages"] for s in sealed) > 0
 
 
+def _rank_2_killed_mid_mix1(tmp_path, args: list[str]) -> tuple[LocalPeers, list[int]]:
+    """Four peers; rank 2 dies (SIGKILL) after two chunks of round 1's Mix1, and the three survivors exit cleanly."""
+    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
+        peers.start(env={2: {FAULT_ENV: "KILL:mix1/1:2"}})
+        codes = peers.wait(150)
+    assert codes[2] == -signal.SIGKILL
+    survivors = [0, 1, 3]
+    assert_exit(peers, codes, survivors)
+    return peers, survivors
+
+
 @pytest.mark.timeout(180)
 def test_sigkill_mid_all_reduce_costs_one_round_of_mixing_and_the_survivors_finish(tmp_path):
     # Not run again (``mix1.again``: the next test): the survivors keep their own values for that round
     args = tiny_peer_args("globalm1-localm2", rounds=4, **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0,
                                                            "mix1.again": False})
-    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
-        peers.start(env={2: {FAULT_ENV: "KILL:mix1/1:2"}})  # rank 2 dies after two chunks of round 1's Mix1
-        codes = peers.wait(150)
-    assert codes[2] == -signal.SIGKILL
-    survivors = [0, 1, 3]
-    assert_exit(peers, codes, survivors)
+    peers, survivors = _rank_2_killed_mid_mix1(tmp_path, args)
     finals = [model(peers, r) for r in survivors]
     for rank, final in zip(survivors, finals):
         s = summary(peers, rank)
@@ -248,12 +254,7 @@ def test_sigkill_mid_all_reduce_runs_mix1_again_among_the_survivors(tmp_path):
     args = tiny_peer_args("globalm1-localm2", rounds=3, inner_steps=1000,
                           **{"transport.chunk_mb": 0.004, "timeouts.exchange_s": 60.0, "timeouts.grace_s": 1.0,
                              "round.budget": "time", "round.length_s": 5.0, "monitor.every": 0})
-    with LocalPeers(4, tmp_path, args, env=ENV) as peers:
-        peers.start(env={2: {FAULT_ENV: "KILL:mix1/1:2"}})  # rank 2 dies after two chunks of round 1's Mix1
-        codes = peers.wait(150)
-    assert codes[2] == -signal.SIGKILL
-    survivors = [0, 1, 3]
-    assert_exit(peers, codes, survivors)
+    peers, survivors = _rank_2_killed_mid_mix1(tmp_path, args)
     for rank in survivors:
         round_1 = next(r for r in records(peers, rank) if r["round"] == 2 and r["h"] == 0)
         assert round_1["mix1_again"] == 1 and round_1["mix1_failures"] == 0, round_1

@@ -205,12 +205,13 @@ class FactoredDiLoCo:
         blocks to the host and back) run on the side stream, after ``ready`` (z written), beside the inner
         steps; returns the result, its values on the state device, and the event the outer step waits for."""
         with self._side.enter(ready):
-            result = mixer.mix(state, r, self.exchange, weight=weight)
+            result = mixer.mix(state, r, self.exchange, weight=weight, last_try=not self.mix1_again.enabled)
             self.mix1_again.ended(result.ok, result.seconds, again=False)
-            if (not result.ok and result.grouped and result.cause != NON_FINITE
-                    and self.mix1_again.wanted(again_by, time.monotonic())):
-                log.warning("mix1 round %d: running it again among the group's survivors instead, under a new leader",
-                            r)
+            why_not = None if result.ok or not self.mix1_again.enabled else self._why_not_again(result, again_by)
+            if why_not:
+                log.warning("mix1 round %d: identity this round (not run again: %s)", r, why_not)
+            elif not result.ok and self.mix1_again.enabled:
+                log.warning("mix1 round %d: running it again among the group's survivors, under a new leader", r)
                 first = result
                 result = mixer.mix(state, r, self.exchange, weight=weight, again=True)
                 self.mix1_again.ended(result.ok, result.seconds, again=True)
@@ -220,6 +221,16 @@ class FactoredDiLoCo:
                 result.again = True
             result.values = [to_device(d, self.state_device) for d in result.values]
             return result, self._side.done()
+
+    def _why_not_again(self, failed: MixResult, again_by: float | None) -> str | None:
+        """Why a failed Mix1 is not run again (``mixing.again``), or None: it is."""
+        if not failed.grouped:
+            return "no group was agreed"
+        if failed.cause == NON_FINITE:
+            return "a member sent non-finite values"
+        if not self.mix1_again.wanted(again_by, time.monotonic()):
+            return "no time left in the round" if again_by is not None else "no whole round to time it by yet"
+        return None
 
     def inner_step(self) -> torch.Tensor:
         """Lines 6-8: one inner AdamW step on y. Returns the training loss (a device tensor: reading it waits)."""

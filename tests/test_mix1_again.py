@@ -83,6 +83,17 @@ def test_the_survivors_of_a_failed_ring_get_their_exact_mean_the_second_time(cod
     assert mixers[0].key(0) == "mix1/0"  # the next call's key: a second attempt names only itself
 
 
+def test_a_failure_the_caller_may_run_again_is_not_announced_as_identity(caplog):
+    hub = MemoryHub(2, timeout_s=0.2)  # rank 1 never comes
+    mixer = GlobalMix("mix1", ["w"], 0)
+    with caplog.at_level("WARNING", logger="gossiploco.mixing.operators"):
+        assert not mixer.mix([{"w": torch.ones(2)}], 0, hub.exchange(0), last_try=False).ok
+        assert not mixer.mix([{"w": torch.ones(2)}], 1, hub.exchange(0)).ok
+    first, last = [r.getMessage() for r in caplog.records]
+    assert "exchange failed" in first and "identity" not in first  # the caller says what comes next
+    assert last.endswith("; identity this round")
+
+
 def test_a_group_that_was_never_agreed_is_not_a_failure_to_run_again():
     hub = MemoryHub(2, timeout_s=5.0)
     result = GlobalMix("mix1", ["w"], 0).mix([{"w": torch.ones(2)}], 0, _Refusing(hub.exchange(0)))

@@ -112,19 +112,21 @@ class Mixer(ABC):
         self.robust = robust
 
     def mix(self, dicts: Sequence[TensorDict], round_index: int, exchange: Exchange,
-            weight: float | None = None, again: bool = False) -> MixResult:
+            weight: float | None = None, again: bool = False, last_try: bool = True) -> MixResult:
         """Mix the selected entries of ``dicts`` (e.g. [z] or [z, momentum]) in one exchange. With ``weight``
         (> 0; every member must give one): the weighted mean (``gossiploco.mixing.weighted``). ``again``: this
         round's exchange run a second time after it failed, among those of its group that run it again
-        (``keys.again_key``: the first's buckets, a leader of its own)."""
+        (``keys.again_key``: the first's buckets, a leader of its own). ``last_try`` False: the caller may run a
+        failed one again, and its warning says what comes next."""
         self._again, self._grouped = again, False
         try:
-            return self._mix(list(dicts), round_index, exchange, weight, again)
+            then = "; identity this round" if last_try else ""
+            return self._mix(list(dicts), round_index, exchange, weight, again, then)
         finally:
             self._again = False
 
     def _mix(self, dicts: list[TensorDict], round_index: int, exchange: Exchange, weight: float | None,
-             again: bool) -> MixResult:
+             again: bool, then: str) -> MixResult:
         flat = pack(dicts, self.names, exchange.vector)
         nbytes = flat.numel() * 4 if self.codec is None else self.codec.encoded_bytes(flat.numel())
         start = time.perf_counter()
@@ -144,13 +146,13 @@ class Mixer(ABC):
         except ExchangeClosed:
             raise
         except ExchangeError as exc:
-            log.warning("%s round %d: exchange failed (%s); identity this round", self.label, round_index, exc)
+            log.warning("%s round %d: exchange failed (%s)%s", self.label, round_index, exc, then)
             self._failed()
             return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start,
                              bytes=nbytes, weight=weight, again=again, grouped=self._grouped)
         if mixed is not flat and not all_finite(mixed):
             cause = NON_FINITE
-            log.warning("%s round %d: %s; identity this round", self.label, round_index, cause)
+            log.warning("%s round %d: %s%s", self.label, round_index, cause, then)
             self._failed()
             return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes,
                              weight=weight, again=again, grouped=self._grouped)

@@ -295,11 +295,12 @@ class SimSwarm:
         return x + 0.1 * delta_hat  # the outer step's shape: x - lr * (-delta_hat); its math is not under test here
 
     def mix(self, peer: SimPeer, label: str, r: int, value: torch.Tensor, kind: str, again_by: float | None = None):
-        """One exchange of ``value``; Mix1 (``again_by`` given) runs a failed one again as the runtime's
-        ``FactoredDiLoCo._run_mix1`` does (``mixing.again``). Returns the mixed value, or ``value`` (identity)."""
+        """One exchange of ``value``; Mix1 runs a failed one again while ``again_by`` (its round's, from
+        ``RunAgain.round_began``) allows, as the runtime's ``FactoredDiLoCo._run_mix1`` does (``mixing.again``).
+        Returns the mixed value, or ``value`` (identity)."""
         key, began = f"{label}/{r}", peer.now
         out, ok, grouped = yield from self.exchange(peer, key, label, r, value, kind)
-        if again_by is None:
+        if label != "mix1":
             return out
         peer.mix1_again.ended(ok, peer.now - began, again=False)
         if ok or not grouped or not peer.mix1_again.wanted(again_by, peer.now):

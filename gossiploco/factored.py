@@ -218,7 +218,6 @@ class FactoredDiLoCo:
                 log.log(logging.INFO if result.ok else logging.WARNING, "mix1 round %d run again: %s", r,
                         "done" if result.ok else f"failed too ({result.cause}); identity this round")
                 result.seconds += first.seconds
-                result.again = True
             result.values = [to_device(d, self.state_device) for d in result.values]
             return result, self._side.done()
 

@@ -157,7 +157,7 @@ class Mixer(ABC):
             return MixResult(dicts, ok=False, cause=cause, partner=partner, seconds=time.perf_counter() - start, bytes=nbytes,
                              weight=weight, again=again, grouped=self._grouped)
         if mixed is flat:  # identity, an unmatched gossip peer, or a group of one: nothing exchanged
-            return MixResult(dicts, ok=True, seconds=time.perf_counter() - start, weight=weight)
+            return MixResult(dicts, ok=True, seconds=time.perf_counter() - start, weight=weight, again=again)
         if self.error_feedback and residual is not None:
             self.residual.update(unpack(residual, dicts, self.names)[0])
         values = unpack(mixed, dicts, self.names)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 AGAIN = "/again"
 """The suffix of an exchange run a second time."""
+_AGAIN_PART = AGAIN.strip("/")
 
 
 def again_key(key: str) -> str:
@@ -26,6 +27,5 @@ def phases(key: str) -> list[str]:
     """``key`` and the exchanges it is a later phase of (``"monitor/0/2"`` for ``"monitor/0/2/terms"``): a peer that
     abandoned any of them runs none of their later phases. A key run again is not a phase of the key it repeats."""
     parts = key.split("/")
-    again = AGAIN.strip("/")
-    first = parts.index(again, 2) + 1 if again in parts[2:] else 2
+    first = parts.index(_AGAIN_PART, 2) + 1 if _AGAIN_PART in parts[2:] else 2
     return [key, *("/".join(parts[:n]) for n in range(first, len(parts)))]

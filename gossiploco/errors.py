@@ -77,6 +77,11 @@ class ExchangeTimeout(ExchangeError):
     """A peer did not answer before the exchange's deadline."""
 
 
+class NoDecision(ExchangeTimeout):
+    """A follower heard no decision from its group's leader within its wait (``protocol.agreement.Follow``): the
+    leader is dead, frozen or late, and every member of its bucket that followed it fails alike."""
+
+
 class PeerFailed(ExchangeError):
     """A peer is gone, or sent something that failed validation."""
 

@@ -223,7 +223,7 @@ class FactoredDiLoCo:
 
     def _why_not_again(self, failed: MixResult, again_by: float | None) -> str | None:
         """Why a failed Mix1 is not run again (``mixing.again``), or None: it is."""
-        if not failed.grouped:
+        if not failed.grouped and not failed.leaderless:
             return "no group was agreed"
         if failed.cause == NON_FINITE:
             return "a member sent non-finite values"

@@ -100,18 +100,54 @@ def test_a_group_that_was_never_agreed_is_not_a_failure_to_run_again():
     assert not result.ok and not result.grouped
 
 
-class _Refusing:
-    """An exchange whose agreement fails (this peer was left out)."""
+def test_a_group_whose_leader_never_decided_is_run_again_and_one_that_completed_declines_it():
+    """A leader dead behind an idle link never decides: its bucket's followers all fail alike (``NoDecision``), and
+    would meet again under the key's second leader, so the failure is one to run again. A Mix1 that completed over
+    an agreed group tells its exchange (``protocol.declines``), once, and only for the first attempt."""
+    from gossiploco.errors import NoDecision
 
-    def __init__(self, inner):
-        self.inner, self.rank = inner, inner.rank
+    hub = MemoryHub(2, timeout_s=5.0)
+    silent = _Refusing(hub.exchange(0), NoDecision("mix1/0: no decision within 3.0s (the leader never said it was there)"))
+    result = GlobalMix("mix1", ["w"], 0).mix([{"w": torch.ones(2)}], 0, silent)
+    assert not result.ok and not result.grouped and result.leaderless
+    assert silent.completed_keys == []
+
+    class _Told:
+        def __init__(self, inner):
+            self.inner, self.rank, self.completed_keys = inner, inner.rank, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def completed(self, key):
+            self.completed_keys.append(key)
+
+    exchanges = [_Told(hub.exchange(r)) for r in range(2)]
+    mixers = [GlobalMix("mix1", ["w"], 0) for _ in range(2)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = list(pool.map(lambda r: mixers[r].mix([{"w": torch.ones(2) * r}], 3, exchanges[r]), range(2)))
+        again = list(pool.map(lambda r: mixers[r].mix([{"w": torch.ones(2) * r}], 3, exchanges[r], again=True),
+                              range(2)))
+    assert all(f.ok and f.grouped for f in first + again)
+    assert [e.completed_keys for e in exchanges] == [["mix1/3"], ["mix1/3"]]
+
+
+class _Refusing:
+    """An exchange whose agreement fails (this peer was left out, or ``error``)."""
+
+    def __init__(self, inner, error=None):
+        from gossiploco.errors import ExchangeTimeout
+        self.inner, self.rank, self.completed_keys = inner, inner.rank, []
+        self.error = error or ExchangeTimeout("this peer was not ready within the grace window")
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def group(self, key, round_index):
-        from gossiploco.errors import ExchangeTimeout
-        raise ExchangeTimeout(f"{key}: this peer was not ready within the grace window")
+        raise self.error
+
+    def completed(self, key):
+        self.completed_keys.append(key)
 
 
 @pytest.mark.slow

@@ -147,6 +147,9 @@ class CompanionExchange(Exchange, PathControl):
     def link_ahead(self, key: str, round_index: int) -> None:
         self._call("link_ahead", key, round_index)
 
+    def completed(self, key: str) -> None:
+        self._call("completed", key)
+
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:
         sent = self._vectors.shared(flat.detach())  # ``flat`` itself when it is a vector from ``vector``
@@ -250,8 +253,8 @@ class CompanionExchange(Exchange, PathControl):
     def dial_reverse(self, peer: int, endpoints: Sequence[str]) -> bool:
         return self._call("dial_reverse", peer, list(endpoints))
 
-    def set_grouping(self, seed: int, size: int, paired: Collection[str] = ()) -> None:
-        self._call("set_grouping", seed, size, sorted(paired))
+    def set_grouping(self, seed: int, size: int, paired: Collection[str] = (), run_again: Collection[str] = ()) -> None:
+        self._call("set_grouping", seed, size, sorted(paired), sorted(run_again))
 
     def wait_connected(self, timeout_s: float) -> bool:
         return self._call("wait_connected", timeout_s, timeout_s=QUICK_S + timeout_s)

@@ -32,7 +32,7 @@ CALLS = frozenset({
     "members", "group", "all_reduce_mean", "swap", "swap_mean", "all_to_all", "fetch_state", "add_peer",
     "forget_peer", "set_grouping", "set_behind_nat", "dial_reverse", "reverse_offers", "connected", "wait_connected",
     "check_reachable", "protocol_state", "security_counts", "sealed_counts", "join_swarm", "catch_up_if_behind",
-    "is_closed", "deadlines_state", "load_deadlines", "link_ahead"})
+    "is_closed", "deadlines_state", "load_deadlines", "link_ahead", "completed"})
 """Methods of ``ZmqExchange`` the trainer calls (``CompanionExchange``)."""
 IN_PLACE = {"all_reduce_mean": 1, "swap_mean": 2}
 """The collectives that may leave their result in the vector they were given, and where that vector is among their

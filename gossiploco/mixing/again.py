@@ -6,6 +6,9 @@ survivors keep their own values for the round (identity). In a swarm of hundreds
 that was the commonest Mix1 failure (``bench/results/scale.md``, "Why exchanges fail"). The survivors can run it
 again: the key ``keys.again_key(key)`` keeps the first attempt's buckets, so the group re-forms from those of
 its members that are still there and ask, under a leader drawn anew (the first may be the member that failed).
+A group whose leader never decided (``MixResult.leaderless``: dead behind an idle link, frozen) is run again too:
+its members all failed alike and meet again without it. Members that completed the first attempt, and a silent
+leader, are left out of the second by the agreement (``protocol.declines``).
 
 Mix1 runs beside the inner steps and is waited for at the round's end, so a second attempt is worth starting only
 while the round has time left for it: ``RunAgain`` allows it until ``again_by``, the round's expected end (its

@@ -74,6 +74,11 @@ class Exchange(ABC):
         links on demand, ``PeerNode.links_ahead``), so no handshake falls on its critical path. Default: nothing
         (every link is up already). Never blocks."""
 
+    def completed(self, key: str) -> None:
+        """This peer completed exchange ``key`` (over the group ``group`` agreed): it takes no part in ``key`` run again
+        (``keys.again_key``), and tells the peers that would wait for it (``protocol.declines``). Default: nothing
+        (no exchange runs again where every view is the same). Never blocks."""
+
     @abstractmethod
     def all_reduce_mean(self, key: str, flat: torch.Tensor, members: Sequence[int], *,
                         inplace: bool = False) -> torch.Tensor:

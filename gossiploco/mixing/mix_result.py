@@ -34,6 +34,9 @@ class MixResult:
     """The result of the exchange run a second time, after the first failed (``Mixer.mix(again=True)``)."""
     grouped: bool = True
     """Whether the group was agreed: a failure after it came in the data phase (a member lost mid-exchange)."""
+    leaderless: bool = False
+    """The group's leader never decided (``errors.NoDecision``: dead, frozen or late): the members of its bucket
+    that followed it all failed alike, and would meet again under another leader."""
 
 
 NON_FINITE = "non-finite values received"

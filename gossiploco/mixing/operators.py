@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from gossiploco.errors import ExchangeClosed, ExchangeError, PeerFailed
+from gossiploco.errors import ExchangeClosed, ExchangeError, NoDecision, PeerFailed
 from gossiploco.mixing.compressed import group_mean, pair_mean
 from gossiploco.mixing.compression import Codec, Float32Codec
 from gossiploco.mixing.exchange import Exchange
@@ -94,8 +94,9 @@ class Mixer(ABC):
         """Robust mixing (``make_robust``; open runs), or None: plain means."""
         self.previous: torch.Tensor | None = None
         """Robust Mix1: its last result, where the screen measures the members' moves from."""
-        self._again = self._grouped = False
-        """The call running is the exchange run again (``mix(again=True)``); its group was agreed (``_group``)."""
+        self._again = self._grouped = self._leaderless = False
+        """The call running is the exchange run again (``mix(again=True)``); its group was agreed, or its leader
+        never decided (``_group``)."""
 
     def _anchor(self, flat: torch.Tensor) -> torch.Tensor | None:
         """Where a robust mix measures moves from: Mix1's last result (None for Mix2, or before a first result)."""
@@ -118,7 +119,7 @@ class Mixer(ABC):
         round's exchange run a second time after it failed, among those of its group that run it again
         (``keys.again_key``: the first's buckets, a leader of its own). ``last_try`` False: the caller may run a
         failed one again, and its warning says what comes next."""
-        self._again, self._grouped = again, False
+        self._again, self._grouped, self._leaderless = again, False, False
         try:
             then = "; identity this round" if last_try else ""
             return self._mix(list(dicts), round_index, exchange, weight, again, then)
@@ -149,7 +150,10 @@ class Mixer(ABC):
             log.warning("%s round %d: exchange failed (%s)%s", self.label, round_index, exc, then)
             self._failed()
             return MixResult(dicts, ok=False, cause=f"{type(exc).__name__}: {exc}", seconds=time.perf_counter() - start,
-                             bytes=nbytes, weight=weight, again=again, grouped=self._grouped)
+                             bytes=nbytes, weight=weight, again=again, grouped=self._grouped,
+                             leaderless=self._leaderless)
+        if self._grouped and not again:  # its group's result is in hand: it takes no part in the exchange run again
+            exchange.completed(self.key(round_index))
         if mixed is not flat and not all_finite(mixed):
             cause = NON_FINITE
             log.warning("%s round %d: %s%s", self.label, round_index, cause, then)
@@ -199,8 +203,13 @@ class Mixer(ABC):
         return again_key(key) if self._again else key
 
     def _group(self, exchange: Exchange, key: str, round_index: int) -> list[int]:
-        """``exchange.group``, noting that the group was agreed (``MixResult.grouped``)."""
-        members = exchange.group(key, round_index)
+        """``exchange.group``, noting that the group was agreed (``MixResult.grouped``) or that its leader never
+        decided (``leaderless``)."""
+        try:
+            members = exchange.group(key, round_index)
+        except NoDecision:
+            self._leaderless = True
+            raise
         self._grouped = True
         return members
 

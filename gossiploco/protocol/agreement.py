@@ -25,7 +25,7 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
   A leader stops waiting for a member that sent ``Abort`` for the key (it followed another leader by an older
   view): no ``Ready`` will come from it. Nor for the members of another leader's decision without it: a peer caught
   up into a round the others are in may lead one of its exchanges by a view that counts it in, so a leader that hears
-  its join news sends it the decisions it made without it that it would lead (``PeerNode._went_on_without``). One of
+  its join news sends it the decisions it made without it that it would lead (``went_on_without``). One of
   a round later than the peer's own tells it that it trails the swarm: it is a straggler (``PeerNode.straggling``)
   and re-aligns at its next round's start.
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
@@ -33,6 +33,9 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
   exchange, never a crash.
 * A peer asked to lead a key while its own view names another leader, or puts the asker in another bucket,
   answers "not leading" (an empty decision); a peer still starting up keeps the ``Ready`` (it is about to lead).
+* A key run again (``keys.again_key``: Mix1's ring retried among a group's survivors) is declined by the members
+  that completed its first attempt (``protocol.declines``): the lead order skips them, a leader does not wait for
+  them, and a follower whose leader declines follows the next leader of the order, or leads where it is next.
 
 Peers whose views name different leaders form disjoint groups (each consistent) or do identity:
 never a mixed-up exchange. Chunks of a key from a peer outside the group this peer agreed on are
@@ -43,10 +46,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
-from gossiploco.protocol import groups
+from gossiploco.errors import ExchangeError, ExchangeTimeout, NoDecision, PeerFailed
+from gossiploco.protocol import declines, groups
 from gossiploco.protocol.call import Call, Step
-from gossiploco.protocol.messages import Decision, Leading, Ready, Send, op_and_round
+from gossiploco.protocol.messages import Action, Decision, Leading, Ready, Send, op_and_round
 
 if TYPE_CHECKING:
     from gossiploco.protocol.node import PeerNode
@@ -109,7 +112,7 @@ class Lead(_GroupCall):
         # A member that abandoned the key (``Abort``: its own leader, by its view, disconnected or never decided)
         # sends no Ready: waiting for it would cost the rest of the window, then its next exchange with this peer
         gave_up = node.aborted.get(self.key, set())
-        told = node.told.get(self.key)  # another leader's decision without this peer (``PeerNode._went_on_without``)
+        told = node.told.get(self.key)  # another leader's decision without this peer (``went_on_without``)
         if told is not None and node.rank not in told[1]:
             gave_up = gave_up | set(told[1])  # they went on: none of them sends a Ready
         waiting = [p for p in self.view
@@ -155,6 +158,8 @@ class Follow(_GroupCall):
         self.grace_s = grace_s
         self.leader_there = False
         """Whether the leader said ``Leading``: then the wait is two windows, not one."""
+        self.lead: Lead | None = None
+        """The call leading the bucket, once this peer took the lead of a key run again (``_next_leader``)."""
         self.what = f"group {key!r} led by {leader}"
 
     def start(self, node: PeerNode) -> list[Send]:
@@ -164,6 +169,12 @@ class Follow(_GroupCall):
         return [Send(self.leader, Ready(self.key, self.round))]
 
     def poll(self, node: PeerNode, now: float) -> Step:
+        if self.lead is not None:  # leading now: its steps are this call's
+            step = self.lead.poll(node, now)
+            self.deadline = self.lead.deadline
+            if step.done:
+                self.finished, self.group = True, self.lead.group
+            return step
         error = node.open_error(self.what)
         if error is not None:
             return Step(error=error)
@@ -191,10 +202,13 @@ class Follow(_GroupCall):
         elif self.leader in node.peers.failed:
             error = PeerFailed(f"{self.what}: the leader disconnected")
         elif self.leader in node.aborted.get(self.key, ()):
+            if declines.is_again(self.key):  # it declined the key run again: the next of the lead order leads
+                return self._next_leader(node, now)
             error = PeerFailed(f"{self.what}: the leader abandoned the exchange")
         elif now >= self.deadline:
-            error = ExchangeTimeout(f"{self.what}: no decision within {self.deadline - self.began:.1f}s"
-                                    + ("" if self.leader_there else " (the leader never said it was there)"))
+            error = NoDecision(f"{self.what}: no decision within {self.deadline - self.began:.1f}s"
+                               + ("" if self.leader_there else " (the leader never said it was there)"))
+            node.declines.leader_silent(node, self.key, self.leader)
         if error is None:
             resend_at = self.sent_at + READY_REPEAT * node.grace_s
             if now >= resend_at:  # ask again: a Ready lost with a dropped connection must not cost the whole wait
@@ -203,7 +217,30 @@ class Follow(_GroupCall):
             return Step(wait_until=min(self.deadline, resend_at))
         return Step(error=error, sends=self.fail(node, error))
 
+    def _next_leader(self, node: PeerNode, now: float) -> Step:
+        """The leader declined (or abandoned) a key run again: follow the next leader of the lead order without it
+        (``declines.leader_of``: every follower of the bucket heard the same, so all move to the same one), or lead
+        the bucket where this peer is next (alone, where every other member declined: identity). Each move costs a
+        message's round trip, not a grace window."""
+        leader = declines.leader_of(node, self.key, self.view)  # this peer at the latest: it never declines to itself
+        self.began, self.leader_there = now, False
+        if leader == node.rank:
+            self.lead = node.lead_call(self.key, self.round, self.view, now)
+            self.what = self.lead.what
+            return Step(sends=self.lead.start(node), wait_until=now)
+        self.leader, self.sent_at = leader, now
+        self.deadline = now + self.grace_s + CONTROL_SEND_S
+        self.what = f"group {self.key!r} led by {leader}"
+        return Step(sends=[Send(leader, Ready(self.key, self.round))], wait_until=now)
+
+    def close(self, node: PeerNode) -> None:
+        if self.lead is not None:
+            self.lead.close(node)
+        super().close(node)
+
     def fail(self, node: PeerNode, error: ExchangeError) -> list[Send]:
+        if self.lead is not None:
+            self.lead.close(node)
         self.finished = True
         # Everyone of the view, not just the leader: a peer the leader put in a group with this one
         # must not wait out its deadline for chunks that will not come.
@@ -222,6 +259,9 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
         # its view): adopt it from the next round rather than leave it out forever.
         peers.on_join(sender, message.round + 1, said=False)
         node.note(f"peer {sender} is back (ready for {key!r}); it takes part from round {message.round + 1}", routine=True)
+    declined = node.declines.on_ready(node.rank, sender, key)
+    if declined is not None:  # it completed the first attempt of a key run again (``protocol.declines``)
+        return declined
     decided = node.decided.get(key)
     if decided is not None:  # a straggler (or a duplicate): the group went on
         group, when = decided
@@ -248,7 +288,28 @@ def on_decision(node: PeerNode, sender: int, message: Decision) -> None:
     node.told.put(message.key, (sender, message.group))
     round_index = op_and_round(message.key)[1]
     if message.group and node.rank not in message.group and round_index > node.current_round:
-        # A later round's exchange already went on without this peer (``PeerNode._went_on_without`` tells a peer that
+        # A later round's exchange already went on without this peer (``went_on_without`` tells a peer that
         # joined a round the others had left): it trails the swarm by a round, and re-aligns at its next round's
         # start (``straggling``) instead of missing every exchange until a leader is a whole round ahead of it
         node.left_out.put(message.key, round_index)
+
+
+def went_on_without(node: PeerNode, peer: int, join_round: int) -> list[Action]:
+    """A peer that caught up into a round this one is in (or past) counts itself in that round's exchanges, so by its
+    own view it may lead one this peer led without it, and wait a whole grace window for Readys that never come:
+    it is sent those decisions (only those it would lead: a follower's Ready is answered at once anyway). Only
+    this round's and the last (an honest joiner lags a round at most): news that claims an old round (a peer's
+    own to send, as often as it likes) costs a handful of bucket computations, not one for every decision kept."""
+    if join_round > node.current_round:
+        return []
+    first = max(join_round, node.current_round - 1)
+    sends: list[Action] = []
+    for key, (group, _) in node.decided.items():
+        round_index = op_and_round(key)[1]
+        if round_index < first or peer in group:
+            continue
+        bucket = groups.group_of(node.group_seed, key, sorted(set(node.members(round_index)) | {peer}), peer,
+                                 node.group_size, node.buckets(round_index))
+        if groups.leader_of(node.group_seed, key, bucket) == peer:
+            sends.append(Send(peer, Decision(key, node.current_round, tuple(group))))
+    return sends

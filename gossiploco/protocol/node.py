@@ -30,7 +30,7 @@ import random
 from collections.abc import Iterable
 
 from gossiploco.errors import ExchangeBroken, ExchangeClosed, ExchangeError, MalformedMessage, PeerFailed
-from gossiploco.protocol import agreement, groups, keys, pairing
+from gossiploco.protocol import agreement, declines, groups, keys, pairing
 from gossiploco.protocol.mailbox import Mailbox
 from gossiploco.protocol.messages import (LEAVING, MAX_ENDS_IN_MS, PROBE, STEPPING_OUT, Abort, Action, Data, Decision,
                                           Hello, Leading, Message, Ready, Send, ServeState, StateRequest, op_and_round)
@@ -90,6 +90,8 @@ class PeerNode:
         self.pairings: Records[str, pairing.Pairing] = Records(limit=pairing.PAIRINGS_KEPT)
         """key -> the matchmaking this peer runs as the leader of a paired exchange."""
         self.aborted: Records[str, set[int]] = Records()
+        self.declines = declines.Declines()
+        """Exchanges this peer completed whose run again it declines (``protocol.declines``)."""
         self.other_lists: Records[str, dict[int, object]] = Records()
         """key -> {sender: the member-list digest on a chunk of it this peer refused}: a call whose member runs the
         exchange over another list fails at once, saying so (``fault``), whatever reaches whom first."""
@@ -178,7 +180,7 @@ class PeerNode:
             return []
         if isinstance(message, Abort):
             self.aborted.put(message.key, self.aborted.get(message.key, set()) | {sender})
-            return pairing.on_abort(self, message.key, sender, now)
+            return pairing.on_abort(self, message.key, sender, now) + self.declines.on_abort(self.rank, message.key, sender)
         if isinstance(message, StateRequest):
             return self._state_request(sender, message)
         raise MalformedMessage(f"unknown message {type(message).__name__}")
@@ -246,7 +248,7 @@ class PeerNode:
             self.peers.on_join(sender, message.join_round)
             self._left.discard(sender)
             if news and message.join_round != STEPPING_OUT:
-                sends = self._went_on_without(sender, message.join_round)
+                sends = agreement.went_on_without(self, sender, message.join_round)
             if news and message.join_round == STEPPING_OUT:
                 self.note(f"peer {sender} steps out while it catches up (it is in round {message.current_round})", routine=True)
             elif news:
@@ -268,26 +270,6 @@ class PeerNode:
             # undecided sender's news comes later (its ``announce``, or its record: ``PeerTable.add``)
             sends.append(Send(sender, Hello(self.peers.joined.get(self.rank, PROBE), self.current_round,
                                             echo=message.ask, ends_in_ms=left, began_ms_ago=began)))
-        return sends
-
-    def _went_on_without(self, peer: int, join_round: int) -> list[Action]:
-        """A peer that caught up into a round this one is in (or past) counts itself in that round's exchanges, so by its
-        own view it may lead one this peer led without it, and wait a whole grace window for Readys that never come:
-        it is sent those decisions (only those it would lead: a follower's Ready is answered at once anyway). Only
-        this round's and the last (an honest joiner lags a round at most): news that claims an old round (a peer's
-        own to send, as often as it likes) costs a handful of bucket computations, not one for every decision kept."""
-        if join_round > self.current_round:
-            return []
-        first = max(join_round, self.current_round - 1)
-        sends: list[Action] = []
-        for key, (group, _) in self.decided.items():
-            round_index = op_and_round(key)[1]
-            if round_index < first or peer in group:
-                continue
-            bucket = groups.group_of(self.group_seed, key, sorted(set(self.members(round_index)) | {peer}), peer,
-                                     self.group_size, self._buckets(round_index))
-            if groups.leader_of(self.group_seed, key, bucket) == peer:
-                sends.append(Send(peer, Decision(key, self.current_round, tuple(group))))
         return sends
 
     # -- the owner's requests -----------------------------------------------------------------------
@@ -358,11 +340,15 @@ class PeerNode:
         if not self.peers.takes_part(round_index):
             return None
         candidates = self._bucket(key, round_index)
-        leader = groups.leader_of(self.group_seed, key, candidates)
+        leader = declines.leader_of(self, key, candidates)
         if leader == self.rank:
-            lead = pairing.PairLead if self.pairs_as_ready(key) else agreement.Lead
-            return lead(key, candidates, now, self.grace_s, self._buckets(round_index))
+            return self.lead_call(key, round_index, candidates, now)
         return agreement.Follow(key, leader, round_index, candidates, now, self.grace_s)
+
+    def lead_call(self, key: str, round_index: int, candidates: list[int], now: float) -> agreement.Lead:
+        """The call leading ``candidates`` (this peer's bucket) in exchange ``key`` of round ``round_index``."""
+        lead = pairing.PairLead if self.pairs_as_ready(key) else agreement.Lead
+        return lead(key, candidates, now, self.grace_s, self.buckets(round_index))
 
     def links_ahead(self, key: str, round_index: int) -> list[int]:
         """The peers exchange ``key`` of round ``round_index`` may need a link to, by this peer's view (its bucket):
@@ -382,19 +368,20 @@ class PeerNode:
         return pairing.ready(self, key, sender, self._bucket(key, round_index), now)
 
     def leads(self, key: str, round_index: int, sender: int) -> bool:
-        """Whether this peer leads ``sender``'s bucket of exchange ``key`` in round ``round_index`` (by its own view)."""
+        """Whether this peer leads ``sender``'s bucket of exchange ``key`` in round ``round_index`` (by its own view), or
+        may come to lead it (a key run again: ``declines.holds``)."""
         candidates = self._bucket(key, round_index)
-        if groups.leader_of(self.group_seed, key, candidates) != self.rank:
-            return False
-        return sender in candidates or groups.in_bucket(self.group_seed, key, self._buckets(round_index), self.rank,
+        if declines.leader_of(self, key, candidates) != self.rank:
+            return declines.holds(key, sender, candidates)
+        return sender in candidates or groups.in_bucket(self.group_seed, key, self.buckets(round_index), self.rank,
                                                         sender)
 
     def _bucket(self, key: str, round_index: int | None) -> list[int]:
         """This peer's bucket of exchange ``key`` in its view of round ``round_index`` (``groups.group_of``)."""
         return groups.group_of(self.group_seed, key, self.members(round_index), self.rank, self.group_size,
-                               self._buckets(round_index))
+                               self.buckets(round_index))
 
-    def _buckets(self, round_index: int | None) -> int:
+    def buckets(self, round_index: int | None) -> int:
         """How many buckets this peer's view of round ``round_index`` splits into (counted a round late: ``counted``)."""
         return groups.bucket_count(self.peers.counted(round_index), self.group_size)
 
@@ -403,7 +390,7 @@ class PeerNode:
         not alone or knows nobody else (a swarm of one mixes with nobody, rightly)."""
         cut_off = self.peers.unreachable() if group == [self.rank] else []
         if cut_off and key:  # only those that would share this peer's bucket: the others were never its candidates
-            buckets = self._buckets(round_index)
+            buckets = self.buckets(round_index)
             cut_off = [p for p in cut_off if groups.in_bucket(self.group_seed, key, buckets, self.rank, p)]
         if not cut_off:
             return None
@@ -434,6 +421,10 @@ class PeerNode:
     def _other_list(self, key: str, digests: dict[int, object]) -> None:
         if digests:
             self.other_lists.put(key, {**self.other_lists.get(key, {}), **digests})
+
+    def completed(self, key: str) -> None:
+        """This peer completed exchange ``key`` (the whole exchange, not a phase): it declines ``key`` run again."""
+        self.declines.complete(key, self.grouped.get(key))
 
     def end(self, key: str) -> None:
         """A data call of ``key`` ended: forget its leftovers (a failed call's late chunks are useless)."""

@@ -186,7 +186,8 @@ class NetworkPeer:
         self.exchange = open_exchange(cfg, rank, known, self.run_id, model_bytes=model_bytes, bind=bind, trust=trust,
                                       fault=fault, sealed_port=sealed_port, companion=self.companion)
         self.exchange.set_grouping(cfg.seed, cfg.groups.size, cfg.groups.paired({"mix1": cfg.mix1.kind,
-                                                                                 "mix2": cfg.mix2.kind}))
+                                                                                 "mix2": cfg.mix2.kind}),
+                                   run_again={"mix1"} if cfg.mix1.again else ())
         self.endpoint = self.exchange.endpoints[rank]
         """The address other peers reach this one at."""
         self.reach = reach or Reach()

@@ -107,6 +107,7 @@ class SimPeer:
         self.node.behind_nat = set(s.behind_nat)  # as peers' records tell the runtime's node
         self.node.group_seed, self.node.group_size = swarm.seed, s.group_size  # as ZmqExchange.set_grouping does
         self.node.paired = frozenset({"mix2"} if s.mix2 == "gossip" and s.pairing == "ready" else ())
+        self.node.declines.labels = frozenset({"mix1"} if s.mix1_again else ())
         self.running, self.frozen = True, False
         self.thawed_at = -1.0
         """When this peer last resumed after a freeze (its own waits overran while it was stopped)."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gossiploco.config_sections import TimeoutConfig
-from gossiploco.errors import ExchangeError
+from gossiploco.errors import ExchangeError, NoDecision
 from gossiploco.mixing.operators import pair_matching
 from gossiploco.protocol import keys, lifecycle
 from gossiploco.protocol.collectives import AllToAll, PairMean, RingAllReduce
@@ -303,6 +303,8 @@ class SimSwarm:
         if label != "mix1":
             return out
         peer.mix1_again.ended(ok, peer.now - began, again=False)
+        if ok and grouped:  # its group's mean in hand: it declines the exchange run again (``protocol.declines``)
+            peer.node.completed(key)
         if ok or not grouped or not peer.mix1_again.wanted(again_by, peer.now):
             return out
         began = peer.now
@@ -313,7 +315,7 @@ class SimSwarm:
 
     def exchange(self, peer: SimPeer, key: str, label: str, r: int, value: torch.Tensor, kind: str):
         """Exchange ``key`` (agreement, then data): (the mixed value, True, True), or (``value``, False, whether the
-        group was agreed) when it failed (``MixResult.grouped``)."""
+        group was agreed or its leader never decided) when it failed (``MixResult.grouped``, ``leaderless``)."""
         began = peer.now
         before = value.clone()
         deadline_s, grouped = None, False
@@ -359,7 +361,7 @@ class SimSwarm:
             self.failures[f"{label}: {failure_cause(exc)}"] += 1
             self.note(f"{peer.pid} {key} failed: {exc}")
             self.checker.identity_kept(peer.pid, key, before, value, peer.now)
-            return value, False, grouped
+            return value, False, grouped or isinstance(exc, NoDecision)  # ``MixResult.grouped``, ``leaderless``
         finally:
             if deadline_s is not None:
                 self.checker.exchange_ended(peer, key, began, peer.now, deadline_s)

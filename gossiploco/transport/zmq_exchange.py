@@ -90,6 +90,10 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         for peer in peers:
             self._sockets.open_link(peer)
 
+    def completed(self, key: str) -> None:
+        with self._cond:
+            self._node.completed(key)
+
     def _knows(self, peer: int) -> bool:
         """Whether ``peer`` has sockets, or is a member parked until something is sent to it (links on demand)."""
         return peer in self._dealers or (self._sockets.links is not None and self._sockets.links.tracks(peer))
@@ -308,13 +312,15 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
             return tuple(sorted((peer, *(int(endpoint.rsplit(":", 1)[1]) for endpoint in endpoints))
                                 for peer, endpoints in self._sockets.listening.items()))
 
-    def set_grouping(self, seed: int, size: int, paired: Collection[str] = ()) -> None:
+    def set_grouping(self, seed: int, size: int, paired: Collection[str] = (), run_again: Collection[str] = ()) -> None:
         """Key every exchange's buckets and leaders by the run's ``seed`` and split views larger than ``size``
         (``protocol.groups``); the exchanges labelled in ``paired`` pair their members as they become ready
-        (``protocol.pairing``). Every peer of the run must set the same."""
+        (``protocol.pairing``), and those labelled in ``run_again`` may run again after a failure
+        (``protocol.declines``). Every peer of the run must set the same."""
         with self._cond:
             self._node.group_seed, self._node.group_size = seed, size
             self._node.paired = frozenset(paired)
+            self._node.declines.labels = frozenset(run_again)
 
     def set_behind_nat(self, peers: set[int], order_rings: bool = True) -> None:
         with self._cond:

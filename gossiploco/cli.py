@@ -16,6 +16,7 @@ from gossiploco.cli_report import (PlainProgress, print_summary, print_swarm_sum
 from gossiploco.cli_data import data_app
 from gossiploco.cli_tokenizer import tokenizer_app
 from gossiploco.errors import ConfigError, GossiplocoError
+from gossiploco.runtime import collector
 from gossiploco.runtime.stopping import exit_stopped, stops_cleanly
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decentralized LM training with Factored Gossip DiLoCo.")
@@ -40,6 +41,7 @@ def simulate(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
     """Run M workers of Factored Gossip DiLoCo in one process (the virtual swarm)."""
+    collector.pause()  # until the run starts (``runtime.collector``)
     from gossiploco.config import load_config
     from gossiploco.runtime.run_lifecycle import RunLifecycle
     from gossiploco.runtime.virtual import VirtualSwarm
@@ -123,6 +125,7 @@ def peer(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only warnings and the final table."),
 ) -> None:
     """Run one peer: it joins a run through a DHT bootstrap address (--join) or a static list (--peers) and mixes over ZeroMQ."""
+    collector.pause()  # until the run starts (``runtime.collector``)
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     node = None

@@ -68,9 +68,34 @@ def test_same_seed_gives_the_same_metrics(tmp_path):
     ],
 )
 def test_bad_flags_fail_with_an_error_naming_the_field(tmp_path, args, message):
+    import gc
+
     result = CliRunner().invoke(app, ["simulate", *FAST, "--out", str(tmp_path), *args])
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
+    assert gc.isenabled()  # its start-up turned the collector off and failed: on again (``runtime.collector``)
+
+
+def test_start_up_runs_without_collections_and_the_run_with_them_on_what_start_up_made_frozen():
+    import gc
+
+    from gossiploco.runtime import collector
+
+    frozen = gc.get_freeze_count()
+    try:
+        collector.pause()
+        assert not gc.isenabled()
+        made = [[i] for i in range(1000)]  # start-up's objects
+        collector.resume()
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen + len(made)
+        collector.resume()  # idempotent
+        gc.disable()  # someone else's choice is kept: pause did nothing, nor does resume
+        collector.pause()
+        collector.resume()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from gossiploco.config import RunConfig
 from gossiploco.errors import GossiplocoError
 from gossiploco.metric_sinks import MetricSinks, SinkTarget
 from gossiploco.metrics import MetricsSink
+from gossiploco.runtime import collector
 from gossiploco.runtime.run_dir import output_dir, resume_checkpoint
 from gossiploco.runtime.stopping import exit_stopped
 
@@ -106,6 +107,7 @@ class RunLifecycle:
         ``run_id`` when it has one, else the config's), start the checkpoint writer (and
         ``dump_stacks_on_sigusr1``). ``ConfigError`` when a sink's package is missing."""
         self._runner = runner
+        collector.resume()  # start-up is over (``runtime.collector``)
         checkpoint = self.checkpoint
         if checkpoint is not None:
             runner.resume(checkpoint)

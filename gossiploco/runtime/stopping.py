@@ -43,6 +43,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn, TypeVar
 
+from gossiploco.runtime import collector
+
 log = logging.getLogger(__name__)
 
 STOP_EXIT_CODE = 130
@@ -185,6 +187,8 @@ def stops_cleanly(command: str) -> Callable[[F], F]:
                 # Stopped inside code that does not expect it (a library's import cut short fails later in its
                 # own way): the user asked for the stop, this is how it went
                 log.debug("gossiploco %s: failed after %s", command, signal.Signals(_received[0]).name, exc_info=True)
+            finally:
+                collector.resume()  # a start-up that paused it and never got to its run (``runtime.collector``)
             exit_stopped(command)
 
         return run  # type: ignore[return-value]

@@ -403,3 +403,22 @@ def test_a_leader_takes_at_most_twice_the_group_size_and_tells_the_rest_they_wer
     assert step.done and sorted(lead.outcome()) == sorted(order[:4])
     told = {s.peer: s.message.group for s in step.sends}
     assert set(told) == set(range(1, 7)) and all(g == tuple(lead.outcome()) for g in told.values())
+
+
+def test_a_peer_asked_to_lead_an_exchange_of_a_round_it_left_answers_at_once_that_it_does_not():
+    """A straggler (a thawed peer, two rounds behind) asks the leader of its view for ``mix2/2``; that peer is in
+    round 3, never decided ``mix2/2`` (it followed another leader by the view it had then) and never will: it says
+    "not leading" at once, instead of keeping the Ready until the straggler's wait runs out (chaos seed 840767). A
+    measurement of an earlier round may still start (they trail), and this round's exchange is about to."""
+    chief = leader_of(0, "mix2/2", range(3))
+    other = next(p for p in range(3) if p != chief)
+    node = _nodes(3)[chief]
+    for p in range(3):
+        node.connected(p, 0.0) if p != chief else None
+    node.begin_round(3, 0.0)
+    answer = node.receive(other, Ready("mix2/2", 2), 0.1)
+    assert [s.message for s in answer] == [Decision("mix2/2", 3, ())]
+    monitor = next(k for k in (f"monitor/2/{h}" for h in range(50)) if leader_of(0, k, range(3)) == chief)
+    assert node.receive(other, Ready(monitor, 2), 0.1) == []
+    now = next(k for k in (f"mix2/3/{h}" for h in range(50)) if leader_of(0, k, range(3)) == chief)
+    assert node.receive(other, Ready(now, 3), 0.1) == []

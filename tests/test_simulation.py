@@ -77,6 +77,9 @@ REGRESSION_SEEDS_64 = {
     1406353: "the checker's: peers caught up into the last round took the swarm's clock and were compared with a peer "
              "restarted while a relay was down, which had started alone on a clock of its own and was itself about "
              "to catch up (fixed: round_clock.off compares with the running peers within a round of the adopted one)",
+    840767: "a thawed peer two rounds behind asked a peer that led its Mix2 bucket by a later view, and had left that "
+            "round without deciding it, to lead it: the Ready was kept until the thawed peer's wait ran out, so it "
+            "caught up a round late and never mixed again (fixed: agreement.left_behind answers 'not leading')",
 }
 
 

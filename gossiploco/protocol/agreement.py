@@ -31,8 +31,9 @@ average, a leader no one can choose; a view of at most ``group_size`` members is
 * A decision naming a member this peer does not know yet (discovery has not found it: no address, no
   key) fails the follower's call, counted (``unknown_members``): a group it cannot run is a failed
   exchange, never a crash.
-* A peer asked to lead a key while its own view names another leader, or puts the asker in another bucket,
-  answers "not leading" (an empty decision); a peer still starting up keeps the ``Ready`` (it is about to lead).
+* A peer asked to lead a key while its own view names another leader, or puts the asker in another bucket, or of a
+  round it has left without deciding it (``left_behind``), answers "not leading" (an empty decision); a peer still
+  starting up keeps the ``Ready`` (it is about to lead).
 * A key run again (``keys.again_key``: Mix1's ring retried among a group's survivors) is declined by the members
   that completed its first attempt (``protocol.declines``): the lead order skips them, a leader does not wait for
   them, and a follower whose leader declines follows the next leader of the order, or leads where it is next.
@@ -269,7 +270,8 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
             group = [p for p in group if p != sender]
         return [Send(sender, Decision(key, node.current_round, tuple(group)))]
     own = peers.joined.get(node.rank)  # None: this peer has not decided yet (starting up)
-    if own is not None and (own > message.round or not node.leads(key, message.round, sender)):
+    if own is not None and (own > message.round or not node.leads(key, message.round, sender)
+                            or left_behind(node, key)):
         return [Send(sender, Decision(key, node.current_round, ()))]
     if own is not None and node.pairs_as_ready(key):  # matched as it comes (``protocol.pairing``)
         return node.pair_ready(key, sender, message.round, now)
@@ -280,6 +282,17 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
     if sender in known and node.leading_now.get(key):  # asked again: say this peer is there and deciding
         return [Send(sender, Leading(key, node.current_round))]
     return []
+
+
+def left_behind(node: PeerNode, key: str) -> bool:
+    """Whether this peer will never lead ``key``, which it did not decide: an exchange of a round it has left (Mix1 and
+    Mix2 run within their round; a measurement may trail it, ``runtime.peer_monitor``; a paired exchange's matchmaker
+    keeps its word past it, ``protocol.pairing``) that it is not leading now. A straggler's ``Ready`` for it is then
+    answered "not leading" at once, not kept until the straggler's wait runs out (chaos seed 840767: a thawed peer
+    waited 1.5 s on a leader two rounds ahead that counted it in by a later view, and caught up a round late)."""
+    op, round_index = op_and_round(key)
+    return (op != "monitor" and round_index < node.current_round and not node.leading_now.get(key)
+            and not node.pairs_as_ready(key))
 
 
 def on_decision(node: PeerNode, sender: int, message: Decision) -> None:

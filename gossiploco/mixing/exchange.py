@@ -75,7 +75,7 @@ class Exchange(ABC):
         (every link is up already). Never blocks."""
 
     def completed(self, key: str) -> None:
-        """This peer completed exchange ``key`` (over the group ``group`` agreed): it takes no part in ``key`` run again
+        """This peer completed exchange ``key`` over a group ``group`` agreed: it takes no part in ``key`` run again
         (``keys.again_key``), and tells the peers that would wait for it (``protocol.declines``). Default: nothing
         (no exchange runs again where every view is the same). Never blocks."""
 

@@ -260,7 +260,7 @@ def on_ready(node: PeerNode, sender: int, message: Ready, now: float) -> list[Se
         # its view): adopt it from the next round rather than leave it out forever.
         peers.on_join(sender, message.round + 1, said=False)
         node.note(f"peer {sender} is back (ready for {key!r}); it takes part from round {message.round + 1}", routine=True)
-    declined = node.declines.on_ready(node.rank, sender, key)
+    declined = node.declines.on_ready(sender, key)
     if declined is not None:  # it completed the first attempt of a key run again (``protocol.declines``)
         return declined
     decided = node.decided.get(key)

@@ -61,14 +61,14 @@ class Declines:
         self._told: Records[tuple[str, int], bool] = Records()
         """(key run again, peer) of the declines this peer sent on an abandonment (``on_abort``): each once."""
         self.sent = 0
-        """Declines sent (each ``Abort`` once): read by tests and the simulator."""
+        """Declines sent (each an ``Abort``): read by tests."""
 
     def complete(self, key: str, group) -> None:
         """This peer completed exchange ``key`` over ``group`` (its result is in hand)."""
         if group and not is_again(key) and key.partition("/")[0] in self.labels:
             self.completed.put(key, frozenset(group))
 
-    def on_ready(self, rank: int, sender: int, key: str) -> list[Send] | None:
+    def on_ready(self, sender: int, key: str) -> list[Send] | None:
         """A ``Ready`` for ``key``: the decline to answer it with, or None when this peer does not decline ``key``."""
         if not is_again(key) or keys.first_key(key) not in self.completed:
             return None
@@ -83,7 +83,7 @@ class Declines:
             again = keys.again_key(key)
             node.aborted.put(again, node.aborted.get(again, set()) | {leader})
 
-    def on_abort(self, rank: int, key: str, sender: int) -> list[Send]:
+    def on_abort(self, key: str, sender: int) -> list[Send]:
         """``sender`` abandoned ``key`` (or a later phase of it): if this peer completed that exchange and ``sender``
         was of its group, ``sender`` may run it again; decline that to it, once."""
         for first in keys.phases(key):

@@ -180,7 +180,7 @@ class PeerNode:
             return []
         if isinstance(message, Abort):
             self.aborted.put(message.key, self.aborted.get(message.key, set()) | {sender})
-            return pairing.on_abort(self, message.key, sender, now) + self.declines.on_abort(self.rank, message.key, sender)
+            return pairing.on_abort(self, message.key, sender, now) + self.declines.on_abort(message.key, sender)
         if isinstance(message, StateRequest):
             return self._state_request(sender, message)
         raise MalformedMessage(f"unknown message {type(message).__name__}")

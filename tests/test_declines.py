@@ -5,6 +5,8 @@ hand; the effect on a swarm of 1,000: ``bench/results/scale.md``."""
 
 from __future__ import annotations
 
+import pytest
+
 from gossiploco.protocol import keys
 from gossiploco.protocol.agreement import Follow, Lead
 from gossiploco.protocol.groups import leader_of, lead_order
@@ -206,3 +208,38 @@ def test_a_leader_that_never_decided_is_neither_followed_nor_waited_for_when_its
     call.start(plain[followers[0]])
     assert isinstance(call.poll(plain[followers[0]], GRACE_S + CONTROL_SEND_S).error, NoDecision)
     assert plain[followers[0]].aborted.get(AGAIN) is None  # no exchange of it runs again: nothing noted
+
+
+@pytest.mark.slow  # a grace window and a control send (2 s)
+def test_over_real_sockets_a_bucket_whose_leader_never_decided_runs_again_at_once_without_it(groups):
+    """Four ZeroMQ peers; the drawn leader of ``mix1/0`` is there (connected) but never runs the exchange (frozen,
+    dead behind an idle link). Its three followers fail with ``NoDecision`` after a grace window and a control send,
+    then run ``mix1/0/again`` without it: agreed and mixed at once, not after another window spent waiting for it."""
+    import time
+
+    import torch
+
+    from gossiploco.errors import NoDecision
+    from tests.test_exchange import run_all
+
+    g = groups(4, grace_s=GRACE_S)
+    for ex in g.exchanges:
+        ex.set_grouping(11, 16, (), {"mix1"})
+    silent = leader_of(11, FIRST, range(4))
+    followers = [r for r in range(4) if r != silent]
+
+    def first(r):
+        try:
+            g.exchanges[r].group(FIRST, 0)
+        except NoDecision as exc:
+            return exc
+        return None
+
+    assert all(isinstance(e, NoDecision) for e in run_all([lambda r=r: first(r) for r in followers]))
+    start = time.monotonic()
+    got = run_all([lambda r=r: g.exchanges[r].group(AGAIN, 0) for r in followers])
+    assert time.monotonic() - start < GRACE_S, "the second attempt waited for the silent leader"
+    assert all(sorted(x) == followers for x in got) and len({tuple(x) for x in got}) == 1
+    out = run_all([lambda r=r, m=m: g.exchanges[r].all_reduce_mean(AGAIN, torch.full((6,), float(r)), m)
+                   for r, m in zip(followers, got)])
+    assert all(torch.equal(o, torch.full((6,), sum(followers) / 3)) for o in out)

@@ -240,9 +240,7 @@ class Follow(_GroupCall):
         super().close(node)
 
     def fail(self, node: PeerNode, error: ExchangeError) -> list[Send]:
-        if self.lead is not None:
-            self.lead.close(node)
-        self.finished = True
+        self.close(node)
         # Everyone of the view, not just the leader: a peer the leader put in a group with this one
         # must not wait out its deadline for chunks that will not come.
         return node.aborts(self.key, [p for p in self.view if p != node.rank])

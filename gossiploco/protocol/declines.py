@@ -65,8 +65,12 @@ class Declines:
 
     def complete(self, key: str, group) -> None:
         """This peer completed exchange ``key`` over ``group`` (its result is in hand)."""
-        if group and not is_again(key) and key.partition("/")[0] in self.labels:
+        if group and self._runs_again(key):
             self.completed.put(key, frozenset(group))
+
+    def _runs_again(self, key: str) -> bool:
+        """Whether ``key`` is a first attempt of an exchange that may run again (its label is in ``labels``)."""
+        return not is_again(key) and key.partition("/")[0] in self.labels
 
     def on_ready(self, sender: int, key: str) -> list[Send] | None:
         """A ``Ready`` for ``key``: the decline to answer it with, or None when this peer does not decline ``key``."""
@@ -79,7 +83,7 @@ class Declines:
         """``leader`` never decided ``key`` (this follower's wait ran out: ``errors.NoDecision``). Dead, frozen or
         late, it will not take part in ``key`` run again: counted as declining it here (every follower of its bucket
         timed out on it alike), so that run's leader does not wait for it and the lead order skips it."""
-        if not is_again(key) and key.partition("/")[0] in self.labels:
+        if self._runs_again(key):
             again = keys.again_key(key)
             node.aborted.put(again, node.aborted.get(again, set()) | {leader})
 

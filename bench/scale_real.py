@@ -97,7 +97,8 @@ class SwarmSettings:
     overshoot_s: float = 0.0
     links_idle_s: float = 0.0
     """> 0: links on demand (``[transport] links_idle_s``, ``transport.zmq_links``): a peer makes a member's sockets
-    when it sends to it (its Mix2 bucket's at each round's start, ``link_ahead``) and closes them this long idle."""
+    when it sends to it (its Mix2 bucket's at each round's start, ``link_ahead``) and closes them this long idle, or
+    to keep at most twice a bucket's other members (``[transport] links_cap``'s default)."""
 
 
 def inner_seconds(seed: int, rank: int, low: float, high: float) -> float:
@@ -129,7 +130,7 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
     """Peer ``rank``'s whole run (module docstring); returns its record (also written to ``peer-RANK.json``)."""
     import torch
 
-    from gossiploco.config_sections import TimeoutConfig
+    from gossiploco.config_sections import TimeoutConfig, TransportConfig
     from gossiploco.security.swarm_key import SwarmKey
     from gossiploco.security.trust import Trust
     from gossiploco.transport.deadlines import AdaptiveDeadlines
@@ -151,7 +152,8 @@ def run_peer(settings: SwarmSettings, rank: int) -> dict:
     began = time.monotonic()
     exchange = ZmqExchange(rank, settings.endpoints, settings.run_id, t.exchange_s, grace_s=t.grace_s,
                            deadlines=AdaptiveDeadlines(t.exchange_s, min_s=t.min_exchange_s, factor=t.adaptive_factor),
-                           heartbeat_s=t.heartbeat_s, trust=trust, links_idle_s=settings.links_idle_s)
+                           heartbeat_s=t.heartbeat_s, trust=trust, links_idle_s=settings.links_idle_s,
+                           links_cap=TransportConfig().links_kept(settings.group_size))  # as a peer's default
     try:
         exchange.set_grouping(settings.seed, settings.group_size, {"mix2"} if settings.pairing == "ready" else ())
         record["connected_all"] = exchange.wait_connected(settings.connect_s)

@@ -20,7 +20,7 @@ from gossiploco.errors import ExchangeError, PeerFailed
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust
 from gossiploco.transport.zmq_exchange import ZmqExchange
-from gossiploco.transport.zmq_links import IDLE, LOST, UNOPENED, LinksOnDemand
+from gossiploco.transport.zmq_links import IDLE, LOST, ROOM_IDLE_S, UNOPENED, LinksOnDemand
 from tests.test_exchange import free_ports, run_all
 
 IDLE_S = 1.5
@@ -34,14 +34,15 @@ def _open_files() -> int:
 def swarm():
     made: list[ZmqExchange] = []
 
-    def make(world: int, idle_s: float = IDLE_S, heartbeat_s: float = 2.0) -> list[ZmqExchange]:
+    def make(world: int, idle_s: float = IDLE_S, heartbeat_s: float = 2.0, cap: int | None = None) -> list[ZmqExchange]:
         key = SwarmKey.generate()
         for attempt in range(5):
             endpoints = [f"tcp://127.0.0.1:{p}" for p in free_ports(world)]
             try:
                 for r in range(world):
                     made.append(ZmqExchange(r, endpoints, "links-test", 10.0, trust=Trust.static(key, r, world),
-                                            heartbeat_s=heartbeat_s, links_idle_s=idle_s, grace_s=1.0))
+                                            heartbeat_s=heartbeat_s, links_idle_s=idle_s, grace_s=1.0,
+                                            links_cap=cap))
                 return made[-world:]
             except ExchangeError:
                 for ex in made:
@@ -87,6 +88,51 @@ def test_idle_links_close_without_a_failure_and_open_again(swarm):
     out = run_all([lambda r=r: peers[r].all_reduce_mean("mix1/1", values[r], [0, 1, 2]) for r in range(3)])
     assert all(torch.equal(o, torch.full((500,), 1.0)) for o in out)  # opened again on demand
     assert all(_links(ex)["opened"] >= 2 for ex in peers)
+
+
+def test_past_its_cap_a_peer_closes_the_link_it_used_least_lately_without_a_failure_and_opens_it_again(swarm):
+    """``links_cap`` = 1 and an idle time of a minute: peer 0 swaps with peer 1, then 2, then 3. Each new link puts
+    it past its cap, and the link it used least lately is closed, once unused for ``ROOM_IDLE_S``, as an idle one is
+    (no failure: a member still), long before its idle time; a link closed so opens again on demand."""
+    peers = swarm(4, idle_s=60.0, cap=1)
+    values = [torch.full((200,), float(r)) for r in range(4)]
+    for r, other in enumerate((1, 2, 3)):
+        out = run_all([lambda: peers[0].swap(f"mix2/{r}", other, values[0]),
+                       lambda: peers[other].swap(f"mix2/{r}", 0, values[other])])
+        assert torch.equal(out[0], values[other]) and torch.equal(out[1], values[0])
+        assert wait_until(lambda: set(peers[0].sockets.dealers) == {other}, ROOM_IDLE_S + 5.0), \
+            (other, set(peers[0].sockets.dealers))
+    counts = _links(peers[0])
+    assert counts["closed_for_room"] == 2 and counts["closed_idle"] == 2 and counts["linked"] == 1
+    assert peers[0].members(3) == [0, 1, 2, 3] and not peers[0].inspect(lambda node: node.peers.failed)
+    assert all(0 in peers[other].members(3) for other in (1, 2, 3))
+    out = run_all([lambda: peers[0].swap("mix2/3", 1, values[0]), lambda: peers[1].swap("mix2/3", 0, values[1])])
+    assert torch.equal(out[0], values[1]) and _links(peers[0])["opened"] == 4
+
+
+def test_past_the_cap_the_least_recently_used_links_up_and_unused_for_a_second_are_closed_and_no_others():
+    links = LinksOnDemand(idle_s=30.0, handshake_s=2.0, cap=2)
+    for peer in (1, 2, 3, 4):
+        links.park(peer, f"tcp://a:{peer}")
+    for peer, t in ((1, 0.0), (2, 0.5), (3, 0.9)):
+        links.open(peer, now=t)
+        links.link_up(peer)
+    assert links.due(now=0.95) == ([], [])  # over the cap, but every link was used within ROOM_IDLE_S
+    assert links.due(now=1.25) == ([1], [])  # the least recently used, unused for a second
+    links.park(1, "tcp://a:1", idle=True)  # as the transport closes it
+    links.open(4, now=1.3)  # over again; its handshake is not done: never closed for room
+    links.used(2, now=1.35)
+    assert links.due(now=1.6) == ([], [])  # 2 and 3 used within a second, 4 not up
+    assert links.due(now=2.0) == ([3], [])  # 3 is now the least recently used unused for a second
+    assert links.counts()["closed_for_room"] == 2 and links.counts()["linked"] == 3
+    uncapped = LinksOnDemand(idle_s=30.0, handshake_s=2.0)
+    for peer in range(1, 40):
+        uncapped.park(peer, f"tcp://a:{peer}")
+        uncapped.open(peer, now=0.0)
+        uncapped.link_up(peer)
+    assert uncapped.due(now=20.0) == ([], [])  # no cap: only the idle time closes links
+    with pytest.raises(ValueError, match="cap"):
+        LinksOnDemand(idle_s=30.0, handshake_s=2.0, cap=0)
 
 
 def test_a_peer_leaving_tells_those_whose_links_to_it_are_up_though_its_own_to_them_are_closed(swarm, caplog):
@@ -340,6 +386,16 @@ def test_the_setting_is_zero_for_a_full_mesh_or_a_positive_idle_time():
     assert cfg.transport.links_idle_s == 0.0
     cfg.transport.links_idle_s = -1.0
     with pytest.raises(ConfigError, match="links_idle_s"):
+        cfg.transport.check("transport")
+
+
+def test_the_cap_is_twice_a_buckets_other_members_unless_set():
+    cfg = RunConfig()
+    assert cfg.transport.links_cap == 0 and cfg.transport.links_kept(16) == 30 and cfg.transport.links_kept(4) == 6
+    cfg.transport.links_cap = 12
+    assert cfg.transport.links_kept(16) == 12
+    cfg.transport.links_cap = -1
+    with pytest.raises(ConfigError, match="links_cap"):
         cfg.transport.check("transport")
 
 

@@ -38,7 +38,8 @@ def open_exchange(cfg: RunConfig, rank: int, known: Sequence[str] | Mapping[int,
         max_message_bytes=int(cfg.transport.max_message_mb * (1 << 20)), chunk_bytes=chunk, bind=bind,
         join_round=None, heartbeat_s=t.heartbeat_s, trust=trust, mailbox_bytes=4 * model_bytes + MAILBOX_SLACK_BYTES,
         sender_mailbox_bytes=3 * model_bytes + 2 * chunk, fault=fault,
-        sealed_port=None if sealed_port == -1 else sealed_port, links_idle_s=cfg.transport.links_idle_s)
+        sealed_port=None if sealed_port == -1 else sealed_port, links_idle_s=cfg.transport.links_idle_s,
+        links_cap=cfg.transport.links_kept(cfg.groups.size))
     if companion:
         return CompanionExchange(niceness=cfg.compute.companion_niceness, **settings)
     return ZmqExchange(**settings)

@@ -61,7 +61,7 @@ class ZmqDriver:
                  grace_s: float = 10.0, *, bind: str | None = None, join_round: int | None = 0,
                  heartbeat_s: float | None = None, trust: Trust | None = None, sender_mailbox_bytes: int | None = None,
                  fault: SendHook | None = None, io_threads: int | None = None, stripes: int | None = None,
-                 sealed_port: int | None = 0, links_idle_s: float = 0.0):
+                 sealed_port: int | None = 0, links_idle_s: float = 0.0, links_cap: int | None = None):
         endpoints = dict(enumerate(endpoints)) if not isinstance(endpoints, Mapping) else dict(endpoints)
         if rank not in endpoints:
             raise ValueError(f"rank {rank} has no endpoint among {sorted(endpoints)}")
@@ -97,6 +97,7 @@ class ZmqDriver:
         self._sockets = ZmqSockets(rank, bind, self.endpoints[rank], heartbeat_s=heartbeat_s,
                                    max_message_bytes=max_message_bytes, chunk_bytes=chunk_bytes, trust=trust,
                                    io_threads=io_threads, stripes=stripes, links_idle_s=links_idle_s,
+                                   links_cap=links_cap,
                                    sealed_bind=None if sealed_port is None else f"{bind.rpartition(':')[0]}:{sealed_port}")
         self.endpoints[rank] = self._sockets.endpoint
         self._dealers = self._sockets.dealers

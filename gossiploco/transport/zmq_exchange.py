@@ -60,7 +60,9 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
     CURVE's crypto runs (None: ``process_limits.default_io_threads``); ``stripes``: data connections to each directly
     dialed peer (None: as many as I/O threads; ``zmq_sockets``). ``sealed_port`` (with ``trust``): the TCP port of
     this peer's sealed port, where peers that dial it directly send their data chunks sealed with AES-256-GCM instead
-    of CurveZMQ (``zmq_sealed``; 0: any free port; None: none, so data to this peer stays on CurveZMQ). Construction raises
+    of CurveZMQ (``zmq_sealed``; 0: any free port; None: none, so data to this peer stays on CurveZMQ).
+    ``links_idle_s`` > 0: links on demand (``zmq_links``), at most ``links_cap`` of them kept (None: no cap but the
+    idle time). Construction raises
     ``ExchangeError`` if the bind fails and ``ValueError`` for bad arguments. Every public method is
     thread-safe.
     """
@@ -70,7 +72,8 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
                  grace_s: float = 10.0, deadlines: AdaptiveDeadlines | None = None, bind: str | None = None,
                  join_round: int | None = 0, heartbeat_s: float | None = None, trust: Trust | None = None,
                  sender_mailbox_bytes: int | None = None, fault: SendHook | None = None, io_threads: int | None = None,
-                 stripes: int | None = None, sealed_port: int | None = 0, links_idle_s: float = 0.0):
+                 stripes: int | None = None, sealed_port: int | None = 0, links_idle_s: float = 0.0,
+                 links_cap: int | None = None):
         self.deadlines = deadlines or AdaptiveDeadlines(timeout_s)
         self._scatter_began: dict[str, float] = {}
         """Start of each compressed mean's first phase, by key (``all_to_all``)."""
@@ -78,7 +81,7 @@ class ZmqExchange(ZmqDriver, Exchange, PathControl):
         super().__init__(rank, endpoints, run_id, timeout_s, max_message_bytes, chunk_bytes, mailbox_bytes, grace_s,
                          bind=bind, join_round=join_round, heartbeat_s=heartbeat_s, trust=trust,
                          sender_mailbox_bytes=sender_mailbox_bytes, fault=fault, io_threads=io_threads,
-                         stripes=stripes, sealed_port=sealed_port, links_idle_s=links_idle_s)
+                         stripes=stripes, sealed_port=sealed_port, links_idle_s=links_idle_s, links_cap=links_cap)
 
     # -- the Exchange interface ------------------------------------------------------------------
 

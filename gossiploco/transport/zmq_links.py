@@ -20,6 +20,14 @@ sent to or heard from within ``lately_s`` (``lately``), not only those its own l
 it opened for that, so that none of them sees its link drop before the goodbye (a lost peer, to it). A link that
 drops once unused for ``idle_s`` (its check came late) closes as idle: no failure (``link_down``).
 
+``cap``: the most links a peer keeps made on demand. Past it, ``due`` also closes the least recently used links that
+are up and unused for ``ROOM_IDLE_S``, as many as bring the count back to the cap, as idle links are closed (the
+node hears ``idled``); a link used more lately is never closed for room: the peer goes over until one is unused
+for that long. Links closed here keep what is queued on them for ``CLOSE_LINGER_S``. The simulator's carrier does
+the same (``SimNetwork.links_cap``); at 1,000 simulated peers a cap of twice a bucket's other members holds a peer's
+links to 2x a 16-peer swarm's at no measured cost (``bench/results/scale.md``, "Links on demand"). A cap bounds the
+links a peer makes; those others make to it are bounded by their caps.
+
 Pure bookkeeping with one lock, any thread; times are ``time.monotonic`` unless given.
 """
 
@@ -37,6 +45,14 @@ PATIENCE = 3
 starting (its ZAP handler runs in Python) gets this much longer."""
 
 
+ROOM_IDLE_S = 1.0
+"""A link is closed to make room (``cap``) only when nothing went over it for this long (``SimNetwork.MIN_IDLE_S``)."""
+CLOSE_LINGER_S = 5.0
+"""A link closed here (idle, or to make room) keeps what is still queued on it this long: the last chunks a peer sent
+may still wait in its sockets' queues after the exchange ended on its side (its partner's chunks came faster than
+its own went out), and dropping them would fail the partner's exchange. It bounds how long closing the transport may
+wait for them (``ZmqSockets.close``)."""
+
 UNOPENED, IDLE, LOST = "unopened", "idle", "lost"
 """What a dropped link was (``LinksOnDemand.link_down``)."""
 
@@ -44,10 +60,12 @@ UNOPENED, IDLE, LOST = "unopened", "idle", "lost"
 class LinksOnDemand:
     """See the module docstring."""
 
-    def __init__(self, idle_s: float, handshake_s: float):
+    def __init__(self, idle_s: float, handshake_s: float, cap: int | None = None):
         if idle_s <= 0 or handshake_s <= 0:
             raise ValueError(f"idle_s and handshake_s must be positive, got {idle_s} and {handshake_s}")
-        self.idle_s, self.handshake_s = idle_s, handshake_s
+        if cap is not None and cap < 1:
+            raise ValueError(f"cap must be at least 1 (or None: no cap), got {cap}")
+        self.idle_s, self.handshake_s, self.cap = idle_s, handshake_s, cap
         self._lock = threading.Lock()
         self._parked: dict[int, str] = {}  # peer -> its endpoint: no sockets
         self._last_use: dict[int, float] = {}  # peer with sockets made on demand -> its last message either way
@@ -61,7 +79,9 @@ class LinksOnDemand:
         self.opened = 0
         """Links opened on demand so far."""
         self.closed_idle = 0
-        """Links closed for idleness so far."""
+        """Links closed for idleness so far (those closed to make room included)."""
+        self.closed_for_room = 0
+        """Links closed to make room under ``cap`` so far."""
         self.frozen = 0
         """Links reported because their connection was taken and their handshake never ended (a frozen process)."""
 
@@ -172,9 +192,10 @@ class LinksOnDemand:
             return self._parked.pop(peer, None) is not None
 
     def due(self, now: float | None = None) -> tuple[list[int], list[int]]:
-        """(peers whose link is up and idle for ``idle_s``: close them; peers opened on demand whose TCP connection was
-        not taken within ``handshake_s``, or whose handshake neither succeeded nor was refused within ``PATIENCE``
-        handshake deadlines of its being taken: report them, once a link opened)."""
+        """(peers whose link is up and idle for ``idle_s``, or closed to make room under ``cap``: close them; peers
+        opened on demand whose TCP connection was not taken within ``handshake_s``, or whose handshake neither
+        succeeded nor was refused within ``PATIENCE`` handshake deadlines of its being taken: report them, once a link
+        opened)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if now - self._checked_at < CHECK_S:  # the receiving thread asks after every poll: look 4 times a second
@@ -183,6 +204,7 @@ class LinksOnDemand:
             for peer in [p for p, t in self._contact.items() if now - t > self.lately_s]:
                 del self._contact[peer]  # kept no longer than needed: as many as this peer's recent contacts
             idle = sorted(p for p in self._up if now - self._last_use[p] >= self.idle_s)
+            idle += self._room(now, len(self._last_use) - len(idle))
             unanswered = [p for p, t in self._opened.items() if now - t >= self.handshake_s]
             frozen = [p for p, t in self._answering.items() if now - t >= PATIENCE * self.handshake_s]
             for peer in unanswered:
@@ -192,8 +214,19 @@ class LinksOnDemand:
                 self.frozen += 1
             return idle, sorted(unanswered + frozen)
 
+    def _room(self, now: float, linked: int) -> list[int]:
+        """The links to close to bring ``linked`` back to ``cap``: the least recently used of those up and unused for
+        ``ROOM_IDLE_S`` and not idle for ``idle_s`` already (fewer where too few are). Holding the lock."""
+        if self.cap is None or linked <= self.cap:
+            return []
+        unused = sorted((t, p) for p, t in self._last_use.items()
+                        if p in self._up and ROOM_IDLE_S <= now - t < self.idle_s)
+        room = [p for _, p in unused[:linked - self.cap]]
+        self.closed_for_room += len(room)
+        return room
+
     def counts(self) -> dict[str, int]:
         with self._lock:
             return {"parked": len(self._parked), "linked": len(self._last_use), "up": len(self._up),
-                    "opened": self.opened, "closed_idle": self.closed_idle, "frozen": self.frozen,
-                    "lately": len(self._contact)}
+                    "opened": self.opened, "closed_idle": self.closed_idle, "closed_for_room": self.closed_for_room,
+                    "frozen": self.frozen, "lately": len(self._contact)}

@@ -155,7 +155,8 @@ class SealedLinks:
         self._pending: dict[int, str | None] = {}  # peer -> an endpoint to dial (None: hang up) not applied yet
         self._again: set[int] = set()  # pending peers to dial again at the same endpoint (after a refusal)
         self._forgotten: set[int] = set()  # peers whose DEALER the receiving thread is to close (``forget``)
-        self._state = threading.Lock()  # guards the five above (senders read them)
+        self._linger: dict[int, float] = {}  # peer -> how long its DEALER, when next closed, keeps what is queued
+        self._state = threading.Lock()  # guards the six above (senders read them)
         self.refusals = HandshakeBackoff()
         """Sealed ports that refused our handshake, and when to dial each again (libzmq does not; receiving thread)."""
         self.sent = 0
@@ -221,17 +222,19 @@ class SealedLinks:
 
     # -- paths -----------------------------------------------------------------------------------------
 
-    def redial(self, peer: int, endpoint: str | None) -> None:
+    def redial(self, peer: int, endpoint: str | None, linger_s: float = 0.0) -> None:
         """``peer``'s path is direct to ``endpoint`` (its CurveZMQ address): dial its sealed port at that host, if
-        it offered one; or it is not direct (None): hang up. Any thread."""
+        it offered one; or it is not direct (None): hang up. Any thread. ``linger_s``: as ``dial``'s."""
         port = self.sealer.port_of(peer)
-        self.dial(peer, None if endpoint is None or port is None else f"{endpoint.rpartition(':')[0]}:{port}")
+        self.dial(peer, None if endpoint is None or port is None else f"{endpoint.rpartition(':')[0]}:{port}", linger_s)
 
-    def dial(self, peer: int, endpoint: str | None) -> None:
-        """Dial ``peer``'s sealed port at ``endpoint`` (None: hang up) from the next ``dial_pending`` on. The link counts
-        as down at once (a sender waiting on it gives up and sends over CurveZMQ). Any thread."""
+    def dial(self, peer: int, endpoint: str | None, linger_s: float = 0.0) -> None:
+        """Dial ``peer``'s sealed port at ``endpoint`` (None: hang up) from the next ``dial_pending`` on. The link
+        counts as down at once (a sender waiting on it gives up and sends over CurveZMQ). Any thread. ``linger_s``:
+        how long the DEALER closed for it keeps what is still queued (0: dropped)."""
         with self._state:
             self._pending[peer] = endpoint
+            self._linger[peer] = linger_s
         self.wake()
 
     def forget(self, peer: int) -> None:
@@ -270,10 +273,11 @@ class SealedLinks:
         monitor = next(m for m, p in self.monitors.items() if p == peer)
         del self.monitors[monitor]
         del self.dealers[peer]
-        close_leaving_monitor(sock)
-        self.monitors_retired.put(monitor)
         with self._state:
             self._connected.pop(peer, None)
+            linger_s = self._linger.pop(peer, 0.0)
+        close_leaving_monitor(sock, linger_s)
+        self.monitors_retired.put(monitor)
 
     def busy(self) -> bool:
         """Whether ``dial_pending`` has work: dials not applied, forgotten DEALERs to close, refusals to try again."""
@@ -295,6 +299,7 @@ class SealedLinks:
                 if endpoint is None:
                     with self._state:
                         self._pending.pop(peer, None)
+                        self._linger.pop(peer, None)
                     continue
                 self._make_dealer(peer)
             sock, lock = self.dealers[peer]

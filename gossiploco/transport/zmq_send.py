@@ -71,14 +71,15 @@ def send_until(sock: zmq.Socket, lock: threading.Lock, frames: list, *, deadline
         lock.release()
 
 
-def close_leaving_monitor(sock: zmq.Socket) -> None:
-    """Close ``sock`` at once (the caller holds its lock) after stopping its monitor, whose reader stays open: the
-    thread that polls that reader closes it (see ``close_monitored`` for why the order matters)."""
+def close_leaving_monitor(sock: zmq.Socket, linger_s: float = 0.0) -> None:
+    """Close ``sock`` (the caller holds its lock; messages still queued get ``linger_s``, 0: dropped at once) after
+    stopping its monitor, whose reader stays open: the thread that polls that reader closes it (see
+    ``close_monitored`` for why the order matters)."""
     try:
         sock.disable_monitor()
     except zmq.ZMQError:
         pass
-    sock.close(linger=0)
+    sock.close(linger=int(1000 * linger_s))
 
 
 def close_monitored(sock: zmq.Socket, lock: threading.Lock, monitor: zmq.Socket, linger_s: float) -> None:

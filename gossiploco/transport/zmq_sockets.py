@@ -53,7 +53,7 @@ from gossiploco.protocol import codec
 from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit, reuse_freed_memory
 from gossiploco.transport.retry import HandshakeBackoff
 from gossiploco.transport.zmq_auth import SwarmAuthenticator, secure_client, secure_server
-from gossiploco.transport.zmq_links import LinksOnDemand
+from gossiploco.transport.zmq_links import CLOSE_LINGER_S, LinksOnDemand
 from gossiploco.transport.wakeup import Waker, WakingQueue
 from gossiploco.transport.zmq_sealed import SealedLinks
 from gossiploco.transport.zmq_stripes import Stripes
@@ -85,7 +85,7 @@ class ZmqSockets:
 
     def __init__(self, rank: int, bind: str, advertised: str, *, heartbeat_s: float | None, max_message_bytes: int,
                  chunk_bytes: int, trust: Trust | None, io_threads: int | None = None, stripes: int | None = None,
-                 sealed_bind: str | None = None, links_idle_s: float = 0.0):
+                 sealed_bind: str | None = None, links_idle_s: float = 0.0, links_cap: int | None = None):
         self.rank = rank
         self.trust = trust
         self.incarnation = uuid.uuid4().hex[:12]
@@ -189,7 +189,7 @@ class ZmqSockets:
         """Monitors of sockets closed since the receiving thread last looked (it stops polling and closes them)."""
         self._keys: dict[int, bytes | None] = {}  # peer -> the server key its DEALERs were made with
         self._changing = threading.RLock()  # one change of a peer's sockets at a time: connect, reattach, forget
-        self.links = LinksOnDemand(links_idle_s, self.heartbeat_ms / 1000) if links_idle_s else None  # zmq_links
+        self.links = LinksOnDemand(links_idle_s, self.heartbeat_ms / 1000, links_cap) if links_idle_s else None
         self.sealed: SealedLinks | None = None
         """With ``trust``: data chunks sealed with AES-GCM on directly dialed paths (``zmq_sealed``); this peer's
         own sealed port is bound at ``sealed_bind`` (None: none, and this peer offers no key)."""
@@ -252,14 +252,15 @@ class ZmqSockets:
                 self._connect(peer, endpoint, self._keys[peer], None, False)
 
     def close_idle(self, peer: int) -> bool:
-        """Links on demand: close ``peer``'s idle direct link and park it (the receiving thread's). True if closed."""
+        """Links on demand: close ``peer``'s idle direct link (what is queued gets ``CLOSE_LINGER_S``) and park it (the
+        receiving thread's). True if closed."""
         with self._changing:
             if peer not in self.dealers or (endpoint := self._direct.get(peer)) is None:
                 return False
-            self._retire(peer)
+            self._retire(peer, CLOSE_LINGER_S)
             self.links.park(peer, endpoint, idle=True)
             if self.sealed is not None:  # its sealed DEALER hangs up too (its keys are kept)
-                self.sealed.redial(peer, None)
+                self.sealed.redial(peer, None, CLOSE_LINGER_S)
         return True
 
     def _admit(self, peer: int, server_key: bytes | None) -> None:
@@ -315,19 +316,19 @@ class ZmqSockets:
             bound.append(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
         self.listening[peer] = (bound[0], bound[1])
 
-    def _retire(self, peer: int) -> None:
-        """Close ``peer``'s DEALERs, each under its lock (a sender racing this gets ``PeerFailed``), and hand their
-        monitor to the receiving thread, which polls it, to close (``retired_monitors``). Holding ``_changing``."""
+    def _retire(self, peer: int, linger_s: float = 0.0) -> None:
+        """Close ``peer``'s DEALERs under their locks (a sender racing this gets ``PeerFailed``; what is queued gets
+        ``linger_s``), their monitors to the receiving thread to close (``retired_monitors``). Holds ``_changing``."""
         (dealer, lock), (control, control_lock) = self.dealers.pop(peer), self.controls.pop(peer)
         monitor = next(m for m, p in self.monitors.items() if p == peer)
         control_monitor = next(m for m, p in self.control_monitors.items() if p == peer)
         del self.monitors[monitor], self.control_monitors[control_monitor]
         with lock:
-            close_leaving_monitor(dealer)
+            close_leaving_monitor(dealer, linger_s)
         self.retired_monitors.put(monitor)
         self.further_stripes.drop(peer)
         with control_lock:
-            close_leaving_monitor(control)
+            close_leaving_monitor(control, linger_s)
         self.retired_monitors.put(control_monitor)
         for table in (self._relayed, self._direct, self.listening):
             table.pop(peer, None)

@@ -429,9 +429,10 @@ class TransportConfig:
     ring_order: str = "topology"
     """topology: rings put peers behind NAT between reachable ones (fewer relayed hops); id: by peer id."""
     links_idle_s: float = 0.0
-    """0: a connection to every member (a full mesh). Above 0: links on demand: a member on a direct path gets this
-    peer's sockets when something is sent to it (Mix2's bucket at the round's start) and loses them after this many
-    seconds with nothing sent either way; members behind NAT keep theirs (``transport.zmq_links``)."""
+    """0: a connection to every member (a full mesh). Above 0: links on demand: a member this peer dials (directly,
+    or through a relay) gets this peer's sockets when something is sent to it (Mix2's bucket at the round's start)
+    and loses them after this many seconds with nothing sent either way; members on a reverse path (behind NAT,
+    dialing this peer's offered ports) keep theirs (``transport.zmq_links``)."""
     links_cap: int = 0
     """With links on demand: the most links a peer keeps; past it, the least recently used link unused for 1 s is
     closed (no failure; none such: the peer goes over until one is). 0: twice ``[groups] size`` less two, the other

@@ -14,7 +14,8 @@ same single command everywhere, reachability found by the dial-back check), in i
 (d) a relay whose limits cut every relayed connection after 5 s: the peers hand theirs over to new
     streams between exchanges, and no exchange fails;
 (e) a reachable peer whose firewall opens its data and DHT ports only (like one forwarded port):
-    the peers behind NAT cannot dial its reverse connections, so it relays to them instead.
+    the peers behind NAT cannot dial its reverse connections, so it relays to them instead;
+(f) four peers behind their own routers on links on demand: relayed links made when used, closed when idle.
 """
 
 from __future__ import annotations
@@ -193,6 +194,28 @@ def test_nat_relayed_connections_are_renewed_before_the_relays_limits_without_fa
             assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
             renewed += s["reach"]["tunnels"]["renewed"]
         assert renewed >= 8, renewed
+
+
+@pytest.mark.timeout(420)
+def test_nat_members_reached_through_relays_get_links_on_demand_and_lose_them_when_idle(tmp_path):
+    """Four peers each behind its own router (every pair relayed) on links on demand closed after 1 s idle, in rounds
+    of 3 s (50 ms synthetic steps): each peer makes a relayed member's sockets when it sends to it, through its own
+    tunnel port, and closes them when idle, many times over, with no failed exchange and every peer to the end."""
+    require_netns()
+    overrides = {"inner_steps": 60, "rounds": 5, "inner.synthetic_step_s": 0.05, "monitor.every": 60,
+                 "transport.links_idle_s": 1.0}
+    with nt.NatTestbed(public=1, homes=4, prefix="gntf") as bed:
+        peers, codes = run_swarm(bed, tmp_path, [bed.host(f"home{j}") for j in range(4)],
+                                 tiny_peer_args(PRESET, **overrides))
+        assert_exit(peers, codes, range(4))
+        for rank in range(4):
+            s = summary(peers, rank)
+            failed = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
+            warnings = [line for line in peers.log(rank).splitlines() if " WARN" in line or " ERROR" in line]
+            assert s["mix1_failures"] == s["mix2_failures"] == s["monitor_failures"] == 0, (rank, failed, warnings)
+            assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
+            links = s["security"]["links_on_demand"]
+            assert links["relayed"] == 3 and links["opened"] >= 6 and links["closed_idle"] >= 3, (rank, links)
 
 
 @pytest.mark.timeout(420)

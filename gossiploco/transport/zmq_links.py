@@ -13,8 +13,13 @@ the node hears ``disconnected``, as a full mesh's heartbeat would tell it, and l
 dropped connection; a link that comes up later is ``connected`` again. A refused handshake (the member has not
 admitted this peer yet, as when it has not read this peer's record) is an answer from a live process: not reported.
 A handshake slower than one deadline but within ``PATIENCE`` of them (a peer busy starting: its ZAP handler is Python)
-is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``). Reverse
-and relayed paths are not parked: a member behind NAT cannot be dialed when wanted. Each end closes its own idle
+is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``). A member
+reached through a relay is parked too (``relayed``): this peer dials its own DHT node's tunnel port for it, which
+opens a stream through the member's relay when the connection comes (``reach.tunnel``), so such a link is made when
+wanted as a direct one is; one whose stream cannot be opened (the member or its relay gone) is dropped by the tunnel
+before its handshake, dialed again by libzmq, and reported once ``PATIENCE`` handshake deadlines passed since its
+connection was first taken. A reverse path is not parked: the member behind NAT dials this peer's offered ports, so
+it cannot be dialed when wanted. Each end closes its own idle
 links, so a peer's link to a member may be up while the member's to it is closed: a peer leaving tells every peer it
 sent to or heard from within ``lately_s`` (``lately``), not only those its own links reach, and waits for the links
 it opened for that, so that none of them sees its link drop before the goodbye (a lost peer, to it). A link that
@@ -73,6 +78,7 @@ class LinksOnDemand:
         self._answering: dict[int, float] = {}  # peer -> when its TCP connection was taken, until its handshake ends
         self._up: set[int] = set()  # peers whose link is up (handshake done, no drop since)
         self._members: set[int] = set()  # every peer parked once and not forgotten, whether its sockets exist or not
+        self._relayed: set[int] = set()  # members parked on a relayed path (through this peer's tunnel port)
         self._numbers: dict[int, int] = {}  # peer -> how many links were made to it on demand
         self._contact: dict[int, float] = {}  # peer -> its last message either way, kept for ``lately_s`` (``lately``)
         self._checked_at = -CHECK_S
@@ -85,16 +91,26 @@ class LinksOnDemand:
         self.frozen = 0
         """Links reported because their connection was taken and their handshake never ended (a frozen process)."""
 
-    def park(self, peer: int, endpoint: str, idle: bool = False) -> None:
-        """``peer`` is a member on a direct path at ``endpoint`` with no sockets (found, or its link closed ``idle``)."""
+    def park(self, peer: int, endpoint: str, idle: bool = False, relayed: bool = False) -> None:
+        """``peer`` is a member dialed at ``endpoint`` (its own, or this peer's tunnel port for it: ``relayed``) with no
+        sockets (found, or its link closed ``idle``)."""
         with self._lock:
             self.closed_idle += idle
             self._members.add(peer)
+            if relayed:
+                self._relayed.add(peer)
+            else:
+                self._relayed.discard(peer)
             self._parked[peer] = endpoint
             self._last_use.pop(peer, None)
             self._opened.pop(peer, None)
             self._answering.pop(peer, None)
             self._up.discard(peer)
+
+    def through_relay(self, peer: int) -> bool:
+        """Whether ``peer`` was parked on a relayed path (its sockets, made on demand, dial a tunnel port)."""
+        with self._lock:
+            return peer in self._relayed
 
     def tracks(self, peer: int) -> bool:
         """Whether ``peer`` is on demand here (parked, or its sockets made on demand), until ``forget``."""
@@ -187,6 +203,7 @@ class LinksOnDemand:
             self._answering.pop(peer, None)
             self._up.discard(peer)
             self._members.discard(peer)
+            self._relayed.discard(peer)
             self._numbers.pop(peer, None)
             self._contact.pop(peer, None)
             return self._parked.pop(peer, None) is not None
@@ -229,4 +246,4 @@ class LinksOnDemand:
         with self._lock:
             return {"parked": len(self._parked), "linked": len(self._last_use), "up": len(self._up),
                     "opened": self.opened, "closed_idle": self.closed_idle, "closed_for_room": self.closed_for_room,
-                    "frozen": self.frozen, "lately": len(self._contact)}
+                    "frozen": self.frozen, "lately": len(self._contact), "relayed": len(self._relayed)}

@@ -3,7 +3,8 @@ with its monitor, and the monitor events of a failed handshake.
 
 A send never blocks for long: it takes the socket's lock and retries a full queue (``NOBLOCK``, then a poll for
 room, ``retry.send_wait_s``) until the caller's deadline, so a dead peer whose queue is full cannot hold a sender
-forever. Used by ``zmq_sockets`` (the CurveZMQ DEALERs) and ``zmq_sealed`` (the sealed ones).
+forever. Used by ``zmq_sockets`` (the CurveZMQ DEALERs) and ``zmq_sealed`` (the sealed ones). Also the options of
+a peer's ROUTER, each with its reason (``router_options``).
 """
 
 from __future__ import annotations
@@ -93,3 +94,42 @@ def close_monitored(sock: zmq.Socket, lock: threading.Lock, monitor: zmq.Socket,
             pass
         monitor.close(linger=0)
         sock.close(linger=int(1000 * linger_s))
+
+
+KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
+"""TCP keepalive of a ROUTER's inbound connections: a dead machine's connection is dropped after about 16 s."""
+
+
+def router_options(router: zmq.Socket, max_frame_bytes: int, handshake_ms: int) -> None:
+    """A peer's ROUTER's options, set before it binds: why each is there, below."""
+    router.setsockopt(zmq.RCVHWM, 1000)
+    # ROUTER_HANDOVER: a new connection with a routing id the ROUTER still holds (a peer that
+    # reconnects before its old, dead connection is torn down: after a freeze, a partition, or
+    # in a race with a restart) takes the id over. Without it libzmq parks the new connection
+    # unread for good (seen: a resumed peer never heard the others again). Only members get
+    # this far (CurveZMQ + ZAP); a message whose routing id names another peer than the one its
+    # key authenticated is refused (``transport.admission``), and each peer is pinned to one process
+    # (incarnation). Known limit: a misbehaving member could still take over another member's
+    # routing id (ZAP does not see routing ids), costing that peer its connection until it reconnects.
+    router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # No ZMTP heartbeats on the ROUTER: libzmq 4.3.4/4.3.5 (and master) abort the whole process
+    # (``Assertion failed: !_io_error (stream_engine_base.cpp:310)``) when a connection whose
+    # input is stopped (its queue full, or its pipe taken over by ROUTER_HANDOVER) hangs up and
+    # the heartbeat timer then writes to it (zeromq/libzmq#4364). A sender 1,000 messages ahead
+    # of a busy receiver that then dies was enough. TCP keepalive drops a dead machine's stale
+    # inbound connection instead; the DEALERs' heartbeats (which never stop input: they receive
+    # nothing) still detect dead and frozen peers. ``tests/test_attacks.py`` replays the crash.
+    router.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+    router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_COUNT)
+    # Frames far beyond any valid message make zmq drop the connection before buffering them.
+    router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    # A client that connects and never completes the handshake is dropped after ``handshake_ms``.
+    router.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)
+    # The ROUTER dials only reverse connections (``Receiver.dial``). libzmq's own redialing starts again at 100 ms
+    # after every TCP connection, handshake or not, so an endpoint that takes TCP but refuses or never completes
+    # the handshake was dialed 10 times a second for as long as it was wanted. So libzmq never redials here; the
+    # receiving thread redials the endpoints it still wants (``retry.Redials``: backoff counted from the last
+    # handshake), from its monitor's events.
+    router.setsockopt(zmq.RECONNECT_IVL, -1)

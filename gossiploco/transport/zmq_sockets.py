@@ -17,8 +17,8 @@ one (``connect_stripes``: the first one's handshake succeeded), kept for the pee
 data call's chunks carry their index and wait in the receiver's mailbox until consumed, so the order they arrive in
 does not matter. The first data DEALER has a monitor (liveness is the peer's, not a connection's); the control
 DEALER has one for failed handshakes only (``control_monitors``); a reverse or relayed path uses the first data
-DEALER alone (a relay's slots and link are shared). With ``links_idle_s`` (``zmq_links``) a member on a direct path
-gets its sockets only when something is sent to it, and loses them when its link is idle.
+DEALER alone (a relay's slots and link are shared). With ``links_idle_s`` (``zmq_links``) a member this peer dials
+(direct or relayed) gets its sockets when something is sent to it and loses them when its link is idle.
 
 Sealed data (``trust``; ``zmq_sealed``): a peer also binds a NULL-mechanism ROUTER, its sealed port, and each peer
 dialing it directly sends its data messages there sealed with AES-256-GCM (keys offered over CurveZMQ) once that
@@ -58,7 +58,7 @@ from gossiploco.transport.wakeup import Waker, WakingQueue
 from gossiploco.transport.zmq_sealed import SealedLinks
 from gossiploco.transport.zmq_stripes import Stripes
 from gossiploco.transport.zmq_send import (HANDSHAKE_FAILURES, close_leaving_monitor, close_monitored, heartbeat,
-                                            send_until)
+                                            router_options, send_until)
 
 HEARTBEAT_TIMEOUT_MS = 5000
 """Default liveness timeout (``heartbeat_s`` overrides it). A heartbeat waits behind data already
@@ -72,8 +72,6 @@ HANDSHAKE_MS = 5000
 ROUTER_CONNECTION_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
 """ROUTER monitor events the receiving thread acts on: a connection made, dropped, or (an attempt to dial) closed.
 Those of inbound connections name the ROUTER's own bound address, never a reverse endpoint it dials."""
-KEEPALIVE_IDLE_S, KEEPALIVE_INTVL_S, KEEPALIVE_COUNT = 10, 2, 3
-"""TCP keepalive of inbound connections: a dead machine's connection is dropped after about 16 s."""
 
 
 class ZmqSockets:
@@ -110,37 +108,7 @@ class ZmqSockets:
         """Chunks each data DEALER may queue: a peer's queue toward another, all stripes together, stays at 256 MiB."""
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.router.setsockopt(zmq.RCVHWM, 1000)
-        # ROUTER_HANDOVER: a new connection with a routing id the ROUTER still holds (a peer that
-        # reconnects before its old, dead connection is torn down: after a freeze, a partition, or
-        # in a race with a restart) takes the id over. Without it libzmq parks the new connection
-        # unread for good (seen: a resumed peer never heard the others again). Only members get
-        # this far (CurveZMQ + ZAP); a message whose routing id names another peer than the one its
-        # key authenticated is refused (``transport.admission``), and each peer is pinned to one process
-        # (incarnation). Known limit: a misbehaving member could still take over another member's
-        # routing id (ZAP does not see routing ids), costing that peer its connection until it reconnects.
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # No ZMTP heartbeats on the ROUTER: libzmq 4.3.4/4.3.5 (and master) abort the whole process
-        # (``Assertion failed: !_io_error (stream_engine_base.cpp:310)``) when a connection whose
-        # input is stopped (its queue full, or its pipe taken over by ROUTER_HANDOVER) hangs up and
-        # the heartbeat timer then writes to it (zeromq/libzmq#4364). A sender 1,000 messages ahead
-        # of a busy receiver that then dies was enough. TCP keepalive drops a dead machine's stale
-        # inbound connection instead; the DEALERs' heartbeats (which never stop input: they receive
-        # nothing) still detect dead and frozen peers. ``tests/test_attacks.py`` replays the crash.
-        self.router.setsockopt(zmq.TCP_KEEPALIVE, 1)
-        self.router.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
-        self.router.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
-        self.router.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_COUNT)
-        # Frames far beyond any valid message make zmq drop the connection before buffering them.
-        self.router.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + codec.MAX_HEADER_BYTES)
-        # A client that connects and never completes the handshake is dropped after HANDSHAKE_S.
-        self.router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
-        # The ROUTER dials only reverse connections (``Receiver.dial``). libzmq's own redialing starts again at 100 ms
-        # after every TCP connection, handshake or not, so an endpoint that takes TCP but refuses or never completes
-        # the handshake was dialed 10 times a second for as long as it was wanted. So libzmq never redials here; the
-        # receiving thread redials the endpoints it still wants (``retry.Redials``: backoff counted from the last
-        # handshake), from the events below.
-        self.router.setsockopt(zmq.RECONNECT_IVL, -1)
+        router_options(self.router, max_message_bytes + codec.MAX_HEADER_BYTES, HANDSHAKE_MS)
         if trust is not None:
             secure_server(self.router, trust)
         try:
@@ -168,7 +136,7 @@ class ZmqSockets:
         self.further_stripes = Stripes(self.stripes, self._stripe)
         """Each peer's further data DEALERs (``stripes - 1``): a bounded pool, on direct paths (``zmq_stripes``)."""
         self._relayed: dict[int, bool] = {}
-        self._direct: dict[int, str] = {}  # peer -> its endpoint while this peer dials it directly (not relayed)
+        self._dialed: dict[int, str] = {}  # peer -> the endpoint this peer dials for it (its own, or its tunnel's)
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
         """Each peer's first data DEALER's monitor: handshakes made, failed, and connections dropped."""
@@ -240,25 +208,26 @@ class ZmqSockets:
         best, so a chunk takes longer than on a direct link: its heartbeat timeout is
         ``RELAYED_HEARTBEAT_FACTOR`` times longer (see ``HEARTBEAT_TIMEOUT_MS``)."""
         with self._changing:
-            if self.links is None or listen is not None or relayed:
+            if self.links is None or listen is not None:
                 return self._connect(peer, endpoint, server_key, listen, relayed)
             self._admit(peer, server_key)  # links on demand: parked until something is sent
-            self.links.park(peer, endpoint)
+            self.links.park(peer, endpoint, relayed=relayed)
 
     def open_link(self, peer: int) -> None:
         """Links on demand: make ``peer``'s sockets if it is parked (``zmq_links``); record the use either way."""
         with self._changing:
             if (endpoint := self.links.open(peer)) is not None:
-                self._connect(peer, endpoint, self._keys[peer], None, False)
+                self._connect(peer, endpoint, self._keys[peer], None, self.links.through_relay(peer))
 
     def close_idle(self, peer: int) -> bool:
-        """Links on demand: close ``peer``'s idle direct link (what is queued gets ``CLOSE_LINGER_S``) and park it (the
+        """Links on demand: close ``peer``'s idle dialed link (what is queued gets ``CLOSE_LINGER_S``) and park it (the
         receiving thread's). True if closed."""
         with self._changing:
-            if peer not in self.dealers or (endpoint := self._direct.get(peer)) is None:
+            if peer not in self.dealers or (endpoint := self._dialed.get(peer)) is None:
                 return False
+            relayed = self._relayed[peer]
             self._retire(peer, CLOSE_LINGER_S)
-            self.links.park(peer, endpoint, idle=True)
+            self.links.park(peer, endpoint, idle=True, relayed=relayed)
             if self.sealed is not None:  # its sealed DEALER hangs up too (its keys are kept)
                 self.sealed.redial(peer, None, CLOSE_LINGER_S)
         return True
@@ -297,12 +266,12 @@ class ZmqSockets:
         the first handshake succeeded: ``connect_stripes``), or listen on ``listen`` with its first data DEALER and its
         control DEALER (recording the ports)."""
         (dealer, _), (control, _) = self.dealers[peer], self.controls[peer]
-        if listen is None and not self._relayed[peer]:
-            self._direct[peer] = endpoint
+        if listen is None:
+            self._dialed[peer] = endpoint
         else:
-            self._direct.pop(peer, None)
+            self._dialed.pop(peer, None)
         if self.sealed is not None:  # only a directly dialed path is sealed (zmq_sealed)
-            self.sealed.redial(peer, self._direct.get(peer))
+            self.sealed.redial(peer, self.dialed_endpoint(peer))
         if listen is None:
             dealer.connect(endpoint)
             control.connect(endpoint)
@@ -330,7 +299,7 @@ class ZmqSockets:
         with control_lock:
             close_leaving_monitor(control, linger_s)
         self.retired_monitors.put(control_monitor)
-        for table in (self._relayed, self._direct, self.listening):
+        for table in (self._relayed, self._dialed, self.listening):
             table.pop(peer, None)
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
@@ -338,12 +307,12 @@ class ZmqSockets:
         is dialed again after a refused handshake. Its DEALERs are made afresh: libzmq 4.3.5 carries out a
         ``disconnect`` only when the socket is next used, and a DEALER toward a peer that moved is not used again, so
         it went on redialing the old endpoint (measured: connected to a new listener there within 2 s;
-        ``bench/zmq_disconnect.py``); the old ones are closed instead.
-        Messages still queued toward ``old`` are dropped, as a disconnect drops them."""
+        ``bench/zmq_disconnect.py``); the old ones are closed instead, dropping what is queued toward ``old``."""
         with self._changing:
             if peer not in self.dealers:
-                if self.links is not None and self.links.forget(peer):  # parked: again if direct, else linked for good
-                    self.connect(peer, new, self._keys[peer], listen, bool(relayed))
+                was_relayed = self.links is not None and self.links.through_relay(peer)
+                if self.links is not None and self.links.forget(peer):  # parked: parked again unless now reverse
+                    self.connect(peer, new, self._keys[peer], listen, was_relayed if relayed is None else relayed)
                 return
             relayed = self._relayed[peer] if relayed is None else relayed
             key = self._keys[peer]
@@ -378,7 +347,7 @@ class ZmqSockets:
 
     def dialed_endpoint(self, peer: int) -> str | None:
         """``peer``'s endpoint while this peer dials it directly, not through a relay; else None. Any thread."""
-        return self._direct.get(peer)
+        return None if self._relayed.get(peer) else self._dialed.get(peer)
 
     def data_connections(self, peer: int) -> int:
         """How many data DEALERs carry messages to ``peer`` now (its stripes in use)."""

@@ -174,47 +174,47 @@ def test_nat_a_relay_that_dies_mid_run_costs_at_most_a_deadline(tmp_path):
             assert len(used) == 2 and all(count >= 2 for count in used.values()), json.dumps(tunnels)
 
 
+QUIET_RELAYED_ROUNDS = {"inner_steps": 60, "rounds": 5, "inner.synthetic_step_s": 0.05, "monitor.every": 60}
+"""Rounds of 3 s of 50 ms synthetic steps (``inner.synthetic_step_s``), monitors once a round: quiet links between
+exchanges, and no CPU contention on this 2-core machine between four peers and the processes carrying their streams."""
+
+
+def relayed_and_clean(peers: LocalPeers, rank: int) -> dict:
+    """Peer ``rank``'s summary, after checking that every path it took was relayed and that no exchange of it failed."""
+    s = summary(peers, rank)
+    failed = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
+    warnings = [line for line in peers.log(rank).splitlines() if " WARN" in line or " ERROR" in line]
+    assert s["mix1_failures"] == s["mix2_failures"] == s["monitor_failures"] == 0, (rank, failed, warnings)
+    assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
+    return s
+
+
 @pytest.mark.timeout(420)
 def test_nat_relayed_connections_are_renewed_before_the_relays_limits_without_failing_an_exchange(tmp_path):
-    """Inner steps are 50 ms sleeps (``inner.synthetic_step_s``): rounds of 3 s with quiet links
-    between exchanges (monitors once a round), and no CPU contention on this 2-core machine between
-    four peers and the processes that carry their streams."""
+    """Four peers each behind its own router in quiet relayed rounds (``QUIET_RELAYED_ROUNDS``), a relay that cuts
+    every relayed connection after 5 s."""
     require_netns()
-    overrides = {"inner_steps": 60, "rounds": 5, "inner.synthetic_step_s": 0.05, "monitor.every": 60}
     with nt.NatTestbed(public=1, homes=4, prefix="gntd") as bed:
         peers, codes = run_swarm(bed, tmp_path, [bed.host(f"home{j}") for j in range(4)],
-                                 tiny_peer_args(PRESET, **overrides), boot_extra=("--relay-time-s", "5"))
+                                 tiny_peer_args(PRESET, **QUIET_RELAYED_ROUNDS), boot_extra=("--relay-time-s", "5"))
         assert_exit(peers, codes, range(4))
-        renewed = 0
-        for rank in range(4):
-            s = summary(peers, rank)
-            failed = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
-            warnings = [line for line in peers.log(rank).splitlines() if " WARN" in line or " ERROR" in line]
-            assert s["mix1_failures"] == s["mix2_failures"] == s["monitor_failures"] == 0, (rank, failed, warnings)
-            assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
-            renewed += s["reach"]["tunnels"]["renewed"]
+        renewed = sum(relayed_and_clean(peers, rank)["reach"]["tunnels"]["renewed"] for rank in range(4))
         assert renewed >= 8, renewed
 
 
 @pytest.mark.timeout(420)
 def test_nat_members_reached_through_relays_get_links_on_demand_and_lose_them_when_idle(tmp_path):
-    """Four peers each behind its own router (every pair relayed) on links on demand closed after 1 s idle, in rounds
-    of 3 s (50 ms synthetic steps): each peer makes a relayed member's sockets when it sends to it, through its own
+    """Four peers each behind its own router (every pair relayed) on links on demand closed after 1 s idle, in quiet
+    relayed rounds of 3 s (``QUIET_RELAYED_ROUNDS``): each peer makes a relayed member's sockets when it sends to it, through its own
     tunnel port, and closes them when idle, many times over, with no failed exchange and every peer to the end."""
     require_netns()
-    overrides = {"inner_steps": 60, "rounds": 5, "inner.synthetic_step_s": 0.05, "monitor.every": 60,
-                 "transport.links_idle_s": 1.0}
+    overrides = {**QUIET_RELAYED_ROUNDS, "transport.links_idle_s": 1.0}
     with nt.NatTestbed(public=1, homes=4, prefix="gntf") as bed:
         peers, codes = run_swarm(bed, tmp_path, [bed.host(f"home{j}") for j in range(4)],
                                  tiny_peer_args(PRESET, **overrides))
         assert_exit(peers, codes, range(4))
         for rank in range(4):
-            s = summary(peers, rank)
-            failed = {k: v for k, v in s.items() if "fail" in k or "catch" in k}
-            warnings = [line for line in peers.log(rank).splitlines() if " WARN" in line or " ERROR" in line]
-            assert s["mix1_failures"] == s["mix2_failures"] == s["monitor_failures"] == 0, (rank, failed, warnings)
-            assert s["final_model"] == "averaged" and set(s["reach"]["per_peer"].values()) == {RELAYED}
-            links = s["security"]["links_on_demand"]
+            links = relayed_and_clean(peers, rank)["security"]["links_on_demand"]
             assert links["relayed"] == 3 and links["opened"] >= 6 and links["closed_idle"] >= 3, (rank, links)
 
 

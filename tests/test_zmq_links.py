@@ -323,6 +323,18 @@ def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
     assert links.forget(1) and not links.tracks(1) and not links.forget(1)
 
 
+def test_a_member_parked_on_a_relayed_path_is_opened_through_it_until_parked_on_another():
+    links = LinksOnDemand(idle_s=5.0, handshake_s=2.0)
+    links.park(1, "tcp://127.0.0.1:4100", relayed=True)  # this peer's tunnel port for member 1
+    links.park(2, "tcp://a:2")
+    assert links.through_relay(1) and not links.through_relay(2) and links.counts()["relayed"] == 1
+    assert links.open(1, now=0.0) == "tcp://127.0.0.1:4100" and links.through_relay(1)  # its sockets dial the tunnel
+    links.park(1, "tcp://b:1", idle=True)  # closed when idle, now on a direct path
+    assert not links.through_relay(1) and links.counts()["relayed"] == 0
+    links.park(2, "tcp://127.0.0.1:4102", relayed=True)
+    assert links.forget(2) and not links.through_relay(2)
+
+
 def test_a_dropped_link_is_unopened_idle_or_lost_by_whether_it_came_up_and_when_it_was_last_used():
     links = LinksOnDemand(idle_s=1.0, handshake_s=2.0)
     links.park(1, "tcp://a:1")

@@ -323,6 +323,25 @@ def test_the_bookkeeping_reports_idle_links_and_unanswered_handshakes_once():
     assert links.forget(1) and not links.tracks(1) and not links.forget(1)
 
 
+def test_a_link_made_again_after_a_refused_handshake_is_reported_if_its_new_connection_is_never_taken():
+    """A refused handshake is a live process's answer (not reported); the link made again to try once more is watched
+    anew, so a member that died meanwhile is reported when that connection is never taken."""
+    links = LinksOnDemand(idle_s=30.0, handshake_s=2.0)
+    links.park(1, "tcp://a:1")
+    links.open(1, now=0.0)
+    links.answered(1, now=0.1)  # TCP taken
+    links.answered(1, refused=True, now=0.2)  # and the handshake refused: alive, no timer left
+    assert links.due(now=10.0) == ([], [])
+    links.redialed(1, now=11.0)  # ``retry_refused`` made its sockets again; its process has died since
+    assert links.due(now=12.5) == ([], []) and links.due(now=13.0) == ([], [1])
+    links.redialed(1, now=20.0)
+    links.answered(1, now=20.1)
+    links.answered(1, refused=True, now=20.2)  # refused again: alive
+    assert links.due(now=40.0) == ([], [])
+    links.redialed(2, now=41.0)  # not a link made on demand: nothing to watch
+    assert links.due(now=50.0) == ([], [])
+
+
 def test_a_member_parked_on_a_relayed_path_is_opened_through_it_until_parked_on_another():
     links = LinksOnDemand(idle_s=5.0, handshake_s=2.0)
     links.park(1, "tcp://127.0.0.1:4100", relayed=True)  # this peer's tunnel port for member 1

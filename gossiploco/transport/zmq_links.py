@@ -195,6 +195,17 @@ class LinksOnDemand:
             elif taken:
                 self._answering[peer] = now
 
+    def redialed(self, peer: int, now: float | None = None) -> None:
+        """``peer``'s sockets made on demand were made afresh (a refused handshake tried again, or the peer moved: its
+        link is not up until their handshake): watched as a link just opened, so a member that died after refusing a
+        handshake is reported when the new connection is never taken, as one opened on demand is."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if peer in self._last_use:
+                self._up.discard(peer)
+                self._answering.pop(peer, None)
+                self._opened[peer] = now
+
     def forget(self, peer: int) -> bool:
         """Drop all that is kept of ``peer``; True if it was parked."""
         with self._lock:

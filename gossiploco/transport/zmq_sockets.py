@@ -318,6 +318,8 @@ class ZmqSockets:
             key = self._keys[peer]
             self._retire(peer)
             self._connect(peer, new, key, listen, relayed)
+            if self.links is not None:
+                self.links.redialed(peer)
 
     def forget(self, peer: int) -> bool:
         """Close every socket to ``peer`` and drop what is kept of it (its sealed-data keys and its admission by the

@@ -196,8 +196,8 @@ class LinksOnDemand:
                 self._answering[peer] = now
 
     def redialed(self, peer: int, now: float | None = None) -> None:
-        """``peer``'s sockets made on demand were made afresh (a refused handshake tried again, or the peer moved: its
-        link is not up until their handshake): watched as a link just opened, so a member that died after refusing a
+        """``peer``'s sockets made on demand were made afresh to dial it (a refused handshake tried again, or the peer
+        moved: its link is not up until their handshake): watched as a link just opened, so a member that died after refusing a
         handshake is reported when the new connection is never taken, as one opened on demand is."""
         now = time.monotonic() if now is None else now
         with self._lock:

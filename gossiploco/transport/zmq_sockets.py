@@ -318,7 +318,7 @@ class ZmqSockets:
             key = self._keys[peer]
             self._retire(peer)
             self._connect(peer, new, key, listen, relayed)
-            if self.links is not None:
+            if self.links is not None and listen is None:  # a reverse path waits for the peer to dial (paths)
                 self.links.redialed(peer)
 
     def forget(self, peer: int) -> bool:

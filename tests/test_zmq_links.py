@@ -5,6 +5,7 @@ behind an idle link found by the first send to it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -223,6 +224,68 @@ def test_a_member_frozen_behind_an_idle_link_is_found_by_the_next_send_to_it_bef
         frozen.close()
 
 
+@pytest.mark.parametrize("after", ["dies", "drops every connection"])
+def test_a_member_dying_mid_handshake_on_a_link_opened_on_demand_is_reported_before_any_exchange_deadline(swarm, after):
+    """Its process takes the connections the link opens and dies before the handshakes end: the connections drop with
+    no refusal (libzmq dials again, and is refused from then on). That is no answer from a live process: the dial
+    again is watched as a link just opened, and the member is reported within a handshake deadline or two, not kept
+    until its record expires (as a real chaos trial under a cap of 2 showed: 50 s of exchanges waiting for it).
+    ``drops every connection``: what this peer's tunnel port does for a member behind NAT whose relay is gone (it
+    takes each connection and closes it when the relayed stream cannot be opened): reported after ``PATIENCE``
+    handshake deadlines from the first taking."""
+    import socket
+    import threading
+
+    from gossiploco.transport.zmq_links import PATIENCE
+
+    heartbeat_s = 1.0
+    peers = swarm(3, heartbeat_s=heartbeat_s)
+    values = [torch.full((200,), float(r)) for r in range(3)]
+    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    host, port = peers[2].bound.removeprefix("tcp://").rsplit(":", 1)
+    peers[2].close()
+    dying = socket.socket()
+    dying.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    for attempt in range(50):  # its port, freed a moment ago
+        try:
+            dying.bind((host, int(port)))
+            break
+        except OSError:
+            time.sleep(0.1)
+    dying.listen(64)
+    taken: list[bytes] = []
+
+    def die_mid_handshake() -> None:
+        dying.settimeout(5.0 if after == "dies" else 12.0)
+        try:
+            while True:
+                conn, _ = dying.accept()  # a connection the link opens: its greeting read, then dropped
+                conn.settimeout(2.0)
+                taken.append(conn.recv(64))
+                conn.close()
+                if after == "dies":
+                    break
+        except OSError:
+            pass
+        dying.close()  # what waits in its backlog is reset, and every dial from now on is refused
+
+    dier = threading.Thread(target=die_mid_handshake, daemon=True)
+    dier.start()
+    began = time.monotonic()
+    with pytest.raises(PeerFailed):
+        peers[0].swap("mix2/1", 2, values[0])  # the exchange's own deadline is 10 s, and would raise a timeout
+    reported = time.monotonic() - began
+    assert reported < 10.0
+    if after != "dies":
+        assert reported >= PATIENCE * heartbeat_s * 0.9 and len(taken) > 1, (reported, len(taken))
+        with contextlib.suppress(OSError):
+            dying.shutdown(socket.SHUT_RDWR)  # (wakes the accept)
+    dier.join(15.0)
+    assert taken and taken[0], "the link's first connection was never taken"
+    assert wait_until(lambda: 2 not in peers[0].members(1), 3.0)
+
+
 def test_a_member_restarted_behind_an_idle_link_is_admitted_as_its_new_process(swarm):
     """Nobody held a link to peer 1 when it restarted, so nobody saw its old process go: its new process must be
     taken for a restart (pending until it says where it stands), not refused as another process claiming it while
@@ -399,6 +462,36 @@ def test_a_connection_taken_whose_handshake_never_ends_is_reported_once_and_a_re
     links.open(1, now=40.0)  # a link opened anew is watched anew
     links.answered(1, now=40.0)
     assert links.due(now=40.0 + PATIENCE * 2.0) == ([], [1]) and links.counts()["frozen"] == 2
+
+
+def test_a_handshake_dropped_without_a_refusal_leaves_the_dial_again_watched_and_a_refusal_does_not():
+    """A connection dropped mid-handshake with no refusal (its process died, or its handshake interval ran out) is no
+    live answer: the dial again must be taken within a handshake deadline, and the handshake waited for keeps the time
+    of the first taking, so a peer that takes and drops connections for good is reported after ``PATIENCE`` deadlines;
+    a refusal is a live answer and leaves no timer; a peer is reported once, whichever timer ran out."""
+    from gossiploco.transport.zmq_links import PATIENCE
+
+    links = LinksOnDemand(idle_s=100.0, handshake_s=2.0)
+    for peer in (1, 2, 3):
+        links.park(peer, f"tcp://a:{peer}")
+        links.open(peer, now=0.0)
+        links.answered(peer, now=0.5)  # TCP taken
+    links.handshake_dropped(1, now=1.0)  # peer 1 died mid-handshake: its dials again are refused from now on
+    links.answered(2, refused=True, now=1.0)  # peer 2 refused: alive, its retries are ``HandshakeBackoff``'s
+    links.handshake_dropped(3, now=1.0)  # peer 3 takes every dial again and drops it before the handshake ends
+    assert links.due(now=2.9) == ([], [])
+    links.answered(3, now=1.1)
+    assert links.due(now=3.2) == ([], [1])  # peer 1's dial again never taken: one deadline after the drop
+    for t in (2.0, 3.0, 4.0, 5.0):
+        links.handshake_dropped(3, now=t)
+        links.answered(3, now=t + 0.1)
+    assert links.due(now=0.5 + PATIENCE * 2.0 - 0.3) == ([], [])  # (due looks every CHECK_S)
+    assert links.due(now=0.5 + PATIENCE * 2.0) == ([], [3])  # PATIENCE deadlines from its first taking
+    assert links.due(now=60.0) == ([], []) and links.counts()["frozen"] == 1  # each reported once, peer 2 never
+    links.link_up(2)
+    links.handshake_dropped(2, now=61.0)  # a link up is not watched (its drop is ``link_down``'s)
+    links.handshake_dropped(9, now=61.0)  # nor a peer not linked on demand
+    assert links.due(now=70.0) == ([], [])
 
 
 def test_a_link_made_again_has_routing_ids_of_its_own_that_name_the_same_process():

@@ -13,7 +13,9 @@ the node hears ``disconnected``, as a full mesh's heartbeat would tell it, and l
 dropped connection; a link that comes up later is ``connected`` again. A refused handshake (the member has not
 admitted this peer yet, as when it has not read this peer's record) is an answer from a live process: not reported.
 A handshake slower than one deadline but within ``PATIENCE`` of them (a peer busy starting: its ZAP handler is Python)
-is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``). A member
+is waited for; one dropped by the other end's ``HANDSHAKE_IVL`` is dialed again, no failure (``link_down``), and that
+dial again is watched as a link just opened (``handshake_dropped``: a process that died mid-handshake refuses it, and
+is reported within a deadline; without this, such a member went unnoticed until its record expired). A member
 reached through a relay is parked too (``relayed``): this peer dials its own DHT node's tunnel port for it, which
 opens a stream through the member's relay when the connection comes (``reach.tunnel``), so such a link is made when
 wanted as a direct one is; one whose stream cannot be opened (the member or its relay gone) is dropped by the tunnel
@@ -193,7 +195,18 @@ class LinksOnDemand:
             if refused:
                 self._answering.pop(peer, None)
             elif taken:
-                self._answering[peer] = now
+                self._answering.setdefault(peer, now)
+
+    def handshake_dropped(self, peer: int, now: float | None = None) -> None:
+        """A connection to ``peer`` dropped before its handshake ended, with no refusal (the other end closed it: its
+        ``HANDSHAKE_IVL`` ran out, or its process died mid-handshake; libzmq dials again). No answer from a live process:
+        the dial again is watched as a link just opened (reported if not taken within ``handshake_s``), and a
+        handshake waited for since the connection was first taken keeps that time (``PATIENCE``), so a process that
+        died mid-handshake is reported, and one that keeps taking and dropping connections is too."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if peer in self._last_use and peer not in self._up:
+                self._opened.setdefault(peer, now)
 
     def redialed(self, peer: int, now: float | None = None) -> None:
         """``peer``'s sockets made on demand were made afresh to dial it (a refused handshake tried again, or the peer
@@ -235,12 +248,12 @@ class LinksOnDemand:
             idle += self._room(now, len(self._last_use) - len(idle))
             unanswered = [p for p, t in self._opened.items() if now - t >= self.handshake_s]
             frozen = [p for p, t in self._answering.items() if now - t >= PATIENCE * self.handshake_s]
-            for peer in unanswered:
-                del self._opened[peer]
             for peer in frozen:
-                del self._answering[peer]
                 self.frozen += 1
-            return idle, sorted(unanswered + frozen)
+            for peer in unanswered + frozen:  # reported once: neither timer is left to report it again
+                self._opened.pop(peer, None)
+                self._answering.pop(peer, None)
+            return idle, sorted(set(unanswered + frozen))
 
     def _room(self, now: float, linked: int) -> list[int]:
         """The links to close to bring ``linked`` back to ``cap``: the least recently used of those up and unused for

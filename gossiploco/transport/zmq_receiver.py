@@ -313,10 +313,12 @@ class Receiver:
                     continue
                 self.feed(lambda node, now: node.disconnected(peer, now))
             elif event["event"] & HANDSHAKE_FAILURES:
+                if not event["event"] & HANDSHAKE_REFUSALS:  # dropped during its handshake: libzmq dials again itself
+                    if self.sockets.links is not None:  # no answer from a live process: its dial again is watched
+                        self.sockets.links.handshake_dropped(peer)
+                    continue
                 if self.sockets.links is not None:
                     self.sockets.links.answered(peer, refused=True)
-                if not event["event"] & HANDSHAKE_REFUSALS:
-                    continue  # dropped during its handshake: libzmq dials again itself
                 # refused: libzmq gives up on the connection, so we retry ourselves
                 delay = self.sockets.refused_by(peer, time.monotonic())
                 refusals = self.sockets.handshakes.refusals(peer)

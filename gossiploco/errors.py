@@ -73,6 +73,11 @@ class ExchangeError(GossiplocoError):
     """A collective exchange with other peers did not complete."""
 
 
+class AddressInUse(ExchangeError):
+    """The address a peer's exchange binds is taken by another process (its ``--port``, or a port it picked for itself
+    that another process took first)."""
+
+
 class ExchangeTimeout(ExchangeError):
     """A peer did not answer before the exchange's deadline."""
 

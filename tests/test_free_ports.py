@@ -80,3 +80,47 @@ def test_peers_launched_to_join_get_distinct_ports_kept_across_restarts(tmp_path
     assert [port_of(peers.command(rank)) for rank in range(32)] == ports  # restarts keep theirs
     assert port_of(peers.command(40)) not in ports and port_of(peers.command(40)) == port_of(peers.command(40))
     assert "--port" not in LocalPeers(2, tmp_path / "static").command(0)  # a static list names every endpoint
+
+
+def test_an_exchange_on_a_port_another_process_holds_says_so_with_its_own_error():
+    from gossiploco.errors import AddressInUse
+    from gossiploco.transport.zmq_exchange import ZmqExchange
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(AddressInUse, match="cannot bind"):
+            ZmqExchange(0, [endpoint, "tcp://127.0.0.1:1"], "ports-test", 5.0)
+
+
+def test_a_peer_picking_its_own_port_picks_again_when_another_process_took_it_first(monkeypatch, caplog):
+    """Its whole start is made again on a new port (the reachability check dials the port the data plane binds); a port
+    the user gave is never changed; after ``PORT_PICKS`` taken ports the error is raised."""
+    from gossiploco.errors import AddressInUse
+    from gossiploco.runtime import dht_peer
+
+    picks = iter([4101, 4102, 4103, 4104])
+    monkeypatch.setattr(dht_peer, "free_ports", lambda count, host: [next(picks)])
+    taken = {4101}
+    started: list[int] = []
+
+    def joined_node(cfg, trust, stream, join, host, port, *args, **kwargs):
+        started.append(port)
+        if port in taken:
+            raise AddressInUse(f"rank 1: cannot bind tcp://{host}:{port}: Address already in use")
+        return f"peer on {port}"
+
+    monkeypatch.setattr(dht_peer, "joined_node", joined_node)
+    trust = type("T", (), {"peer_id": 1})()
+    assert dht_peer.joined_peer(None, trust, None, [], "127.0.0.1", 0, None, "run") == "peer on 4102"
+    assert started == [4101, 4102] and "port 4101 was taken" in caplog.text
+    taken.update({4103, 4104, 7000})
+    with pytest.raises(AddressInUse):
+        dht_peer.joined_peer(None, trust, None, [], "127.0.0.1", 7000, None, "run")  # the user's port: not changed
+    assert started[-1] == 7000
+    picks = iter([4201, 4202, 4203])
+    taken.update({4201, 4202, 4203})
+    with pytest.raises(AddressInUse):
+        dht_peer.joined_peer(None, trust, None, [], "127.0.0.1", 0, None, "run")
+    assert started[-3:] == [4201, 4202, 4203] and dht_peer.PORT_PICKS == 3

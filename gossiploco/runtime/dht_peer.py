@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from gossiploco.config import RunConfig
-from gossiploco.errors import ConfigError
+from gossiploco.errors import AddressInUse, ConfigError
 from gossiploco.membership.dht_node import check_initial_peers
 from gossiploco.membership.dht_directory import DhtDirectory
 from gossiploco.reach.reachability import Reachability, check_reachability, describe, peer_ids_of
@@ -57,7 +57,32 @@ def verified_by_join(found: Reachability, join: list[str]) -> bool:
     return found.reachable is True and found.checker is not None and found.checker in peer_ids_of(join)
 
 
+PORT_PICKS = 3
+"""Ports a peer picks for itself (``--port 0``) before it gives up: another process may bind the one it picked first
+(several peers started at once on one machine pick from the same ports)."""
+
+
 def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
+                announce: str | None, run_id: str, dht_port: int = 0, **kwargs) -> NetworkPeer:
+    """``joined_node`` (its arguments), on ``port`` or, when it is 0, on a port it picks, picked again should another
+    process take that one first (``PORT_PICKS``): the reachability check dials the port the data plane binds, so the
+    whole start is made again on the new one."""
+    if port:
+        return joined_node(cfg, trust, stream, join, host, port, announce, run_id, dht_port, **kwargs)
+    check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
+    for pick in range(1, PORT_PICKS + 1):
+        picked = free_ports(1, check_host)[0]
+        try:
+            return joined_node(cfg, trust, stream, join, host, picked, announce, run_id, dht_port, **kwargs)
+        except AddressInUse as exc:
+            if pick == PORT_PICKS:
+                raise
+            log.warning("peer %d: port %d was taken before this peer could bind it (%s); picking another",
+                        trust.peer_id, picked, exc)
+    raise AssertionError("unreachable")
+
+
+def joined_node(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str], host: str, port: int,
                 announce: str | None, run_id: str, dht_port: int = 0, *, relays: list[str] | None = None,
                 reachability: str = "auto", new_run: bool = False, fault: SendHook | None = None,
                 shared_node: str | None = None, sealed_port: int = 0) -> NetworkPeer:
@@ -80,7 +105,6 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]
     relays = check_initial_peers(relays) if relays else []
     check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
-    port = port or free_ports(1, check_host)[0]  # the check needs the port the data plane will use
     found = find_reachability(reachability, join, check_host, port, t.hello_s)
     reachable, told = reachable_as(found, announce)
     behind_nat = not reachable

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gossiploco.errors import ExchangeError, ExchangeTimeout, PeerFailed
+from gossiploco.errors import AddressInUse, ExchangeError, ExchangeTimeout, PeerFailed
 from gossiploco.security.trust import MAX_STRIPES, Trust, routing_id
 from gossiploco.protocol import codec
 from gossiploco.transport.process_limits import default_io_threads, raise_open_file_limit, reuse_freed_memory
@@ -118,7 +118,8 @@ class ZmqSockets:
             if self.auth is not None:
                 self.auth.stop()
             self.ctx.term()
-            raise ExchangeError(f"rank {rank}: cannot bind {bind}: {exc}") from exc
+            error = AddressInUse if exc.errno == zmq.EADDRINUSE else ExchangeError
+            raise error(f"rank {rank}: cannot bind {bind}: {exc}") from exc
         # Handshakes that fail (wrong server key, a key of no member, garbage) are counted by reason; the rest tells
         # the receiving thread when a reverse connection is made, fails or drops (``read_router_monitor``).
         self.router_monitor = self.router.get_monitor_socket(HANDSHAKE_FAILURES | ROUTER_CONNECTION_EVENTS)

@@ -63,25 +63,6 @@ class Scripted:
         return self.ports.pop(0)
 
 
-def test_peers_launched_to_join_get_distinct_ports_kept_across_restarts(tmp_path):
-    """``LocalPeers`` with ``join`` gives every rank its own ``--port`` (peers picking their own could pick the same one:
-    one of 32 in a ``gossiploco swarm`` run exited with "Address already in use"); a rank started again keeps its
-    port, a rank beyond the count gets one no other rank has, and a port a rank's own arguments give wins."""
-    from gossiploco.runtime.launch import LocalPeers
-
-    def port_of(cmd: list[str]) -> int:
-        return int(cmd[len(cmd) - 1 - cmd[::-1].index("--port") + 1])  # the last --port: the one the CLI takes
-
-    peers = LocalPeers(32, tmp_path, join="/ip4/127.0.0.1/tcp/1/p2p/x", per_rank={3: ["--port", "7000"]})
-    ports = [port_of(peers.command(rank)) for rank in range(32)]
-    assert ports[3] == 7000
-    others = [p for rank, p in enumerate(ports) if rank != 3]
-    assert len(set(others)) == 31 and not [p for p in others if p in ephemeral_ports()]
-    assert [port_of(peers.command(rank)) for rank in range(32)] == ports  # restarts keep theirs
-    assert port_of(peers.command(40)) not in ports and port_of(peers.command(40)) == port_of(peers.command(40))
-    assert "--port" not in LocalPeers(2, tmp_path / "static").command(0)  # a static list names every endpoint
-
-
 def test_an_exchange_on_a_port_another_process_holds_says_so_with_its_own_error():
     from gossiploco.errors import AddressInUse
     from gossiploco.transport.zmq_exchange import ZmqExchange

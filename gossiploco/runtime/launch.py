@@ -249,9 +249,6 @@ class LocalPeers:
         self.join = join
         self.host = host
         self.endpoints = [] if join else [f"tcp://{host}:{p}" for p in free_ports(count, host)]
-        self._ports: dict[int, int] = dict(enumerate(free_ports(count, host))) if join else {}
-        """With ``join``: each rank's data port (``--port``), distinct and kept across its restarts. Peers left to pick
-        their own could pick the same one (seen: one of 32 exited with "Address already in use")."""
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[int, subprocess.Popen] = {}
         """The latest process of each rank started."""
@@ -282,18 +279,10 @@ class LocalPeers:
 
         return Identity.load_or_create(self.identity_path(rank)).peer_id
 
-    def port(self, rank: int) -> int:
-        """``rank``'s data port (``join``): one no other rank of these peers has (``per_rank`` may give another)."""
-        while rank not in self._ports:
-            port = free_ports(1, self.host)[0]
-            if port not in self._ports.values():
-                self._ports[rank] = port
-        return self._ports[rank]
-
     def command(self, rank: int) -> list[str]:
         if self.join:  # found through the DHT; the first round waits for ``count`` peers
-            where = ["--join", self.join, "--host", self.host, "--port", str(self.port(rank)),
-                     "--workers", str(self.count), "--identity", str(self.identity_path(rank))]
+            where = ["--join", self.join, "--host", self.host, "--workers", str(self.count),
+                     "--identity", str(self.identity_path(rank))]
         else:
             where = ["--peers", ",".join(self.endpoints)]
         trust = ["--open"] if self.swarm_key is None else ["--swarm-key", str(self.swarm_key)]

@@ -153,6 +153,7 @@ def test_a_peer_leaving_tells_those_whose_links_to_it_are_up_though_its_own_to_t
     assert "lost the connection to peer 0" not in caplog.text
 
 
+@pytest.mark.slow  # waits out a frozen member's handshake deadline (8-9 s)
 def test_a_peer_leaving_waits_for_a_slow_handshake_to_say_goodbye_and_names_whom_it_could_not_tell(swarm, caplog):
     """Peer 0 leaves while peer 2 answers handshakes slowly (its ZAP handler held 2.2 s a handshake, one at a time, so
     the control link that carries the goodbye is up after about 4.4 s), as on a machine where many peers leave at
@@ -263,6 +264,7 @@ def test_a_member_frozen_behind_an_idle_link_is_found_by_the_next_send_to_it_bef
         frozen.close()
 
 
+@pytest.mark.slow  # a link's idle time, then up to PATIENCE handshake deadlines (5 s each)
 @pytest.mark.parametrize("after", ["dies", "drops every connection"])
 def test_a_member_dying_mid_handshake_on_a_link_opened_on_demand_is_reported_before_any_exchange_deadline(swarm, after):
     """Its process takes the connections the link opens and dies before the handshakes end: the connections drop with

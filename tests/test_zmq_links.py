@@ -187,6 +187,15 @@ def test_a_peer_leaving_waits_for_a_slow_handshake_to_say_goodbye_and_names_whom
     assert "lost the connection to peer 0" not in caplog.text
 
 
+def _idle_after_a_ring(swarm, heartbeat_s: float) -> tuple[list[ZmqExchange], list[torch.Tensor]]:
+    """Three peers on links on demand after one ring all-reduce, once every link they opened closed as idle."""
+    peers = swarm(3, heartbeat_s=heartbeat_s)
+    values = [torch.full((200,), float(r)) for r in range(3)]
+    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
+    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    return peers, values
+
+
 def _listening_in_place_of(peer: ZmqExchange):
     """Close ``peer`` and listen on its port (a plain socket): its kernel takes connections, and with nobody accepting
     them nothing answers a handshake (a frozen process)."""
@@ -247,10 +256,7 @@ def test_a_member_frozen_behind_an_idle_link_is_found_by_the_next_send_to_it_bef
     from gossiploco.transport.zmq_links import PATIENCE
 
     heartbeat_s = 1.0
-    peers = swarm(3, heartbeat_s=heartbeat_s)
-    values = [torch.full((200,), float(r)) for r in range(3)]
-    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
-    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    peers, values = _idle_after_a_ring(swarm, heartbeat_s)
     frozen = _listening_in_place_of(peers[2])
     try:
         began = time.monotonic()
@@ -279,10 +285,7 @@ def test_a_member_dying_mid_handshake_on_a_link_opened_on_demand_is_reported_bef
     from gossiploco.transport.zmq_links import PATIENCE
 
     heartbeat_s = 1.0
-    peers = swarm(3, heartbeat_s=heartbeat_s)
-    values = [torch.full((200,), float(r)) for r in range(3)]
-    run_all([lambda r=r: peers[r].all_reduce_mean("mix1/0", values[r], [0, 1, 2]) for r in range(3)])
-    assert wait_until(lambda: all(ex.sockets.dealers == {} for ex in peers), IDLE_S + 4.0)
+    peers, values = _idle_after_a_ring(swarm, heartbeat_s)
     dying = _listening_in_place_of(peers[2])
     taken: list[bytes] = []
 

@@ -5,6 +5,7 @@ on the wire can do to it (replay, tamper, garbage): refused and counted, the exc
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -346,3 +347,38 @@ def test_a_peer_whose_path_changed_is_no_longer_dialed_at_its_old_sealed_port(mo
     finally:
         stop.set()
         a.close()
+
+
+@pytest.mark.slow  # seconds
+def test_a_peer_restarted_on_its_port_after_its_dial_back_check_is_dialed_afresh():
+    """A peer restarted on the same port first runs its dial-back check's listener there, which sends its nonce to
+    whoever connects: the others' DEALERs redialing that port take it for a broken ZMTP greeting, and libzmq drops such
+    a connection for good, saying only that it disconnected. When the new process speaks, the DEALERs made before its
+    predecessor was lost are made afresh, so the others reach it again (before, they never did: every send to it
+    queued until its deadline, and a peer restarted with a fixed ``--port`` trained alone)."""
+    from gossiploco.reach.reachability import NonceListener
+
+    key = SwarmKey.generate()
+    exchanges = _swarm(3, key=key)
+    try:
+        _all_reduce(exchanges, "mix1/0")  # every peer heard from its process
+        endpoint = exchanges[2].endpoints[2]
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        exchanges[2].close()  # killed: no goodbye
+        assert wait_until(lambda: 2 not in exchanges[0].connected() and 2 not in exchanges[1].connected(), 10.0)
+        for attempt in range(50):  # its port, freed a moment ago
+            try:
+                check = NonceListener(host, int(port), b"nonce")
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert wait_until(lambda: check.accepted >= 2, 10.0)  # both redialing DEALERs met the check's listener
+        check.close()
+        exchanges[2] = ZmqExchange(2, [ex.endpoints[ex.rank] for ex in exchanges[:2]] + [endpoint], "sealed", 10.0,
+                                   chunk_bytes=CHUNK, trust=Trust.static(key, 2, 3))
+        exchanges[2].announce(-1)  # it speaks (a joining peer announces itself): a probe, asking for replies
+        assert wait_until(lambda: all(2 in ex.connected() for ex in exchanges[:2]), 10.0), \
+            [ex.connected() for ex in exchanges]
+        _all_reduce(exchanges, "mix1/1")
+    finally:
+        _close(exchanges)

@@ -138,6 +138,7 @@ class ZmqSockets:
         """Each peer's further data DEALERs (``stripes - 1``): a bounded pool, on direct paths (``zmq_stripes``)."""
         self._relayed: dict[int, bool] = {}
         self._dialed: dict[int, str] = {}  # peer -> the endpoint this peer dials for it (its own, or its tunnel's)
+        self._made_at: dict[int, float] = {}  # peer -> when its DEALERs were made (``renew``)
         self.controls: dict[int, tuple[zmq.Socket, threading.Lock]] = {}
         self.monitors: dict[zmq.Socket, int] = {}
         """Each peer's first data DEALER's monitor: handshakes made, failed, and connections dropped."""
@@ -255,6 +256,7 @@ class ZmqSockets:
         control_monitor.setsockopt(zmq.LINGER, 0)
         self.dealers[peer] = (dealer, threading.Lock())
         self._relayed[peer] = relayed
+        self._made_at[peer] = time.monotonic()
         self.controls[peer] = (control, threading.Lock())
         self.monitors[monitor] = peer
         self.control_monitors[control_monitor] = peer
@@ -300,7 +302,7 @@ class ZmqSockets:
         with control_lock:
             close_leaving_monitor(control, linger_s)
         self.retired_monitors.put(control_monitor)
-        for table in (self._relayed, self._dialed, self.listening):
+        for table in (self._relayed, self._dialed, self.listening, self._made_at):
             table.pop(peer, None)
 
     def reattach(self, peer: int, old: str, new: str, listen: str | None, relayed: bool | None = None) -> None:
@@ -321,6 +323,20 @@ class ZmqSockets:
             self._connect(peer, new, key, listen, relayed)
             if self.links is not None and listen is None:  # a reverse path waits for the peer to dial (paths)
                 self.links.redialed(peer)
+
+    def renew(self, peer: int, lost_at: float) -> bool:
+        """``peer`` spoke while this peer's link to it is down: DEALERs dialing it directly that were made before that
+        link was lost at ``lost_at`` (``time.monotonic``) are made afresh (at most once a loss). libzmq drops for good a connection whose other end answered
+        with something other than ZMTP, saying only that it disconnected: a peer restarted on the same port first runs
+        its dial-back check's listener there (``reach.reachability.NonceListener``, which sends its nonce to whoever
+        connects), so the others' DEALERs redialing that port died on it and never reached the new process. True if
+        made afresh."""
+        with self._changing:
+            endpoint, made = self.dialed_endpoint(peer), self._made_at.get(peer)
+            if endpoint is None or made is None or made >= lost_at:
+                return False
+            self.reattach(peer, endpoint, endpoint, None)
+        return True
 
     def forget(self, peer: int) -> bool:
         """Close every socket to ``peer`` and drop what is kept of it (its sealed-data keys and its admission by the

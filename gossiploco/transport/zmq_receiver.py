@@ -268,12 +268,13 @@ class Receiver:
             # Now, before the node answers it: an answer queued on the refused DEALER would be dropped with it
             self.sockets.retry_refused(time.monotonic(), self.endpoints())
 
-        lost_link: list[float] = []  # when this peer's link to the sender was lost, if it is down as the sender speaks
-
         def event(node: PeerNode, now: float) -> list:
             lost = node.peers.lost_at.get(sender, -math.inf)
-            if sender not in node.peers.connected and sender in node.peers.lost_at:
-                lost_link.append(node.peers.lost_at[sender])
+            # The link to it down since it was lost: made afresh (``ZmqSockets.renew``) before any answer is queued
+            if sender not in node.peers.connected and sender in node.peers.lost_at \
+                    and self.sockets.renew(sender, node.peers.lost_at[sender]):
+                log.info("rank %d: peer %d speaks while the link to it is down since it was lost: its sockets made "
+                         "afresh", self.rank, sender)
             unseen = node.peers.links_on_demand and sender not in node.peers.connected
             if unseen:  # no link up that would have seen its last process go: another one is a restart
                 lost = now
@@ -284,9 +285,6 @@ class Receiver:
             return (node.restarted(sender, now) if unseen else []) + node.receive(sender, message, now)
 
         self.feed(event)
-        if lost_link and self.sockets.renew(sender, lost_link[0]):
-            log.info("rank %d: peer %d speaks while the link to it is down since it was lost: its sockets made afresh",
-                     self.rank, sender)
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         peer = self.sockets.monitors.get(monitor)

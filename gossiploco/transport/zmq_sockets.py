@@ -326,11 +326,11 @@ class ZmqSockets:
 
     def renew(self, peer: int, lost_at: float) -> bool:
         """``peer`` spoke while this peer's link to it is down: DEALERs dialing it directly that were made before that
-        link was lost at ``lost_at`` (``time.monotonic``) are made afresh (at most once a loss). libzmq drops for good a connection whose other end answered
-        with something other than ZMTP, saying only that it disconnected: a peer restarted on the same port first runs
-        its dial-back check's listener there (``reach.reachability.NonceListener``, which sends its nonce to whoever
-        connects), so the others' DEALERs redialing that port died on it and never reached the new process. True if
-        made afresh."""
+        link was lost at ``lost_at`` (``time.monotonic``) are made afresh (at most once a loss). libzmq drops for good a
+        connection whose other end answered with something other than ZMTP, saying only that it disconnected: a peer
+        restarted on the same port first runs its dial-back check's listener there (``reach.reachability.
+        NonceListener``, which sends its nonce to whoever connects), so the others' DEALERs redialing that port died
+        on it and never reached the new process. True if made afresh."""
         with self._changing:
             endpoint, made = self.dialed_endpoint(peer), self._made_at.get(peer)
             if endpoint is None or made is None or made >= lost_at:

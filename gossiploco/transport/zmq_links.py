@@ -199,8 +199,8 @@ class LinksOnDemand:
 
     def handshake_dropped(self, peer: int, now: float | None = None) -> None:
         """A connection to ``peer`` dropped before its handshake ended, with no refusal (the other end closed it: its
-        ``HANDSHAKE_IVL`` ran out, or its process died mid-handshake; libzmq dials again). No answer from a live process:
-        the dial again is watched as a link just opened (reported if not taken within ``handshake_s``), and a
+        ``HANDSHAKE_IVL`` ran out, or its process died mid-handshake; libzmq dials again). No answer from a live
+        process: the dial again is watched as a link just opened (reported if not taken within ``handshake_s``), and a
         handshake waited for since the connection was first taken keeps that time (``PATIENCE``), so a process that
         died mid-handshake is reported, and one that keeps taking and dropping connections is too."""
         now = time.monotonic() if now is None else now

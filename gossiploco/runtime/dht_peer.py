@@ -57,6 +57,11 @@ def verified_by_join(found: Reachability, join: list[str]) -> bool:
     return found.reachable is True and found.checker is not None and found.checker in peer_ids_of(join)
 
 
+def _check_host(host: str) -> str:
+    """Where this peer's ports are probed and its dial-back check listens: every interface for a wildcard host."""
+    return "0.0.0.0" if host in ("0.0.0.0", "::") else host
+
+
 PORT_PICKS = 3
 """Ports a peer picks for itself (``--port 0``) before it gives up: another process may bind the one it picked first
 (several peers started at once on one machine pick from the same ports)."""
@@ -69,9 +74,8 @@ def joined_peer(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     whole start is made again on the new one."""
     if port:
         return joined_node(cfg, trust, stream, join, host, port, announce, run_id, dht_port, **kwargs)
-    check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
     for pick in range(1, PORT_PICKS + 1):
-        picked = free_ports(1, check_host)[0]
+        picked = free_ports(1, _check_host(host))[0]
         try:
             return joined_node(cfg, trust, stream, join, host, picked, announce, run_id, dht_port, **kwargs)
         except AddressInUse as exc:
@@ -104,7 +108,7 @@ def joined_node(cfg: RunConfig, trust: Trust, stream: int | None, join: list[str
     t = cfg.timeouts
     join = [a.strip() for item in join for a in item.split(",") if a.strip()]
     relays = check_initial_peers(relays) if relays else []
-    check_host = "0.0.0.0" if host in ("0.0.0.0", "::") else host
+    check_host = _check_host(host)
     found = find_reachability(reachability, join, check_host, port, t.hello_s)
     reachable, told = reachable_as(found, announce)
     behind_nat = not reachable

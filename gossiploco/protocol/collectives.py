@@ -15,6 +15,7 @@ import math
 import torch
 
 from gossiploco.errors import PeerFailed
+from gossiploco.protocol import chunk_math
 from gossiploco.protocol.call import DataCall, Step
 from gossiploco.protocol.messages import Data, Send, StateRequest, digest
 from gossiploco.protocol.ring import chunks_per_segment, ring_steps, segment_bounds
@@ -75,7 +76,7 @@ class Swap(DataCall):
     def feed(self, message: Data) -> list[Send]:
         part = self.out[self.got * self.per:(self.got + 1) * self.per]
         _check(message, self.total, part.numel(), self.what, self.partner, self.out.dtype)
-        part.copy_(message.data)
+        chunk_math.copy_(part, message.data)
         self.got += 1
         return []
 
@@ -105,7 +106,7 @@ class PairMean(Swap):
     def feed(self, message: Data) -> list[Send]:
         part = self.mine[self.got * self.per:(self.got + 1) * self.per]
         _check(message, self.total, part.numel(), self.what, self.partner)
-        part.add_(message.data).div_(2)
+        chunk_math.div_(chunk_math.add_(part, message.data), 2)
         self.got += 1
         return []
 
@@ -171,11 +172,11 @@ class RingAllReduce(DataCall):
         part = self._segment(step.recv_segment)[self.chunk * self.per:(self.chunk + 1) * self.per]
         _check(message, self.total, part.numel(), self.what, self.left)
         if step.reduce:
-            part += message.data
+            chunk_math.add_(part, message.data)
             if self.step == self.n - 2:  # this segment's sum is complete: its mean, while the chunk is in cache
                 self._divide(part)
         else:
-            part.copy_(message.data)  # a mean already (its owner divided it)
+            chunk_math.copy_(part, message.data)  # a mean already (its owner divided it)
         self.chunk += 1
         if self.chunk < self.cps:
             return []
@@ -183,7 +184,7 @@ class RingAllReduce(DataCall):
         return self._sends(self.step) if self.step < len(self.steps) else []
 
     def _divide(self, part: torch.Tensor) -> None:
-        part.div_(self.n)
+        chunk_math.div_(part, self.n)
 
     def outcome(self) -> torch.Tensor:
         return self.acc  # every segment was divided by its owner before the all-gather: no pass over the whole
@@ -236,7 +237,7 @@ class AllToAll(DataCall):
             raise PeerFailed(f"{self.what}: peer {m} sent tag {message.tag}, this peer's is {self.tag} (another reference)")
         part = self.out[m][self.got * self.per:(self.got + 1) * self.per]
         _check(message, self.sizes[m], part.numel(), self.what, m, torch.uint8)
-        part.copy_(message.data)
+        chunk_math.copy_(part, message.data)
         self.got += 1
         return []
 
@@ -295,7 +296,7 @@ class FetchState(DataCall):
             raise PeerFailed(f"{self.what}: chunk {self.got} has {message.data.numel()} elements, expected {part.numel()}")
         if len(message.meta) < 3 or message.meta[2] != chunk_hash(message.data):
             raise PeerFailed(f"{self.what}: chunk {self.got} failed its hash check")
-        part.copy_(message.data)
+        chunk_math.copy_(part, message.data)
         self.got += 1
         return []
 

@@ -3,8 +3,8 @@
 torch runs an elementwise op over a chunk of a few MiB on a team of OpenMP threads, one per core, and the team's
 threads then spin, waiting for the next op: a receiving thread that reduces each chunk as it arrives kept every
 core busy between chunks. Measured here (2 cores, 2 peers, `bench/allreduce.py --threads 2`, torch's default for
-this machine, against `--threads 1`): a 100 MB all-reduce took 0.166 s instead of 0.073 s, and 0.14 s of CPU a
-peer instead of 0.05 (``bench/results/chunk-math.md``). So these go through numpy, which runs them on the calling
+this machine and what a peer runs): a 100 MB all-reduce took 0.166 s and 0.14 s of CPU a peer, 0.069 s and 0.05 s
+through numpy (``bench/results/chunk-math.md``). So these go through numpy, which runs them on the calling
 thread with the GIL released, bit for bit what torch computes (IEEE addition and division, element by element).
 A tensor numpy cannot view (bfloat16, or not on the CPU) goes through torch.
 """

@@ -260,6 +260,11 @@ class ZmqDriver:
         receiving on them is this driver's (the thread rules of ``zmq_sockets``)."""
         return self._sockets
 
+    @property
+    def receiver(self) -> Receiver:
+        """The receiving thread's work, to read its state in tests and diagnostics (``Receiver.dropping``)."""
+        return self._receiver_work
+
     def _wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         with self._cond:

@@ -5,7 +5,8 @@ message is validated (``codec.decode``, ``messages.from_wire``), its sender iden
 its process (``admission``), and fed to the node; a message that fails is dropped, logged (the
 first few of each reason, then at powers of two) and counted by reason. Monitor events (ZMTP
 handshake, disconnect: a dead process at once, a frozen one after the heartbeat timeout) become
-``connected``/``disconnected`` events; a refused handshake is retried with backoff
+``connected``/``disconnected`` events (a disconnect after ``GOODBYE_GRACE_S``, so that a goodbye sent on another
+connection just before is heard first); a refused handshake is retried with backoff
 (``ZmqSockets.refused_by``, the policy in ``transport.retry``), as libzmq gives up on such a connection (one dropped
 during its handshake libzmq dials again itself: ``zmq_send.HANDSHAKE_REFUSALS``). It also dials the reverse
 connections the driver asks for (``dial``), since only the ROUTER's thread may touch it, and redials those that
@@ -47,6 +48,10 @@ POLL_MS = 100
 IDLE_POLL_MS = 1000
 """How long it sleeps otherwise: other threads wake it when they give it work or close (``transport.wakeup``)."""
 DRAIN_BATCH = 1000
+GOODBYE_GRACE_S = 0.25
+"""How long a dropped connection waits to be reported to the node: a peer's goodbye, sent just before it closed,
+travels on another connection (its data DEALER, to the sealed port where keys are up) and can arrive after this
+peer's own connection to it is seen to drop; heard within this time, the drop is a peer that left, not one lost."""
 """Most ROUTER messages read in a row, so ``close()`` and the monitors are not starved."""
 
 Event = Callable[[PeerNode, float], list]
@@ -84,6 +89,8 @@ class Receiver:
         """Reverse connections dialed again after they failed or dropped (for tests and diagnostics)."""
         self.polls = 0
         """Polls this thread made (for tests: an idle one makes about one a second)."""
+        self._drops: dict[int, float] = {}
+        """Peers whose connection dropped, and when to tell the node (``GOODBYE_GRACE_S``)."""
 
     def dial(self, old: tuple[str, ...], new: tuple[str, ...]) -> None:
         """Stop dialing ``old``, dial ``new`` (a reverse connection); done by the receiver thread soon. Any thread."""
@@ -93,7 +100,7 @@ class Receiver:
     def _timed_work(self) -> bool:
         """Whether something is due at a time rather than on a message: then the thread polls every ``POLL_MS``."""
         sealed = self.sealed
-        return bool(self.redials.pending or self.sockets.handshakes.pending
+        return bool(self.redials.pending or self.sockets.handshakes.pending or self._drops
                     or (sealed is not None and sealed.busy()))
 
     def run(self) -> None:
@@ -127,6 +134,8 @@ class Receiver:
                 sealed.dial_pending()
             if self.sockets.links is not None:
                 self._links_due()
+            if self._drops:
+                self._drops_due(time.monotonic())
             self.polls += 1
             for sock, _ in poller.poll(POLL_MS if self._timed_work() else IDLE_POLL_MS):
                 if sock == waker.fd:
@@ -181,6 +190,17 @@ class Receiver:
                 self.feed(lambda node, now, peer=peer: node.idled(peer, now))
         for peer in unanswered:
             self.feed(lambda node, now, peer=peer: node.disconnected(peer, now))
+
+    def dropping(self) -> list[int]:
+        """Peers whose connection dropped and who are not reported yet (a goodbye may be on its way). Any thread."""
+        return sorted(list(self._drops))
+
+    def _drops_due(self, now: float) -> None:
+        """Tell the node of the drops whose grace for a goodbye is over (``GOODBYE_GRACE_S``)."""
+        for peer in [p for p, due in self._drops.items() if due <= now]:
+            del self._drops[peer]
+            self.feed(lambda node, at, peer=peer: node.disconnected(peer, at))
+        self.flush_notes()
 
     def _drain_router_monitor(self) -> None:
         """Count the ROUTER's failed handshakes, and schedule a redial of a wanted reverse endpoint whose connection
@@ -299,6 +319,8 @@ class Receiver:
             except zmq.Again:
                 break
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED and first_data:
+                if self._drops.pop(peer, None) is not None:  # its drop first: what was in flight then is gone
+                    self.feed(lambda node, now: node.disconnected(peer, now))
                 if self.sockets.links is not None:
                     self.sockets.links.link_up(peer)
                 self.sockets.handshakes.succeeded(peer)
@@ -312,11 +334,13 @@ class Receiver:
                 if down == UNOPENED:
                     continue  # a link on demand that never came up (a handshake too slow for the other end): redialed
                 self._drain_router()  # a goodbye already here is heard first: the peer left, it was not lost
+                if self.sealed is not None and self.sealed.router is not None:
+                    self._drain_sealed()
                 if down == IDLE:  # overdue to close as idle here: closed so (``LinksOnDemand.link_down``)
                     if self.sockets.close_idle(peer):
                         self.feed(lambda node, now: node.idled(peer, now))
                     continue
-                self.feed(lambda node, now: node.disconnected(peer, now))
+                self._drops.setdefault(peer, time.monotonic() + GOODBYE_GRACE_S)  # a goodbye on its way is heard
             elif event["event"] & HANDSHAKE_FAILURES:
                 if not event["event"] & HANDSHAKE_REFUSALS:  # dropped during its handshake: libzmq dials again itself
                     if self.sockets.links is not None:  # no answer from a live process: its dial again is watched

@@ -266,7 +266,8 @@ def peer_main(rank: int, world: int, cfg: dict, barrier, results, info_q, extra)
     try:
         import torch
 
-        torch.set_num_threads(cfg["threads"])
+        if cfg["threads"]:  # else torch's default, one per core: what a peer process runs
+            torch.set_num_threads(cfg["threads"])
         for kind in cfg["kinds"]:
             start = time.monotonic()
             peers[kind] = BACKENDS[kind](rank, world, cfg, info_q)

@@ -48,11 +48,11 @@ POLL_MS = 100
 IDLE_POLL_MS = 1000
 """How long it sleeps otherwise: other threads wake it when they give it work or close (``transport.wakeup``)."""
 DRAIN_BATCH = 1000
+"""Most ROUTER messages read in a row, so ``close()`` and the monitors are not starved."""
 GOODBYE_GRACE_S = 0.25
 """How long a dropped connection waits to be reported to the node: a peer's goodbye, sent just before it closed,
 travels on another connection (its data DEALER, to the sealed port where keys are up) and can arrive after this
 peer's own connection to it is seen to drop; heard within this time, the drop is a peer that left, not one lost."""
-"""Most ROUTER messages read in a row, so ``close()`` and the monitors are not starved."""
 
 Event = Callable[[PeerNode, float], list]
 """A protocol event: called with the node and the driver's clock, under the driver's lock; returns actions."""

@@ -167,8 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--curve", action="store_true",
                    help="also run each zmq backend listed with CurveZMQ (zmq-curve, zmq-inplace-curve), alternating "
                         "with the plaintext one, and report curve / plain")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per peer (the peers share the cores; 0: torch's default, one per core, "
-                        "what a peer process runs)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per peer (the peers share the cores; 0: torch's default, one per core, what a "
+                        "peer process runs)")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of one exchange, barrier or setup step (s)")
     p.add_argument("--zmq-impl", default=DEFAULT_ZMQ_IMPL, help="module:Class or /path/file.py:Class")
     p.add_argument("--chunk-bytes", type=int, default=0, help="ZmqExchange chunk_bytes (0: its default)")

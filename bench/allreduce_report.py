@@ -127,7 +127,8 @@ def write_report(path: Path, args, command: str, mach: dict, results: dict, over
         f"(1-minute load average at the start: {mach['load']['loadavg_start']:.2f}).",
         "",
         f"Payload: {args.values:,} float32 values ({mb:.0f} MB) per peer, {args.peers} peer processes on 127.0.0.1, "
-        f"{args.threads or 'the default number of'} torch thread(s) per peer, {args.warmup} untimed warm-up + {args.reps} timed repetitions. "
+        f"{args.threads or 'the default number of'} torch thread(s) per peer, {args.warmup} untimed warm-up + "
+        f"{args.reps} timed repetitions. "
         f"{together} run side by side in the same peer processes, alternating per repetition (same inputs, same "
         "load); hivemind runs in its own processes afterwards. Each repetition: fresh random input, barrier, "
         "every peer times its own all-reduce mean; the repetition's time is the maximum over peers. Then the result "

@@ -19,11 +19,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from gossiploco.runtime.launch import ProcessGroup, signal_group
 
-__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "process_table", "resources",
-           "shielded", "signal_group", "signal_pid", "tail", "wait_until"]
+__all__ = ["ProcInfo", "ProcessGroup", "child_env", "cmdline", "descendants", "once_free", "process_table",
+           "resources", "shielded", "signal_group", "signal_pid", "tail", "wait_until"]
+
+T = TypeVar("T")
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float = 5.0, poll_s: float = 0.05) -> bool:
@@ -35,6 +38,24 @@ def wait_until(predicate: Callable[[], object], timeout_s: float = 5.0, poll_s: 
             return False
         time.sleep(poll_s)
     return True
+
+
+def once_free(bind: Callable[[], T], timeout_s: float = 5.0) -> T:
+    """``bind()``'s result once the address it binds is free (a process closed it a moment ago): ``bind`` is tried
+    again while it raises ``OSError``, until ``timeout_s``; then its last error is raised."""
+    made: list[T] = []
+    errors: list[OSError] = []
+
+    def bound() -> bool:
+        try:
+            made.append(bind())
+        except OSError as exc:
+            errors.append(exc)
+        return bool(made)
+
+    if not wait_until(bound, timeout_s):
+        raise errors[-1]
+    return made[0]
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ import torch
 from gossiploco.config import TINY_OVERRIDES, load_config
 from gossiploco.runtime.launch import free_ports
 from testbed.overrides import peer_args
-from testbed.processes import wait_until  # noqa: F401 - every test that waits for something uses this one
+from testbed.processes import once_free, wait_until  # noqa: F401 - every test that waits for something uses these
 
 torch.set_num_threads(2)
 ROOT = Path(__file__).resolve().parent.parent

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import once_free, wait_until
 from gossiploco.config import ConfigError, RunConfig
 from gossiploco.errors import ExchangeError, PeerFailed
 from gossiploco.security.swarm_key import SwarmKey
@@ -201,14 +201,18 @@ def _listening_in_place_of(peer: ZmqExchange):
     them nothing answers a handshake (a frozen process)."""
     host, port = peer.bound.removeprefix("tcp://").rsplit(":", 1)
     peer.close()
-    frozen = socket.socket()
-    frozen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    for attempt in range(50):  # its port, freed a moment ago
+
+    def bind() -> socket.socket:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            frozen.bind((host, int(port)))
-            break
+            listener.bind((host, int(port)))
         except OSError:
-            time.sleep(0.1)
+            listener.close()
+            raise
+        return listener
+
+    frozen = once_free(bind)  # its port, freed a moment ago
     frozen.listen(64)
     return frozen
 

@@ -5,7 +5,6 @@ on the wire can do to it (replay, tamper, garbage): refused and counted, the exc
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import zmq
 
 from conftest import (assert_pair_mean_with_a_partner_ahead, assert_three_peers_exchange_exactly, free_ports,
-                      wait_until)
+                      once_free, wait_until)
 from gossiploco.security.swarm_key import SwarmKey
 from gossiploco.security.trust import Trust
 from gossiploco.transport.sealed import ENVELOPE
@@ -366,12 +365,7 @@ def test_a_peer_restarted_on_its_port_after_its_dial_back_check_is_dialed_afresh
         host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
         exchanges[2].close()  # killed: no goodbye
         assert wait_until(lambda: 2 not in exchanges[0].connected() and 2 not in exchanges[1].connected(), 10.0)
-        for attempt in range(50):  # its port, freed a moment ago
-            try:
-                check = NonceListener(host, int(port), b"nonce")
-                break
-            except OSError:
-                time.sleep(0.1)
+        check = once_free(lambda: NonceListener(host, int(port), b"nonce"))  # its port, freed a moment ago
         assert wait_until(lambda: check.accepted >= 2, 10.0)  # both redialing DEALERs met the check's listener
         check.close()
         exchanges[2] = ZmqExchange(2, [ex.endpoints[ex.rank] for ex in exchanges[:2]] + [endpoint], "sealed", 10.0,

@@ -193,7 +193,7 @@ class Receiver:
 
     def dropping(self) -> list[int]:
         """Peers whose connection dropped and who are not reported yet (a goodbye may be on its way). Any thread."""
-        return sorted(list(self._drops))
+        return sorted(self._drops)
 
     def _drops_due(self, now: float) -> None:
         """Tell the node of the drops whose grace for a goodbye is over (``GOODBYE_GRACE_S``)."""
